@@ -1,0 +1,118 @@
+"""Command line: argument parsing and printing only; everything it does is in the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+from verispec.drafters import DraftModel
+from verispec.errors import InvalidArgumentError, VerispecError
+from verispec.generate import Generation, generate, stream
+from verispec.models.native import DTYPES, load_model
+from verispec.models.random_init import random_pair, tiny_config
+from verispec.tokenizer import check_same_tokenizer
+
+GREEN, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", required=True, help="target checkpoint folder (Hugging Face format)")
+    gen.add_argument("--draft", help="draft checkpoint folder; without it, plain autoregressive decoding")
+    gen.add_argument("-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                     help="show accepted draft tokens in green (auto: when printing to a terminal)")
+    rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
+    rnd.add_argument("folder")
+    rnd.add_argument("--layers", type=int, default=4)
+    rnd.add_argument("--draft-layers", type=int, default=1)
+    rnd.add_argument("--hidden-size", type=int, default=128)
+    rnd.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _stats_lines(result: Generation) -> list[str]:
+    s = result.stats
+    lines = [f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {result.stop_reason}",
+             f"target calls {s.target_calls}, tau {s.tau:.2f} tokens/call"]
+    if s.drafter_calls:
+        by_pos = " ".join(f"{rate:.2f}" for rate in s.acceptance_by_position)
+        lines += [f"drafted {s.proposed}, accepted {s.accepted} ({s.acceptance_rate:.1%}); by position: {by_pos}",
+                  f"time: prefill {s.prefill_time:.3f} s, draft {s.draft_time:.3f} s, verify {s.verify_time:.3f} s, "
+                  f"other {s.other_time:.3f} s"]
+    return lines
+
+
+def _generate(args: argparse.Namespace) -> None:
+    if args.k < 1:
+        raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
+    if not args.prompt:
+        raise InvalidArgumentError("the prompt is empty")
+    target = load_model(args.target, args.device, args.dtype)
+    drafter = None
+    if args.draft:
+        draft = load_model(args.draft, args.device, args.dtype)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, args.target, args.draft)
+        drafter = DraftModel(draft, args.k)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
+    steps = stream(target, args.prompt, drafter, **options)  # validates every option before printing anything
+    print(args.prompt, end="", flush=True)
+    for piece in steps:
+        print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)
+    result = steps.result
+    print("\n")
+    if color and drafter:
+        print(f"({GREEN}green{RESET}: accepted draft tokens; plain: the target's own)")
+    print("\n".join(_stats_lines(result)))
+    if args.compare:
+        start = time.perf_counter()
+        plain = generate(target, args.prompt, None, **options)
+        plain_time = time.perf_counter() - start
+        same = plain.tokens == result.tokens
+        print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain_time:.3f} s "
+              f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain_time / result.stats.total_time:.2f}x")
+        note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
+        print(f"identical to autoregressive: {'yes' if same else 'no'}{note}")
+
+
+def _init_random(args: argparse.Namespace) -> None:
+    if not 1 <= args.draft_layers <= args.layers:
+        raise InvalidArgumentError("--draft-layers must be between 1 and --layers")
+    config = tiny_config(num_hidden_layers=args.layers, hidden_size=args.hidden_size,
+                         intermediate_size=4 * args.hidden_size, num_attention_heads=4, num_key_value_heads=2)
+    target, draft = random_pair(args.folder, config, args.draft_layers, args.seed)
+    print(f"wrote {target} and {draft} (random weights: the text is noise, the mechanics are real)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"generate": _generate, "init-random": _init_random}[args.command](args)
+    except VerispecError as err:
+        print(f"verispec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

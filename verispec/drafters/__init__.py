@@ -1,0 +1,6 @@
+"""Drafters: each proposes tokens for the target to verify, behind the `Drafter` protocol."""
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.draft_model import DraftModel
+
+__all__ = ["Drafter", "DraftModel", "Proposal"]

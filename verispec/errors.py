@@ -1,0 +1,25 @@
+"""Exceptions raised at verispec's entry points; the CLI turns each into one line and exit code 2."""
+
+
+class VerispecError(Exception):
+    """Base class for every error verispec raises on bad input."""
+
+
+class CheckpointError(VerispecError):
+    """A checkpoint folder is missing, incomplete or unreadable."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """The checkpoint's architecture is not one the native runtime implements."""
+
+
+class TokenizerMismatchError(VerispecError):
+    """Draft and target do not share a tokenizer."""
+
+
+class InvalidArgumentError(VerispecError, ValueError):
+    """A generation argument is out of range (k, temperature, top-p, prompt, ...)."""
+
+
+class ContextLengthError(VerispecError):
+    """The prompt (or a write to a KV cache) does not fit in the context length."""

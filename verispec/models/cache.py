@@ -1,0 +1,46 @@
+"""A preallocated key/value cache that owns its length and rolls back in O(1)."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.errors import ContextLengthError
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated to `max_len` positions.
+
+    `length` is the number of positions filled. A forward writes its new positions at
+    [length, length + T) and then `advance`s; rejecting drafted tokens is `truncate`, which only
+    moves `length` back: stale entries past it are never read and are overwritten later.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        """Check that `n` more positions fit, before any layer writes them."""
+        if self.length + n > self.max_len:
+            raise ContextLengthError(f"KV cache holds {self.max_len} positions; {self.length} used, {n} more asked")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def truncate(self, length: int) -> int:
+        """Roll back to `length` positions (O(1)); returns how many were removed."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        removed, self.length = self.length - length, length
+        return removed

@@ -1,0 +1,89 @@
+"""Hugging Face-format checkpoint folders: parameter names and shapes, reading and writing weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from verispec.errors import CheckpointError
+from verispec.models.config import ModelConfig
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of a Llama-family checkpoint, by its Hugging Face name."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.dim_per_head
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes
+
+
+def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read `model.safetensors` (or its shards) and check every expected weight is there with its shape."""
+    folder = Path(checkpoint_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [folder / "model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{folder}: missing {file.name}")
+        try:
+            weights |= load_file(file)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file}: corrupt safetensors file ({err})") from None
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    expected = param_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(f"{folder}: weights missing from checkpoint: {', '.join(missing[:3])}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{folder}: {name} has shape {tuple(weights[name].shape)}, config says {shape}")
+    return {name: weights[name] for name in expected}
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    config: ModelConfig,
+    weights: Mapping[str, np.ndarray | torch.Tensor],
+    tokenizer_json: str,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write config.json, model.safetensors and tokenizer.json: a folder transformers can load too."""
+    folder = Path(checkpoint_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: torch.as_tensor(v).to(dtype).contiguous() for k, v in weights.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    raw = config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    return folder

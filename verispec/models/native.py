@@ -1,0 +1,69 @@
+"""Loading a Hugging Face-format Llama-family folder into the native runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from verispec.errors import CheckpointError, InvalidArgumentError
+from verispec.models.cache import KVCache
+from verispec.models.checkpoint import load_weights
+from verispec.models.config import ModelConfig, read_config
+from verispec.models.llama import LlamaForCausalLM
+from verispec.tokenizer import eos_token_id, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class NativeModel:
+    """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`."""
+
+    def __init__(self, module: LlamaForCausalLM, tokenizer, eos_id: int | None, name: str) -> None:
+        self.module, self.config, self.tokenizer, self.eos_token_id, self.name = module, module.config, tokenizer, eos_id, name
+        self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+        self.context_length = module.config.max_position_embeddings
+        param = next(module.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
+                       c.dim_per_head, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.module(tokens, cache, mask)
+
+
+def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "float32") -> NativeModel:
+    """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"{checkpoint_dir}: no such checkpoint folder")
+    config: ModelConfig = read_config(folder)
+    torch_dtype = parse_dtype(dtype)
+    tokenizer = load_tokenizer(folder)
+    weights = load_weights(folder, config)
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    try:
+        with torch.device("meta"):
+            module = LlamaForCausalLM(config)
+        module.load_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in weights.items()},
+                               assign=True, strict=True)
+    except RuntimeError as err:  # e.g. an unknown device
+        raise CheckpointError(f"{checkpoint_dir}: cannot load on {device} ({err})") from None
+    if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
+        module.lm_head.weight = module.model.embed_tokens.weight
+    module.eval()
+    return NativeModel(module, tokenizer, eos_token_id(tokenizer, folder, config.eos_token_id), folder.name)

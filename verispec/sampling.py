@@ -1,0 +1,52 @@
+"""Logits -> probabilities (temperature, top-k, top-p), and probabilities -> token; nothing else."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from verispec.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy decoding; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities (..., V) after temperature, top-k and top-p; float32 or wider."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token once the more likely ones already hold top_p of the mass; the first always stays.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of `probs` (..., V)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -1,0 +1,56 @@
+"""Counters and timings of one generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    target_calls: int = 0  # verification forwards (one per step), prefill excluded
+    drafter_calls: int = 0  # propose() calls
+    proposed: int = 0
+    accepted: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        grow = proposed - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(proposed):
+            self.proposed_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target call, the correction or bonus token included."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    @property
+    def other_time(self) -> float:
+        return max(0.0, self.total_time - self.prefill_time - self.draft_time - self.verify_time)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    def to_dict(self) -> dict:
+        derived = ("acceptance_rate", "tau", "acceptance_by_position", "other_time", "tokens_per_second")
+        return asdict(self) | {name: getattr(self, name) for name in derived}

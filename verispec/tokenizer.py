@@ -1,0 +1,57 @@
+"""Tokenizers: loading `tokenizer.json`, the end-of-text id, and checking two models share one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from verispec.errors import CheckpointError, TokenizerMismatchError
+
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A byte-level BPE tokenizer with 256 byte tokens and `<|endoftext|>`: enough for tests and random models."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return tok
+
+
+def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
+    path = Path(checkpoint_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint_dir}: no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust library raises a bare Exception on malformed files
+        raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
+
+
+def eos_token_id(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: int | None) -> int | None:
+    """The end-of-text id: config.json, then generation_config.json, then a conventional special token."""
+    if config_eos is not None:
+        return config_eos
+    gen = Path(checkpoint_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return eos[0] if isinstance(eos, list) else eos
+    for name in EOS_NAMES:
+        if (tid := tokenizer.token_to_id(name)) is not None:
+            return tid
+    return None
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
+    """Speculation compares token ids, so both models must map text to ids identically."""
+    if target.get_vocab(with_added_tokens=True) != draft.get_vocab(with_added_tokens=True):
+        raise TokenizerMismatchError(
+            f"draft {draft_name} and target {target_name} use different tokenizers "
+            f"({draft.get_vocab_size()} vs {target.get_vocab_size()} tokens); speculation needs a shared vocabulary"
+        )
