@@ -13,7 +13,6 @@ from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
-from verispec.tokenizer import check_same_tokenizer
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
@@ -67,13 +66,11 @@ def _generate(args: argparse.Namespace) -> None:
     target = load_model(args.target, args.device, args.dtype)
     drafter = None
     if args.draft:
-        draft = load_model(args.draft, args.device, args.dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer, args.target, args.draft)
-        drafter = DraftModel(draft, args.k)
+        drafter = DraftModel(load_model(args.draft, args.device, args.dtype), args.k)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
-    steps = stream(target, args.prompt, drafter, **options)  # validates every option before printing anything
+    steps = stream(target, args.prompt, drafter, **options)  # validates everything before anything is printed
     print(args.prompt, end="", flush=True)
     for piece in steps:
         print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)

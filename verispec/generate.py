@@ -59,6 +59,8 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     else:
         generator.manual_seed(seed)
     eos = None if ignore_eos else target.eos_token_id
+    if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
+        drafter.begin(target, ids, sampling, generator)
     return Stream(_decode(target, ids, drafter, sampling, generator, max_new_tokens, eos, TextTracker(target.tokenizer, stop)))
 
 
@@ -77,8 +79,6 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
     cache, tokens = target.new_cache(), list(prompt)  # the cache holds every token but the last
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=target.device), cache)
-    if drafter is not None:
-        drafter.begin(target, prompt, sampling, generator)
     stats.prefill_time, stop_reason = time.perf_counter() - start, "max_new_tokens"
     outstanding = False  # a proposal the drafter has made and not yet heard back on
     try:

@@ -48,7 +48,10 @@ def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, t
     folder = Path(checkpoint_dir)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{index}: unreadable shard index ({err!r})") from None
     else:
         files = [folder / "model.safetensors"]
     weights: dict[str, torch.Tensor] = {}

@@ -52,17 +52,18 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{checkpoint_dir}: no such checkpoint folder")
     config: ModelConfig = read_config(folder)
     torch_dtype = parse_dtype(dtype)
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:  # torch asserts when CUDA is asked of a CPU-only build
+        raise InvalidArgumentError(f"device {device!r} is not usable here ({err})") from None
     tokenizer = load_tokenizer(folder)
     weights = load_weights(folder, config)
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    try:
-        with torch.device("meta"):
-            module = LlamaForCausalLM(config)
-        module.load_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in weights.items()},
-                               assign=True, strict=True)
-    except RuntimeError as err:  # e.g. an unknown device
-        raise CheckpointError(f"{checkpoint_dir}: cannot load on {device} ({err})") from None
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config)
+    module.load_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in weights.items()},
+                           assign=True, strict=True)
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()

@@ -1,0 +1,112 @@
+"""The command line: output, marks, --compare, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verispec.cli import GREEN, main
+from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.tokenizer import byte_level_tokenizer
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_prints_continuation_and_stats(capsys, pair_dirs) -> None:
+    target, draft = map(str, pair_dirs)
+    code, out, err = run(capsys, "generate", "def f(x):", "--target", target, "--draft", draft, "-k", "3",
+                         "--max-new-tokens", "24", "--ignore-eos", "--color", "always", "--compare")
+    assert code == 0 and err == ""
+    assert out.startswith("def f(x):")
+    assert GREEN in out  # accepted proposals are marked
+    assert "24 tokens" in out and "tau" in out and "accepted" in out and "by position" in out
+    assert "speedup" in out and "identical to autoregressive: yes" in out
+
+
+def test_generate_without_draft_is_autoregressive(capsys, pair_dirs) -> None:
+    code, out, _ = run(capsys, "generate", "x", "--target", str(pair_dirs[0]), "--max-new-tokens", "5",
+                       "--ignore-eos", "--color", "never")
+    assert code == 0 and "tau 1.00" in out and GREEN not in out
+
+
+def test_sampling_options(capsys, pair_dirs) -> None:
+    target, draft = map(str, pair_dirs)
+    code, out, _ = run(capsys, "generate", "abc", "--target", target, "--draft", draft, "--temperature", "0.8",
+                       "--top-k", "20", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "10", "--compare")
+    assert code == 0 and "same distribution" in out
+
+
+def _gpt2_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return folder
+
+
+def _corrupt_dir(tmp_path: Path) -> Path:
+    folder = random_checkpoint(tmp_path / "corrupt", tiny_config(num_hidden_layers=1))
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return folder
+
+
+def _other_tokenizer_dir(tmp_path: Path) -> Path:
+    folder = random_checkpoint(tmp_path / "other", tiny_config(num_hidden_layers=1))
+    other = byte_level_tokenizer()
+    other.add_special_tokens(["<|pad|>"])
+    other.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such checkpoint folder"),
+    ("corrupt", "corrupt safetensors"),
+    ("gpt2", "unsupported architecture GPT2LMHeadModel"),
+    ("tokenizers", "different tokenizers"),
+    ("k0", "-k must be >= 1"),
+    ("negative_temperature", "temperature"),
+    ("top_p_zero", "top_p"),
+    ("top_p_big", "top_p"),
+    ("empty_prompt", "prompt is empty"),
+    ("long_prompt", "context holds"),
+    ("bad_dtype_device", "is not usable"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, pair_dirs, case, message) -> None:
+    target, draft = map(str, pair_dirs)
+    args = {"missing": ["p", "--target", str(tmp_path / "nope"), "--draft", draft],
+            "corrupt": ["p", "--target", target, "--draft", str(_corrupt_dir(tmp_path))],
+            "gpt2": ["p", "--target", str(_gpt2_dir(tmp_path))],
+            "tokenizers": ["p", "--target", target, "--draft", str(_other_tokenizer_dir(tmp_path))],
+            "k0": ["p", "--target", target, "--draft", draft, "-k", "0"],
+            "negative_temperature": ["p", "--target", target, "--temperature", "-1"],
+            "top_p_zero": ["p", "--target", target, "--top-p", "0"],
+            "top_p_big": ["p", "--target", target, "--top-p", "1.5"],
+            "empty_prompt": ["", "--target", target],
+            "long_prompt": ["x" * 300, "--target", target, "--draft", draft],
+            "bad_dtype_device": ["p", "--target", target, "--device", "nosuchdevice"]}[case]
+    code, out, err = run(capsys, "generate", *args)
+    assert code == 2
+    assert out == ""  # nothing half-written
+    assert err.count("\n") == 1 and err.startswith("verispec: error:") and message in err
+
+
+def test_console_entry_point_has_no_traceback(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "p", "--target", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "config.json" in proc.stderr
+
+
+def test_init_random_writes_a_usable_pair(capsys, tmp_path) -> None:
+    code, out, _ = run(capsys, "init-random", str(tmp_path / "demo"), "--layers", "2", "--hidden-size", "32")
+    assert code == 0
+    code, out, _ = run(capsys, "generate", "hi", "--target", str(tmp_path / "demo/target"),
+                       "--draft", str(tmp_path / "demo/draft"), "--max-new-tokens", "8", "--ignore-eos")
+    assert code == 0 and "8 tokens" in out
