@@ -69,6 +69,9 @@ def _generate(args: argparse.Namespace) -> None:
         drafter = DraftModel(load_model(args.draft, args.device, args.dtype), args.k)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
+        for warm in (drafter, None):
+            generate(target, args.prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
     steps = stream(target, args.prompt, drafter, **options)  # validates everything before anything is printed
     print(args.prompt, end="", flush=True)

@@ -12,9 +12,9 @@ from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import Drafter, Proposal
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
-from verispec.verify import greedy_match, one_hot_probs, speculative_sampling
+from verispec.verify import verify
 
 
 @dataclass
@@ -95,13 +95,8 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             draft = proposal.tokens[: proposal.tokens.index(eos) + 1] if eos in proposal.tokens else proposal.tokens
             t1 = time.perf_counter()
             logits = target(torch.tensor([[tokens[-1], *draft]], device=target.device), cache)[:, :, :V]  # (1, k+1, V)
-            d = torch.tensor([draft], dtype=torch.long, device=target.device)  # (1, k)
-            if sampling.greedy:
-                n, nxt = greedy_match(d, logits)
-            else:
-                q = proposal.probs[None, : len(draft)] if proposal.probs is not None else one_hot_probs(d, V)
-                n, nxt = speculative_sampling(d, q.to(torch.float32), logits_to_probs(logits, sampling), generator)
-            n = int(n)
+            q = None if proposal.probs is None else proposal.probs[: len(draft)]
+            n, nxt = verify(draft, q, logits, sampling, generator)
             cache.truncate(len(tokens) + n)  # the old last token and the accepted drafts; nxt is the new last
             if outstanding:
                 drafter.accepted(n)
@@ -109,7 +104,7 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
             stats.target_calls += 1
             stats.record_step(len(draft), n)
-            new, drafted = [*draft[:n], int(nxt)], [True] * n + [False]
+            new, drafted = [*draft[:n], nxt], [True] * n + [False]
             if eos in new:  # nothing after an end-of-text token is kept
                 cut = new.index(eos) + 1
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"

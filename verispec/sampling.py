@@ -32,7 +32,13 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities (..., V) after temperature, top-k and top-p; float32 or wider."""
+    """Probabilities (..., V) after temperature, top-k and top-p; float32 or wider.
+
+    Temperature 0 is the greedy limit: all the mass on the argmax.
+    """
+    if params.greedy:
+        onehot = torch.zeros_like(logits, dtype=torch.promote_types(logits.dtype, torch.float32))
+        return onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

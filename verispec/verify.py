@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.sampling import sample
+from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 def greedy_match(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,3 +50,15 @@ def speculative_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 def one_hot_probs(draft: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q for a drafter that proposes tokens without probabilities: all its mass on the proposed token."""
     return F.one_hot(draft, vocab_size).to(dtype)
+
+
+def verify(draft: list[int], q: torch.Tensor | None, target_logits: torch.Tensor, sampling: SamplingParams,
+           generator: torch.Generator) -> tuple[int, int]:
+    """One sequence: greedy exact match, or speculative sampling with q (k, V) (one-hot when None)."""
+    d = torch.tensor([draft], dtype=torch.long, device=target_logits.device)  # (1, k)
+    if sampling.greedy:
+        n, token = greedy_match(d, target_logits)
+    else:
+        q = one_hot_probs(d, target_logits.shape[-1]) if q is None else q[None].to(torch.float32)
+        n, token = speculative_sampling(d, q, logits_to_probs(target_logits, sampling), generator)
+    return int(n), int(token)
