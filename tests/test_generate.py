@@ -190,7 +190,7 @@ def test_padded_draft_embedding_with_same_tokenizer_is_fine(tmp_path, target, gr
     config = replace(params.pop("config"), vocab_size=300)  # embedding table padded past the 257 real tokens
     pad = lambda w: torch.cat((torch.as_tensor(w), torch.zeros(300 - w.shape[0], w.shape[1], dtype=torch.float64)))
     params = {k: pad(v) if k in ("model.embed_tokens.weight", "lm_head.weight") else v for k, v in params.items()}
-    padded = load_model(save_checkpoint(tmp_path, config, params, byte_level_tokenizer().to_str()))
+    padded = load_model(save_checkpoint(tmp_path, config, params, byte_level_tokenizer()))
     assert padded.vocab_size == target.vocab_size == 257
     assert generate(target, PROMPT, DraftModel(padded, 4), max_new_tokens=N, ignore_eos=True).tokens == greedy_truth
 
@@ -200,7 +200,7 @@ def test_different_tokenizers_are_refused(tmp_path, target) -> None:
     other.add_special_tokens(["<|pad|>"])
     config = tiny_config(vocab_size=258, num_hidden_layers=1)
     weights = {k: v for k, v in init_params(config, 1).items() if k != "config"}
-    foreign = load_model(save_checkpoint(tmp_path, config, weights, other.to_str()))
+    foreign = load_model(save_checkpoint(tmp_path, config, weights, other))
     with pytest.raises(TokenizerMismatchError, match="different tokenizers"):
         generate(target, PROMPT, DraftModel(foreign, 4), max_new_tokens=4)
 

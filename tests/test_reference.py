@@ -190,7 +190,7 @@ def test_load_params_round_trip(tmp_path, tied):
     config = make_config(vocab_size=257, tie_word_embeddings=tied)
     params = init_params(config, seed=8)
     weights = {k: v for k, v in params.items() if k != "config"}
-    save_checkpoint(tmp_path, config, weights, byte_level_tokenizer().to_str(), dtype=torch.float32)
+    save_checkpoint(tmp_path, config, weights, byte_level_tokenizer(), dtype=torch.float32)
     loaded = load_params(tmp_path)
     assert loaded["config"] == config
     assert set(loaded) == set(params)

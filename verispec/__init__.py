@@ -4,6 +4,8 @@ from verispec.drafters import DraftModel, Drafter, Proposal
 from verispec.errors import (CheckpointError, ContextLengthError, InvalidArgumentError, TokenizerMismatchError,
                              UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
+from verispec.models.auto import load
+from verispec.models.hf_adapter import TransformersModel, load_transformers_model
 from verispec.models.native import NativeModel, load_model
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
@@ -11,5 +13,6 @@ from verispec.stats import GenerationStats
 __all__ = [
     "CheckpointError", "ContextLengthError", "DraftModel", "Drafter", "Generation", "GenerationStats",
     "InvalidArgumentError", "NativeModel", "Proposal", "SamplingParams", "Stream", "TokenizerMismatchError",
-    "UnsupportedArchitectureError", "VerispecError", "generate", "load_model", "stream",
+    "TransformersModel", "UnsupportedArchitectureError", "VerispecError", "generate", "load", "load_model",
+    "load_transformers_model", "stream",
 ]

@@ -6,12 +6,16 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
+
+import torch
 
 from verispec.drafters import DraftModel
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
-from verispec.models.native import DTYPES, load_model
+from verispec.models.auto import BACKENDS, load
+from verispec.models.native import DTYPES
 from verispec.models.random_init import random_pair, tiny_config
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
@@ -35,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    gen.add_argument("--backend", default="auto", choices=BACKENDS,
+                     help="native runtime, transformers, or auto: native where it covers the architecture")
     gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                      help="show accepted draft tokens in green (auto: when printing to a terminal)")
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
@@ -43,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--draft-layers", type=int, default=1)
     rnd.add_argument("--hidden-size", type=int, default=128)
     rnd.add_argument("--seed", type=int, default=0)
+    trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
+    trn.add_argument("what", choices=("manifest", "target"))
+    trn.add_argument("--run-dir", default="runs/target", help="checkpoints, logs and the exported model (resumable)")
+    trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
+    trn.add_argument("--batch-size", type=int, default=8)
+    trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return parser
 
 
@@ -63,10 +75,10 @@ def _generate(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
     if not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
-    target = load_model(args.target, args.device, args.dtype)
+    target = load(args.target, args.backend, args.device, args.dtype)
     drafter = None
     if args.draft:
-        drafter = DraftModel(load_model(args.draft, args.device, args.dtype), args.k)
+        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
@@ -102,10 +114,25 @@ def _init_random(args: argparse.Namespace) -> None:
     print(f"wrote {target} and {draft} (random weights: the text is noise, the mechanics are real)")
 
 
+def _train(args: argparse.Namespace) -> None:
+    from verispec.train.corpus import MANIFEST, build_manifest, write_manifest  # training code loads on demand
+    from verispec.train.loop import TrainConfig
+    from verispec.train.target import train_target
+
+    if args.what == "manifest":
+        write_manifest(build_manifest())
+        print(f"wrote {MANIFEST}")
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = train_target(Path(args.run_dir), TrainConfig(hours=args.hours, batch_size=args.batch_size))
+    print(f"exported {folder}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "init-random": _init_random}[args.command](args)
+        {"generate": _generate, "init-random": _init_random, "train": _train}[args.command](args)
     except VerispecError as err:
         print(f"verispec: error: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from verispec.errors import CheckpointError, TokenizerMismatchError
 
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+EOT = "<|endoftext|>"
+EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -19,8 +20,19 @@ def byte_level_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
+    tok.add_special_tokens([EOT])
     return tok
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | Path, context_length: int = 512) -> None:
+    """tokenizer.json, plus the small tokenizer_config.json that lets transformers' AutoTokenizer load it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    eot = EOT if tokenizer.token_to_id(EOT) is not None else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "unk_token": eot,
+              "model_max_length": context_length, "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:

@@ -10,9 +10,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from verispec.errors import CheckpointError
 from verispec.models.config import ModelConfig
+from verispec.tokenizer import save_tokenizer
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -78,15 +80,15 @@ def save_checkpoint(
     checkpoint_dir: str | Path,
     config: ModelConfig,
     weights: Mapping[str, np.ndarray | torch.Tensor],
-    tokenizer_json: str,
+    tokenizer: Tokenizer,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write config.json, model.safetensors and tokenizer.json: a folder transformers can load too."""
+    """Write config.json, model.safetensors and the tokenizer files: a folder transformers can load too."""
     folder = Path(checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: torch.as_tensor(v).to(dtype).contiguous() for k, v in weights.items()}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     raw = config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")}
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (folder / "tokenizer.json").write_text(tokenizer_json)
+    save_tokenizer(tokenizer, folder, config.max_position_embeddings)
     return folder

@@ -48,15 +48,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
+                                           enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -79,7 +81,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -104,24 +106,28 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) for T new tokens (B, T) appended after the cache's `length` positions.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
         pattern among the new tokens (token trees); every new token always sees the whole cache.
+        With no cache (training), the tokens are a whole sequence from position 0.
         """
         B, T = tokens.shape
-        cache.reserve(T)
-        start = cache.length
+        start = 0
+        if cache is not None:
+            cache.reserve(T)
+            start = cache.length
         positions = torch.arange(start, start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
-        attn_mask = None
-        if T > 1 or mask is not None:
+        attn_mask = mask
+        if cache is not None and (T > 1 or mask is not None):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         for block in self.model.layers:
             x = block(x, cos, sin, cache, attn_mask)
-        cache.advance(T)
+        if cache is not None:
+            cache.advance(T)
         return self.lm_head(self.model.norm(x))

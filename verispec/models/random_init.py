@@ -29,7 +29,7 @@ def _weights(config: ModelConfig, seed: int) -> dict:
 def random_checkpoint(folder: str | Path, config: ModelConfig, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> Path:
     """Write a checkpoint folder with `init_params(config, seed)` weights and the byte-level tokenizer."""
-    return save_checkpoint(folder, config, _weights(config, seed), byte_level_tokenizer().to_str(), dtype)
+    return save_checkpoint(folder, config, _weights(config, seed), byte_level_tokenizer(), dtype)
 
 
 def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0,
@@ -39,7 +39,7 @@ def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, 
     The target's deeper layers write `deep_scale` times less into the residual stream, so they correct the
     shallow ones rather than replace them and the draft agrees with the target often enough to show speculation.
     """
-    weights, tokenizer = _weights(config, seed), byte_level_tokenizer().to_str()
+    weights, tokenizer = _weights(config, seed), byte_level_tokenizer()
     deep = {name for name in weights if name.startswith("model.layers.") and int(name.split(".")[2]) >= draft_layers}
     for name in deep:
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -1,0 +1,33 @@
+"""One entry point for loading: the native runtime where it covers the architecture, transformers elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from verispec.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
+from verispec.models.protocol import CausalLM
+
+BACKENDS = ("auto", "native", "transformers")
+
+
+def load(name_or_path: str | Path, backend: str = "auto", device: str | torch.device = "cpu",
+         dtype: str | torch.dtype = "float32") -> CausalLM:
+    """`auto` tries the native runtime and falls back to transformers for an architecture it does not implement."""
+    from verispec.models.hf_adapter import load_transformers_model
+    from verispec.models.native import load_model
+
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "transformers":
+        return load_transformers_model(name_or_path, device, dtype)
+    try:
+        return load_model(name_or_path, device, dtype)
+    except UnsupportedArchitectureError as unsupported:
+        if backend == "native":
+            raise
+        try:
+            return load_transformers_model(name_or_path, device, dtype)
+        except CheckpointError as err:
+            raise UnsupportedArchitectureError(f"{unsupported}, and transformers failed too: {err}") from None
