@@ -100,7 +100,7 @@ def test_eos_stops_and_drops_proposals_after_it(target, greedy_truth) -> None:
     at = 20
     eos = greedy_truth[at]
     cut = greedy_truth.index(eos) + 1
-    with_eos = NativeModel(target.module, target.tokenizer, eos, "target-with-eos")
+    with_eos = NativeModel(target.module, target.tokenizer, frozenset({eos}), "target-with-eos")
     for drafter in (None, DraftModel(target, 8)):
         result = generate(with_eos, PROMPT, drafter, max_new_tokens=N)
         assert result.tokens == greedy_truth[:cut]
@@ -116,6 +116,28 @@ def test_stop_string_truncates_text_and_stream(target, draft, greedy_truth) -> N
     assert result.stop_reason == "stop_string"
     assert result.text == streamed == full[: full.index(stop)]
     assert result.tokens == greedy_truth[: len(result.tokens)] and len(result.tokens) < N
+
+
+@pytest.mark.parametrize("start", [3, 9, 16, 25, 33])
+def test_stop_strings_keep_greedy_identity(target, draft, start) -> None:
+    """The tokens end with the one that completed the stop string, whatever the drafter and step boundaries."""
+    full = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).text
+    stop = full[start: start + 3]
+    plain = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True, stop=[stop])
+    assert plain.stop_reason == "stop_string" and plain.text == full[: full.index(stop)]
+    decode = target.tokenizer.decode
+    assert stop in decode(PROMPT[-4:] + plain.tokens) and stop not in decode(PROMPT[-4:] + plain.tokens[:-1])
+    for k in (2, 4, 8):
+        spec = generate(target, PROMPT, DraftModel(draft, k), max_new_tokens=N, ignore_eos=True, stop=[stop])
+        assert (spec.tokens, spec.text) == (plain.tokens, plain.text)
+        assert len(spec.drafted) == len(spec.tokens) == spec.stats.new_tokens
+
+
+def test_any_of_several_eos_ids_stops(target, greedy_truth) -> None:
+    first, second = greedy_truth[30], greedy_truth[12]
+    cut = min(greedy_truth.index(first), greedy_truth.index(second)) + 1
+    model = NativeModel(target.module, target.tokenizer, frozenset({first, second}), "two-eos")
+    assert generate(model, PROMPT, DraftModel(target, 5), max_new_tokens=N).tokens == greedy_truth[:cut]
 
 
 def test_stream_pieces_join_to_text(target, draft) -> None:

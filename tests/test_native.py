@@ -230,6 +230,31 @@ def test_mlp_bias_is_unsupported(broken: Path) -> None:
         load_model(broken)
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"vocab_size": "257"}, "vocab_size must be a positive integer"),
+    ({"head_dim": 7}, "even head dimension"),
+    ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
+])
+def test_invalid_config_values(broken: Path, changes: dict[str, Any], message: str) -> None:
+    raw = json.loads((broken / "config.json").read_text()) | changes
+    (broken / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(broken)
+
+
+def test_generation_config_eos_ids_are_added(broken: Path) -> None:
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 256]}))
+    assert load_model(broken).eos_token_ids == {3, 256}
+
+
+@pytest.mark.parametrize("text", ["{oops", "[1, 2]"])
+def test_unreadable_generation_config(broken: Path, text: str) -> None:
+    (broken / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="generation_config.json: unreadable"):
+        load_model(broken)
+
+
 # --- precision and device ----------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     gen.add_argument("--backend", default="auto", choices=BACKENDS,
                      help="native runtime, transformers, or auto: native where it covers the architecture")
+    gen.add_argument("--threads", type=int, default=0,
+                     help="torch threads (0: torch's default); 1 is often fastest for small models at batch 1")
     gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                      help="show accepted draft tokens in green (auto: when printing to a terminal)")
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
@@ -71,6 +74,8 @@ def _stats_lines(result: Generation) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.k < 1:
         raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
     if not args.prompt:
@@ -85,24 +90,24 @@ def _generate(args: argparse.Namespace) -> None:
         for warm in (drafter, None):
             generate(target, args.prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
-    steps = stream(target, args.prompt, drafter, **options)  # validates everything before anything is printed
+    steps = stream(target, args.prompt, drafter, **options)  # validates every option
+    pieces = iter(steps)
+    first = next(pieces, None)  # prefill and the first step run before anything is printed
     print(args.prompt, end="", flush=True)
-    for piece in steps:
+    for piece in itertools.chain([first] if first else [], pieces):
         print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)
     result = steps.result
     print("\n")
     if color and drafter:
         print(f"({GREEN}green{RESET}: accepted draft tokens; plain: the target's own)")
     print("\n".join(_stats_lines(result)))
-    if args.compare:
-        start = time.perf_counter()
+    if args.compare:  # both timed the same way, without printing, one after the other
+        spec_time = generate(target, args.prompt, drafter, **options).stats.total_time
         plain = generate(target, args.prompt, None, **options)
-        plain_time = time.perf_counter() - start
-        same = plain.tokens == result.tokens
-        print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain_time:.3f} s "
-              f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain_time / result.stats.total_time:.2f}x")
+        print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain.stats.total_time:.3f} s "
+              f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
         note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
-        print(f"identical to autoregressive: {'yes' if same else 'no'}{note}")
+        print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
 
 
 def _init_random(args: argparse.Namespace) -> None:
@@ -133,11 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         {"generate": _generate, "init-random": _init_random, "train": _train}[args.command](args)
-    except VerispecError as err:
+    except (VerispecError, OSError) as err:
+        if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         print(f"verispec: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as err:  # a bug, not bad input: still one line; VERISPEC_DEBUG=1 shows the traceback
+        if os.environ.get("VERISPEC_DEBUG"):
+            raise
+        print(f"verispec: internal error: {type(err).__name__}: {err} (VERISPEC_DEBUG=1 for details)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,6 +7,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
+PREFIX_TOKENS = 4  # prompt tokens decoded in front of the output, so decoders that strip a leading space don't
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -15,38 +17,40 @@ class Piece:
 
 
 class TextTracker:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    """Keeps one `Piece` per generated token; their texts join to the output text."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stop: Sequence[str] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.prefix = list(prompt[-PREFIX_TOKENS:])
+        self.prefix_text = tokenizer.decode(self.prefix, skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""  # decoded text of `ids`, minus an incomplete UTF-8 tail
-        self.pieces: list[Piece] = []  # one per token
-        self.emitted = 0  # pieces already handed out
-        self._emitted_chars = 0
+        self.pieces: list[Piece] = []
+        self.emitted, self._emitted_chars = 0, 0  # pieces (and their characters) already handed out
         self.stopped = False
 
-    def add(self, ids: Sequence[int], drafted: Sequence[bool]) -> None:
-        """Append tokens; on reaching a stop string, keep only the text before it and the tokens that made it."""
-        for token, from_draft in zip(ids, drafted):
+    def add(self, ids: Sequence[int], drafted: Sequence[bool]) -> int:
+        """Append tokens; returns how many were kept: all, or up to the one that completed a stop string."""
+        for count, (token, from_draft) in enumerate(zip(ids, drafted), start=1):
             self.ids.append(token)
-            full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            full = self.tokenizer.decode(self.prefix + self.ids, skip_special_tokens=True)[len(self.prefix_text):]
             # A byte-level token may end mid-character: hold its text until the character completes.
             new = "" if full.endswith("\ufffd") else full[len(self.text):]
             self.text += new
             self.pieces.append(Piece(new, from_draft))
-            hit = [i for s in self.stop if (i := self.text.find(s, max(0, len(self.text) - len(new) - len(s) + 1))) >= 0]
-            if hit:
-                self._cut(min(hit))
-                return
+            found = [i for s in self.stop if (i := self.text.find(s, max(0, len(self.text) - len(new) - len(s) + 1))) >= 0]
+            if found:
+                self._cut(min(found))
+                return count
+        return len(ids)
 
     def _cut(self, at: int) -> None:
-        self.stopped = True
-        kept, length = [], 0
-        for piece in self.pieces:
-            if length >= at:
-                break
-            kept.append(Piece(piece.text[: at - length], piece.drafted))
-            length += len(piece.text)
-        self.pieces, self.text, self.ids = kept, self.text[:at], self.ids[: len(kept)]
+        """End the text where the stop string starts; every token up to the one that completed it stays."""
+        self.stopped, start = True, 0
+        for i, piece in enumerate(self.pieces):
+            self.pieces[i] = Piece(piece.text[: max(0, at - start)], piece.drafted)
+            start += len(piece.text)
+        self.text = self.text[:at]
 
     def ready(self, final: bool = False) -> list[Piece]:
         """Pieces not yet handed out: all of them when final, else those that cannot start a stop string."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Generator, Iterator, Sequence
 
 import torch
@@ -33,7 +34,8 @@ class Stream:
         self._steps, self.result = steps, None
 
     def __iter__(self) -> Iterator[Piece]:
-        self.result = yield from self._steps
+        result = yield from self._steps
+        self.result = self.result if result is None else result  # iterating again yields nothing new
 
     def close(self) -> None:
         self._steps.close()
@@ -44,24 +46,29 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
            seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False) -> Stream:
     """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed."""
     sampling = SamplingParams(temperature, top_k, top_p)
-    ids = target.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+    # add_special_tokens lets the tokenizer's own post-processor add BOS where the model expects one.
+    ids = target.tokenizer.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else list(prompt)
+    stop = [stop] if isinstance(stop, str) else list(stop)
     if not ids:
         raise InvalidArgumentError("the prompt is empty")
     if len(ids) >= target.context_length:
         raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {target.context_length}")
-    if max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if any(not 0 <= t < target.vocab_size for t in ids):
-        raise InvalidArgumentError(f"prompt token ids must be in [0, {target.vocab_size})")
+    if not all(isinstance(t, Integral) and 0 <= t < target.vocab_size for t in ids):
+        raise InvalidArgumentError(f"prompt token ids must be integers in [0, {target.vocab_size})")
+    ids = [int(t) for t in ids]
+    if seed is not None and not (isinstance(seed, Integral) and 0 <= seed < 2**63):
+        raise InvalidArgumentError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     generator = torch.Generator(target.device)
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(seed)
-    eos = None if ignore_eos else target.eos_token_id
+    eos = frozenset() if ignore_eos else target.eos_token_ids
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
         drafter.begin(target, ids, sampling, generator)
-    return Stream(_decode(target, ids, drafter, sampling, generator, max_new_tokens, eos, TextTracker(target.tokenizer, stop)))
+    return Stream(_decode(target, ids, drafter, sampling, generator, max_new_tokens, eos, TextTracker(target.tokenizer, ids, stop)))
 
 
 def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, **options) -> Generation:
@@ -73,10 +80,12 @@ def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | N
 
 
 def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampling: SamplingParams,
-            generator: torch.Generator, max_new_tokens: int, eos: int | None,
+            generator: torch.Generator, max_new_tokens: int, eos: frozenset[int],
             text: TextTracker) -> Generator[Piece, None, Generation]:
     stats, start, V = GenerationStats(), time.perf_counter(), target.vocab_size
-    cache, tokens = target.new_cache(), list(prompt)  # the cache holds every token but the last
+    # The cache holds every token but the last, so prompt + max_new_tokens - 1 positions are all it needs.
+    cache = target.new_cache(min(target.context_length, len(prompt) + max_new_tokens))
+    tokens = list(prompt)
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=target.device), cache)
     stats.prefill_time, stop_reason = time.perf_counter() - start, "max_new_tokens"
@@ -92,7 +101,7 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             if drafter is not None and room > 1:
                 proposal, outstanding = drafter.propose(tokens, min(drafter.k, room - 1)), True
                 stats.drafter_calls += 1
-            draft = proposal.tokens[: proposal.tokens.index(eos) + 1] if eos in proposal.tokens else proposal.tokens
+            draft = proposal.tokens[: _through_eos(proposal.tokens, eos)]
             t1 = time.perf_counter()
             logits = target(torch.tensor([[tokens[-1], *draft]], device=target.device), cache)[:, :, :V]  # (1, k+1, V)
             q = None if proposal.probs is None else proposal.probs[: len(draft)]
@@ -105,12 +114,12 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             stats.target_calls += 1
             stats.record_step(len(draft), n)
             new, drafted = [*draft[:n], nxt], [True] * n + [False]
-            if eos in new:  # nothing after an end-of-text token is kept
-                cut = new.index(eos) + 1
+            cut = _through_eos(new, eos)  # nothing after an end-of-sequence token is kept
+            if cut < len(new) or new[-1] in eos:
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
-            text.add(new, drafted)
+            new = new[: text.add(new, drafted)]
             if text.stopped:
-                new, stop_reason = new[: len(text.ids) - (len(tokens) - len(prompt))], "stop_string"
+                stop_reason = "stop_string"
             tokens += new
             stats.new_tokens += len(new)
             yield from text.ready()
@@ -123,4 +132,9 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
         stats.total_time = time.perf_counter() - start
     yield from text.ready(final=True)
     generated = tokens[len(prompt):]
-    return Generation(text.text, generated, [p.drafted for p in text.pieces][: len(generated)], stop_reason, stats)
+    return Generation(text.text, generated, [p.drafted for p in text.pieces], stop_reason, stats)
+
+
+def _through_eos(tokens: list[int], eos: frozenset[int]) -> int:
+    """How many tokens to keep: up to and including the first end-of-sequence token."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))

@@ -39,7 +39,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         onehot = torch.zeros_like(logits, dtype=torch.promote_types(logits.dtype, torch.float32))
         return onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)

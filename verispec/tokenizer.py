@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -45,19 +46,27 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
         raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
 
 
-def eos_token_id(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: int | None) -> int | None:
-    """The end-of-text id: config.json, then generation_config.json, then a conventional special token."""
-    if config_eos is not None:
-        return config_eos
+def as_id_set(value: int | Sequence[int] | None) -> frozenset[int]:
+    """An `eos_token_id` as configs write it (one id, a list, or nothing) as a set."""
+    if value is None:
+        return frozenset()
+    return frozenset([value] if isinstance(value, int) else value)
+
+
+def eos_token_ids(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: int | Sequence[int] | None) -> frozenset[int]:
+    """End-of-sequence ids: config.json's and generation_config.json's (instruct models list several), else a
+    conventional special token."""
+    ids = as_id_set(config_eos)
     gen = Path(checkpoint_dir) / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            return eos[0] if isinstance(eos, list) else eos
-    for name in EOS_NAMES:
-        if (tid := tokenizer.token_to_id(name)) is not None:
-            return tid
-    return None
+        try:
+            ids |= as_id_set(json.loads(gen.read_text()).get("eos_token_id"))
+        except (ValueError, AttributeError, TypeError) as err:
+            raise CheckpointError(f"{gen}: unreadable ({err})") from None
+    if not ids:
+        found = (tid for name in EOS_NAMES if (tid := tokenizer.token_to_id(name)) is not None)
+        ids = as_id_set(next(found, None))
+    return ids
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:

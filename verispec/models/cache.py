@@ -18,8 +18,9 @@ class KVCache:
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised: attention only ever reads positions below `length`, which were written first.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
 

@@ -30,7 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED:
@@ -41,12 +41,20 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"{self.model_type} has biases on all attention projections or none")
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
             raise UnsupportedArchitectureError("qwen2 has q/k/v biases and no o_proj bias")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings")
+        for name in sizes:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"config {name} must be a positive integer, got {value!r}")
+        if self.dim_per_head < 2 or self.dim_per_head % 2:
+            raise CheckpointError(f"rotary embeddings need an even head dimension, got {self.dim_per_head}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @property
     def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // max(1, self.num_attention_heads)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -58,6 +66,8 @@ class ModelConfig:
                 f"unsupported architecture {arch} (model_type {model_type!r}); "
                 f"the native runtime supports {', '.join(SUPPORTED.values())}"
             )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"unsupported activation {raw['hidden_act']!r} in {arch}")
         if raw.get("mlp_bias"):
             raise UnsupportedArchitectureError(f"unsupported option mlp_bias in {arch}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -87,7 +97,7 @@ class ModelConfig:
                 tie_word_embeddings=raw.get("tie_word_embeddings", False),
                 model_type=model_type,
                 bos_token_id=raw.get("bos_token_id"),
-                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             )
         except KeyError as missing:
             raise CheckpointError(f"config.json lacks {missing}") from None

@@ -11,6 +11,7 @@ import torch
 
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.native import parse_dtype
+from verispec.tokenizer import as_id_set
 
 
 class TransformersCache:
@@ -40,8 +41,7 @@ class TransformersModel:
         self.model, self.name = model.eval(), name
         self.tokenizer = tokenizer.backend_tokenizer  # the `tokenizers.Tokenizer` behind a fast tokenizer
         config = model.config.get_text_config()
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else config.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_ids = as_id_set(model.generation_config.eos_token_id) | as_id_set(config.eos_token_id)
         self.vocab_size = min(model.get_output_embeddings().weight.shape[0], len(tokenizer))
         self.context_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
         self.device = model.device

@@ -110,7 +110,9 @@ class LlamaForCausalLM(nn.Module):
         """Logits (B, T, V) for T new tokens (B, T) appended after the cache's `length` positions.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
-        pattern among the new tokens (token trees); every new token always sees the whole cache.
+        pattern among the new tokens; every new token always sees the whole cache. Positions are
+        always cache.length + index, so a tree whose branches sit at the same depth needs
+        depth-based positions, which this call does not take yet.
         With no cache (training), the tokens are a whole sequence from position 0.
         """
         B, T = tokens.shape

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.llama import LlamaForCausalLM
-from verispec.tokenizer import eos_token_id, load_tokenizer
+from verispec.tokenizer import eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -27,8 +28,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`."""
 
-    def __init__(self, module: LlamaForCausalLM, tokenizer, eos_id: int | None, name: str) -> None:
-        self.module, self.config, self.tokenizer, self.eos_token_id, self.name = module, module.config, tokenizer, eos_id, name
+    def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str) -> None:
+        self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         param = next(module.parameters())
@@ -54,8 +55,11 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     torch_dtype = parse_dtype(dtype)
     try:
         torch.empty(0, device=device)
+        usable = torch.device(device).type != "meta"  # meta tensors hold no data to compute with
     except (RuntimeError, AssertionError) as err:  # torch asserts when CUDA is asked of a CPU-only build
         raise InvalidArgumentError(f"device {device!r} is not usable here ({err})") from None
+    if not usable:
+        raise InvalidArgumentError(f"device {device!r} is not usable here (it holds no data)")
     tokenizer = load_tokenizer(folder)
     weights = load_weights(folder, config)
     if config.tie_word_embeddings:
@@ -67,4 +71,4 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
-    return NativeModel(module, tokenizer, eos_token_id(tokenizer, folder, config.eos_token_id), folder.name)
+    return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name)

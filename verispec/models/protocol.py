@@ -19,7 +19,7 @@ class Cache(Protocol):
 class CausalLM(Protocol):
     name: str
     tokenizer: Tokenizer
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]  # generation stops at any of them
     vocab_size: int  # real vocabulary: logits past it (embedding padding) are never used
     context_length: int
     device: torch.device
