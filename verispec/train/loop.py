@@ -63,6 +63,7 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
     Every `eval_every_minutes` it evaluates, appends a line to `run_dir/log.jsonl` and saves its state
     (model, optimizer, step, time, tokens seen), so a killed run loses at most that much work.
     """
+    run_dir.mkdir(parents=True, exist_ok=True)
     state_file, log_file = run_dir / "state.pt", run_dir / "log.jsonl"
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

@@ -1,0 +1,100 @@
+"""Training plumbing on tiny data: corpus split and manifest, tokenizer, a resumable loop, export. No real training."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from verispec import generate, load_model
+from verispec.models.llama import LlamaForCausalLM
+from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
+from verispec.train.loop import TrainConfig, init_weights, train
+from verispec.train.target import TARGET_CONFIG, export, lm_loss
+from verispec.train.tokenizer import train_tokenizer
+from verispec.tokenizer import EOT, save_tokenizer
+
+SOURCES = {f"pkg/mod{i}.py": f"def f{i}(x):\n    return x * {i}\n" for i in range(40)}
+
+
+def fake_stdlib(root: Path) -> Path:
+    for rel, text in (SOURCES | {"site-packages/other.py": "x = 1\n", "notes.txt": "not python"}).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_split_is_a_deterministic_hash_of_the_path() -> None:
+    splits = Counter(split_of(f"lib/file{i}.py") for i in range(4000))
+    assert split_of("json/decoder.py") == split_of("json/decoder.py")
+    assert 0.87 < splits["train"] / 4000 < 0.93 and splits["validation"] > 140 and splits["benchmark"] > 140
+
+
+def test_manifest_lists_python_files_outside_site_packages(tmp_path) -> None:
+    root = fake_stdlib(tmp_path / "lib")
+    entries = build_manifest(root)
+    assert sorted(e.path for e in entries) == sorted(SOURCES)
+    write_manifest(entries, tmp_path / "manifest.jsonl")
+    assert read_manifest(tmp_path / "manifest.jsonl") == entries
+    (root / entries[0].path).write_text("changed")  # a file that no longer matches its sha256 is skipped
+    texts = {split: load_split(split, tmp_path / "manifest.jsonl", root) for split in ("train", "validation", "benchmark")}
+    assert sum(len(t) for t, _ in texts.values()) == len(SOURCES) - 1
+    assert sum(skipped for _, skipped in texts.values()) == 1
+
+
+def test_committed_manifest_keeps_benchmark_files_out_of_training() -> None:
+    entries = read_manifest(MANIFEST)
+    by_split = {s: {e.path for e in entries if e.split == s} for s in ("train", "validation", "benchmark")}
+    assert len(entries) > 1000 and all(by_split.values())
+    assert not by_split["train"] & by_split["benchmark"] and not by_split["train"] & by_split["validation"]
+    assert all(e.split == split_of(e.path) for e in entries)
+
+
+def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path) -> None:
+    tok = train_tokenizer(SOURCES.values(), vocab_size=300)
+    assert tok.get_vocab_size() <= 300 and tok.token_to_id(EOT) == 0
+    text = "def f7(x):\n    return x * 7  # é\n"
+    assert tok.decode(tok.encode(text).ids) == text
+    save_tokenizer(tok, tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert auto(text).input_ids == tok.encode(text).ids and auto.eos_token_id == 0
+
+
+def tiny_run(run_dir: Path, seconds: float) -> tuple[LlamaForCausalLM, dict]:
+    config = replace(TARGET_CONFIG, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    init_weights(model)
+    tokens = np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16)
+    cfg = TrainConfig(hours=seconds / 3600, batch_size=2, seq_len=16, warmup_steps=2, eval_every_minutes=1e-4, bf16=False)
+    return model, train(model, cfg, run_dir, tokens, lm_loss, lambda m: {"val_loss": 0.0})
+
+
+def test_training_resumes_from_its_state(tmp_path) -> None:
+    model, first = tiny_run(tmp_path, 0.5)
+    assert first["step"] > 0 and (tmp_path / "state.pt").exists()
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == first["step"] and {"train_loss", "lr", "tokens_seen", "hours"} <= log[-1].keys()
+    resumed, again = tiny_run(tmp_path, 0.5)  # budget already spent: loads the state and stops
+    assert again["step"] == first["step"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+    _, longer = tiny_run(tmp_path, 1.0)  # a larger budget continues from the saved step
+    assert longer["step"] > first["step"] and longer["tokens_seen"] > first["tokens_seen"]
+
+
+def test_export_loads_natively_and_in_transformers(tmp_path) -> None:
+    model, _ = tiny_run(tmp_path / "run", 0.2)
+    tok = train_tokenizer(SOURCES.values(), vocab_size=300)
+    save_tokenizer(tok, tmp_path / "tok")
+    folder = export(model, tmp_path / "tok", tmp_path / "model")
+    native = load_model(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode("def f1(x):").ids])
+    torch.testing.assert_close(native(ids, native.new_cache()), hf(ids).logits, atol=1e-4, rtol=0)
+    assert generate(native, "def f1(x):", max_new_tokens=5, ignore_eos=True).stats.new_tokens == 5
