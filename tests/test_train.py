@@ -8,12 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
 from verispec import generate, load_model
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
+from verispec.train.draft import agreement_evaluator, kl_loss
 from verispec.train.loop import TrainConfig, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, lm_loss
 from verispec.train.tokenizer import train_tokenizer
@@ -98,3 +100,18 @@ def test_export_loads_natively_and_in_transformers(tmp_path) -> None:
     ids = torch.tensor([tok.encode("def f1(x):").ids])
     torch.testing.assert_close(native(ids, native.new_cache()), hf(ids).logits, atol=1e-4, rtol=0)
     assert generate(native, "def f1(x):", max_new_tokens=5, ignore_eos=True).stats.new_tokens == 5
+
+
+def test_distillation_loss_and_agreement(tmp_path) -> None:
+    teacher, _ = tiny_run(tmp_path / "teacher", 0.2)
+    batch = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        assert float(kl_loss(teacher)(teacher, batch)) < 1e-6  # the target is its own perfect draft
+    tokens = np.random.default_rng(1).integers(0, 300, 2000).astype(np.uint16)
+    evaluate = agreement_evaluator(teacher, tokens, seq_len=16, windows=4)
+    assert evaluate(teacher) == {"val_kl": pytest.approx(0.0, abs=1e-6), "val_top1_agreement": 1.0}
+    student, _ = tiny_run(tmp_path / "student", 0.0)
+    with torch.no_grad():
+        for p in student.parameters():  # far from the teacher (a fresh init would share its copy-the-input bias)
+            p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(p.numel()))
+        assert evaluate(student)["val_top1_agreement"] < 0.5 and float(kl_loss(teacher)(student, batch)) > 0.01

@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--hidden-size", type=int, default=128)
     rnd.add_argument("--seed", type=int, default=0)
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target"))
-    trn.add_argument("--run-dir", default="runs/target", help="checkpoints, logs and the exported model (resumable)")
+    trn.add_argument("what", choices=("manifest", "target", "draft"))
+    trn.add_argument("--run-dir", help="checkpoints, logs and the exported model (resumable); default runs/WHAT")
+    trn.add_argument("--target-dir", default="runs/target/model", help="the exported target a draft is distilled from")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -121,6 +122,7 @@ def _init_random(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from verispec.train.corpus import MANIFEST, build_manifest, write_manifest  # training code loads on demand
+    from verispec.train.draft import train_draft
     from verispec.train.loop import TrainConfig
     from verispec.train.target import train_target
 
@@ -130,7 +132,11 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = train_target(Path(args.run_dir), TrainConfig(hours=args.hours, batch_size=args.batch_size))
+    run_dir, cfg = Path(args.run_dir or f"runs/{args.what}"), TrainConfig(hours=args.hours, batch_size=args.batch_size)
+    if args.what == "target":
+        folder = train_target(run_dir, cfg)
+    else:
+        folder = train_draft(run_dir, Path(args.target_dir), cfg)
     print(f"exported {folder}")
 
 
