@@ -15,6 +15,7 @@ import transformers
 from verispec import generate, load_model
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
+from verispec.train.card import write_cards
 from verispec.train.draft import agreement_evaluator, kl_loss
 from verispec.train.loop import TrainConfig, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, lm_loss
@@ -115,3 +116,19 @@ def test_distillation_loss_and_agreement(tmp_path) -> None:
         for p in student.parameters():  # far from the teacher (a fresh init would share its copy-the-input bias)
             p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(p.numel()))
         assert evaluate(student)["val_top1_agreement"] < 0.5 and float(kl_loss(teacher)(student, batch)) > 0.01
+
+
+def test_cards_state_measured_numbers(tmp_path, pair_dirs) -> None:
+    target, draft = load_model(pair_dirs[0]), load_model(pair_dirs[1])
+    for run, extra in (("t", {"val_loss": 2.0, "val_bpb": 0.9}), ("d", {"val_kl": 0.5, "val_top1_agreement": 0.6})):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "log.jsonl").write_text(json.dumps({"tokens_seen": 10**6, "hours": 2.0, "train_loss": 2.1} | extra))
+    dirs = [tmp_path / "target", tmp_path / "draft"]
+    for d in dirs:
+        d.mkdir()
+    numbers = write_cards(target, draft, *dirs, tmp_path / "t", tmp_path / "d", num_prompts=3)
+    pair = numbers["pair"]
+    assert pair["prompts"] == 3 and 0 < pair["acceptance_rate"] < 1 and pair["identical_to_autoregressive"] == 1.0
+    card = (dirs[0] / "README.md").read_text()
+    assert f"tau {pair['tau']:.2f}" in card and "0.900 bits per byte" in card and card.count("```python") == 3
+    assert f"{numbers['draft_cost_ratio']:.3f} of the target's" in (dirs[1] / "README.md").read_text()

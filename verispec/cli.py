@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ from verispec.drafters import DraftModel
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
 from verispec.models.auto import BACKENDS, load
-from verispec.models.native import DTYPES
+from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
@@ -53,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--hidden-size", type=int, default=128)
     rnd.add_argument("--seed", type=int, default=0)
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft"))
-    trn.add_argument("--run-dir", help="checkpoints, logs and the exported model (resumable); default runs/WHAT")
-    trn.add_argument("--target-dir", default="runs/target/model", help="the exported target a draft is distilled from")
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card"),
+                     help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), or the cards")
+    trn.add_argument("--runs", default="runs", help="RUNS/target and RUNS/draft hold checkpoints, logs and exports")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -121,7 +122,8 @@ def _init_random(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from verispec.train.corpus import MANIFEST, build_manifest, write_manifest  # training code loads on demand
+    from verispec.train.card import write_cards  # training code loads on demand
+    from verispec.train.corpus import MANIFEST, build_manifest, write_manifest
     from verispec.train.draft import train_draft
     from verispec.train.loop import TrainConfig
     from verispec.train.target import train_target
@@ -132,11 +134,16 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_dir, cfg = Path(args.run_dir or f"runs/{args.what}"), TrainConfig(hours=args.hours, batch_size=args.batch_size)
+    runs, cfg = Path(args.runs), TrainConfig(hours=args.hours, batch_size=args.batch_size)
+    if args.what == "card":
+        models = [runs / "target" / "model", runs / "draft" / "model"]
+        numbers = write_cards(*(load_model(m) for m in models), *models, runs / "target", runs / "draft")
+        print(json.dumps(numbers, indent=2))
+        return
     if args.what == "target":
-        folder = train_target(run_dir, cfg)
+        folder = train_target(runs / "target", cfg)
     else:
-        folder = train_draft(run_dir, Path(args.target_dir), cfg)
+        folder = train_draft(runs / "draft", runs / "target" / "model", cfg)
     print(f"exported {folder}")
 
 
