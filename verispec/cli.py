@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters import DraftModel
+from verispec.drafters import DraftModel, PromptLookup
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
 from verispec.models.auto import BACKENDS, load
@@ -29,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     gen.add_argument("prompt")
     gen.add_argument("--target", required=True, help="target checkpoint folder (Hugging Face format)")
-    gen.add_argument("--draft", help="draft checkpoint folder; without it, plain autoregressive decoding")
+    gen.add_argument("--draft", help="draft checkpoint folder (--method draft); without it, plain decoding")
+    gen.add_argument("--method", choices=("draft", "ngram"), default="draft",
+                     help="draft: a smaller model proposes; ngram: prompt lookup proposes from the text itself")
+    gen.add_argument("--max-ngram", type=int, default=3, help="ngram: longest n-gram matched")
+    gen.add_argument("--min-ngram", type=int, default=1, help="ngram: shortest n-gram matched")
     gen.add_argument("-k", type=int, default=4, help="tokens drafted per step (default 4)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
@@ -84,7 +88,9 @@ def _generate(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("the prompt is empty")
     target = load(args.target, args.backend, args.device, args.dtype)
     drafter = None
-    if args.draft:
+    if args.method == "ngram":
+        drafter = PromptLookup(args.k, args.max_ngram, args.min_ngram)
+    elif args.draft:
         drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)

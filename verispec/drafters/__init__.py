@@ -2,5 +2,6 @@
 
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.ngram import PromptLookup
 
-__all__ = ["Drafter", "DraftModel", "Proposal"]
+__all__ = ["Drafter", "DraftModel", "PromptLookup", "Proposal"]

@@ -1,0 +1,58 @@
+"""Prompt lookup: propose what followed the latest earlier occurrence of the text's last n tokens.
+
+Costs no model call, and pays off where the output repeats the prompt (code edits, quoting, tables).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from verispec.drafters.base import Proposal
+from verispec.errors import InvalidArgumentError
+from verispec.models.protocol import CausalLM
+from verispec.sampling import SamplingParams
+
+
+class PromptLookup:
+    """An index from each n-gram (min_ngram <= n <= max_ngram) to where its latest continuation starts.
+
+    The index grows with the committed tokens only (never a rescan); proposals carry no probabilities,
+    so the sampling rule treats them as one-hot q.
+    """
+
+    name = "ngram"
+
+    def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if k < 1:
+            raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
+              generator: torch.Generator) -> None:
+        self.tokens, self.index = [], {}
+        self._extend(prompt)
+
+    def _extend(self, new: Sequence[int]) -> None:
+        for token in new:
+            # The n-grams ending just before this token now have a continuation: this token's position.
+            end = len(self.tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.index[tuple(self.tokens[end - n: end])] = end
+            self.tokens.append(token)
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        self._extend(context[len(self.tokens):])
+        for n in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
+            start = self.index.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return Proposal(self.tokens[start: start + k])
+        return Proposal([])
+
+    def accepted(self, num_accepted: int) -> None:
+        """Nothing to roll back: proposals enter the index only once the target has committed them."""
