@@ -21,8 +21,11 @@ class TextTracker:
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stop: Sequence[str] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.prefix = list(prompt[-PREFIX_TOKENS:])
-        self.prefix_text = tokenizer.decode(self.prefix, skip_special_tokens=True)
+        # Each token's text is decode(window + token) minus decode(window), over a short window of the tokens
+        # before it (vLLM's incremental detokenization): O(1) per token, and correct for decoders whose output
+        # depends on neighbours (a stripped leading space, a character split across byte tokens).
+        self._all = list(prompt[-PREFIX_TOKENS:])
+        self._window_start, self._read = 0, len(self._all)
         self.ids: list[int] = []
         self.text = ""  # decoded text of `ids`, minus an incomplete UTF-8 tail
         self.pieces: list[Piece] = []
@@ -33,9 +36,7 @@ class TextTracker:
         """Append tokens; returns how many were kept: all, or up to the one that completed a stop string."""
         for count, (token, from_draft) in enumerate(zip(ids, drafted), start=1):
             self.ids.append(token)
-            full = self.tokenizer.decode(self.prefix + self.ids, skip_special_tokens=True)[len(self.prefix_text):]
-            # A byte-level token may end mid-character: hold its text until the character completes.
-            new = "" if full.endswith("\ufffd") else full[len(self.text):]
+            new = self._next_text(token)
             self.text += new
             self.pieces.append(Piece(new, from_draft))
             found = [i for s in self.stop if (i := self.text.find(s, max(0, len(self.text) - len(new) - len(s) + 1))) >= 0]
@@ -43,6 +44,16 @@ class TextTracker:
                 self._cut(min(found))
                 return count
         return len(ids)
+
+    def _next_text(self, token: int) -> str:
+        self._all.append(token)
+        window = self._all[self._window_start:]
+        before = self.tokenizer.decode(window[: self._read - self._window_start], skip_special_tokens=True)
+        after = self.tokenizer.decode(window, skip_special_tokens=True)
+        if after.endswith("\ufffd") or len(after) <= len(before):  # mid-character, or nothing printable yet
+            return ""
+        self._window_start, self._read = self._read, len(self._all)
+        return after[len(before):]
 
     def _cut(self, at: int) -> None:
         """End the text where the stop string starts; every token up to the one that completed it stays."""
