@@ -207,3 +207,25 @@ def test_tree_mask_every_node_matches_reference_with_same_mask(model: NativeMode
     full_mask[n:, n:] = TREE_MASK.numpy()
     expected = reference.full_lm_forward(PREFIX + tree, reference.load_params(checkpoint), full_mask)[0, n:]
     np.testing.assert_allclose(logits.numpy(), expected, rtol=0, atol=1e-4)
+
+
+def test_token_tree_with_depth_positions_matches_each_branch(tmp_path) -> None:
+    """Siblings at the same depth share a rotary position: each node's logits equal a plain forward of its path."""
+    model = load_model(random_checkpoint(tmp_path, tiny_config(), seed=7))
+    prefix, root, x, y = [10, 20, 30, 40], 50, [60, 61], [70, 71]
+    # Tree after the prefix: root -> x0 -> x1 and root -> y0 -> y1, laid out as [root, x0, x1, y0, y1].
+    parent = [-1, 0, 1, 0, 3]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    depth = []
+    for node in range(5):
+        ancestor, d = node, 0
+        while ancestor >= 0:
+            mask[node, ancestor] = True
+            ancestor, d = parent[ancestor], d + (parent[ancestor] >= 0)
+        depth.append(d)
+    cache = model.new_cache()
+    model(torch.tensor([prefix]), cache)
+    tree = model(torch.tensor([[root, *x, *y]]), cache, mask, positions=torch.tensor(depth) + len(prefix))
+    for branch, nodes in ((x, [0, 1, 2]), (y, [0, 3, 4])):
+        plain = model(torch.tensor([prefix + [root] + branch]), model.new_cache())[:, len(prefix):]
+        torch.testing.assert_close(tree[:, nodes], plain, atol=1e-5, rtol=0)

@@ -100,7 +100,7 @@ def test_native_draft_for_a_transformers_target(tmp_path, gpt2_pair) -> None:
 
 def test_tree_masks_are_refused(gpt2_pair) -> None:
     model = load(gpt2_pair[0], "transformers")
-    with pytest.raises(InvalidArgumentError, match="native runtime"):
+    with pytest.raises(InvalidArgumentError, match="need the native runtime"):
         model(torch.tensor([PROMPT]), model.new_cache(), mask=torch.ones(8, 8, dtype=torch.bool))
 
 

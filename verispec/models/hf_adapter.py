@@ -52,9 +52,10 @@ class TransformersModel:
         return TransformersCache(DynamicCache(config=self.model.config), max_len or self.context_length)
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: TransformersCache, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is not None:
-            raise InvalidArgumentError("custom attention masks (token trees) need the native runtime")
+    def __call__(self, tokens: torch.Tensor, cache: TransformersCache, mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None or positions is not None:
+            raise InvalidArgumentError("token trees (custom masks and positions) need the native runtime")
         T = tokens.shape[1]
         cache.reserve(T)
         positions = torch.arange(cache.length, cache.length + T, device=tokens.device)[None]

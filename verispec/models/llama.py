@@ -106,21 +106,23 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for T new tokens (B, T) appended after the cache's `length` positions.
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
-        pattern among the new tokens; every new token always sees the whole cache. Positions are
-        always cache.length + index, so a tree whose branches sit at the same depth needs
-        depth-based positions, which this call does not take yet.
-        With no cache (training), the tokens are a whole sequence from position 0.
+        pattern among the new tokens; every new token always sees the whole cache. `positions` (T,)
+        are the rotary positions, cache.length + index by default; a token tree passes
+        cache.length + depth, so that siblings share a position. With no cache (training), the
+        tokens are a whole sequence from position 0.
         """
         B, T = tokens.shape
         start = 0
         if cache is not None:
             cache.reserve(T)
             start = cache.length
-        positions = torch.arange(start, start + T, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         attn_mask = mask

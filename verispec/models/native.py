@@ -41,8 +41,9 @@ class NativeModel:
                        c.dim_per_head, self.dtype, self.device)
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.module(tokens, cache, mask)
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.module(tokens, cache, mask, positions)
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",

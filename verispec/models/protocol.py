@@ -27,5 +27,9 @@ class CausalLM(Protocol):
     def new_cache(self, max_len: int | None = None) -> Cache:
         """An empty cache for one sequence, `max_len` defaulting to the context length."""
 
-    def __call__(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T."""
+    def __call__(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T.
+
+        `mask` (T, T) and `positions` (T,) lay out a token tree; by default the tokens form a chain.
+        """
