@@ -55,6 +55,12 @@ def read_manifest(path: Path = MANIFEST) -> list[Entry]:
 
 def load_split(split: str, manifest: Path = MANIFEST, root: Path | None = None) -> tuple[list[str], int]:
     """Texts of one split whose content still matches the manifest; also how many were missing or changed."""
+    files, skipped = load_files(split, manifest, root)
+    return [text for _, text in files], skipped
+
+
+def load_files(split: str, manifest: Path = MANIFEST, root: Path | None = None) -> tuple[list[tuple[str, str]], int]:
+    """(relative path, text) of one split's files that still match the manifest; also how many did not."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     root, texts, skipped = root or stdlib_root(), [], 0
@@ -66,5 +72,5 @@ def load_split(split: str, manifest: Path = MANIFEST, root: Path | None = None) 
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             skipped += 1
             continue
-        texts.append(data.decode("utf-8", errors="replace"))
+        texts.append((entry.path, data.decode("utf-8", errors="replace")))
     return texts, skipped

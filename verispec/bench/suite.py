@@ -1,0 +1,91 @@
+"""The benchmark suite: prompts cut from the benchmark split of the corpus, in three categories.
+
+code        cut inside a function or method body, at the end of a line
+docstring   cut right after a docstring or a comment line that introduces code
+repetition  cut before a line whose continuation largely stands in the prompt already (a test method
+            whose twin is above, a table, a run of similar calls)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from verispec.train.corpus import MANIFEST, load_files
+
+CATEGORIES = ("code", "docstring", "repetition")
+SUITE = Path(__file__).resolve().parents[2] / "data" / "bench" / "suite.jsonl"
+CONTEXT_CHARS = 1000  # about 260 tokens: prompt and 128 new tokens fit a 512-token context
+
+
+def _shingle_overlap(prompt: str, continuation: str, size: int = 8) -> float:
+    """Share of the continuation's character 8-grams that already occur in the prompt."""
+    grams = [continuation[i: i + size] for i in range(max(1, len(continuation) - size + 1))]
+    return sum(g in prompt for g in grams) / len(grams)
+
+
+def _is_code(line: str) -> bool:
+    return bool(line.strip()) and not line.lstrip().startswith(("#", '"', "'"))
+
+
+def _cut_points(text: str, category: str) -> list[int]:
+    """Offsets (line starts) where a prompt of this category may end."""
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    points = []
+    for i, line in enumerate(lines[:-4]):
+        body = re.match(r"( {4,})\S", line) and not line.lstrip().startswith(("#", '"', "'"))
+        if category == "code" and body and _is_code(lines[i + 1]):
+            points.append(starts[i + 1])
+        elif category == "docstring" and (line.strip().endswith('"""') and line.strip() != '"""' or
+                                           line.lstrip().startswith("# ")) and _is_code(lines[i + 1]):
+            points.append(starts[i + 1])
+        elif category == "repetition" and re.match(r"\s*(def |[\w.]+\(|\(|\[|\{)", lines[i + 1]):
+            prompt, continuation = text[max(0, starts[i + 1] - CONTEXT_CHARS): starts[i + 1]], text[starts[i + 1]: starts[i + 1] + 300]
+            if len(continuation) > 200 and _shingle_overlap(prompt, continuation) >= 0.6:
+                points.append(starts[i + 1])
+    return [p for p in points if p >= CONTEXT_CHARS // 2]
+
+
+def build_suite(files: list[tuple[str, str]], per_category: int = 14, max_new_tokens: int = 128,
+                seed: int = 0) -> list[dict]:
+    """At most one prompt per file and category, chosen by a seeded generator, until each category is full."""
+    rng, suite = random.Random(seed), []
+    for category in CATEGORIES:
+        chosen = 0
+        for path, text in files:
+            points = _cut_points(text, category)
+            if not points or chosen == per_category:
+                continue
+            end = rng.choice(points)
+            start = text.find("\n", max(0, end - CONTEXT_CHARS)) + 1  # begin on a line boundary
+            suite.append({"id": f"{category}-{chosen:02d}", "category": category, "source": path,
+                          "prompt": text[start:end], "max_new_tokens": max_new_tokens})
+            chosen += 1
+    return suite
+
+
+def write_suite(suite: list[dict], path: Path = SUITE) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(item) + "\n" for item in suite))
+
+
+def read_suite(path: Path = SUITE) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def build_from_manifest(manifest: Path = MANIFEST) -> list[dict]:
+    """The suite from the benchmark split: files that no model saw in training."""
+    files, skipped = load_files("benchmark", manifest)
+    if skipped:
+        print(f"benchmark split: {skipped} files missing or changed since the manifest were skipped")
+    return build_suite(files)
+
+
+if __name__ == "__main__":
+    write_suite(build_from_manifest())
+    print(f"wrote {SUITE}")
