@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--draft-layers", type=int, default=1)
     rnd.add_argument("--hidden-size", type=int, default=128)
     rnd.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
+    bench.add_argument("--target", help="target checkpoint folder")
+    bench.add_argument("--draft", help="draft checkpoint folder")
+    bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--out", default="bench-report", help="folder for report.md, results.json and plots")
+    bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
+    bench.add_argument("--quick", action="store_true", help="tiny random models, six short prompts (seconds)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
     trn.add_argument("what", choices=("manifest", "target", "draft", "card"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), or the cards")
@@ -127,6 +136,26 @@ def _init_random(args: argparse.Namespace) -> None:
     print(f"wrote {target} and {draft} (random weights: the text is noise, the mechanics are real)")
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from verispec.bench.harness import run_bench, run_quick  # loads matplotlib and tqdm on demand
+    from verispec.bench.report import format_summary
+    from verispec.bench.suite import SUITE, read_suite
+
+    if args.repeats < 1 or args.threads < 1:
+        raise InvalidArgumentError("--repeats and --threads must be >= 1")
+    out = Path(args.out)
+    if args.quick:
+        summary = run_quick(out, threads=args.threads)
+    else:
+        if not args.target:
+            raise InvalidArgumentError("bench needs --target (and --draft for draft-model speculation), or --quick")
+        suite = read_suite(Path(args.suite) if args.suite else SUITE)
+        summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
+                            args.repeats, not args.no_peers, threads=args.threads)
+    print(format_summary(summary))
+    print(f"report: {out / 'report.md'}")
+
+
 def _train(args: argparse.Namespace) -> None:
     from verispec.train.card import write_cards  # training code loads on demand
     from verispec.train.corpus import MANIFEST, build_manifest, write_manifest
@@ -156,7 +185,7 @@ def _train(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "init-random": _init_random, "train": _train}[args.command](args)
+        {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

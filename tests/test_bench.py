@@ -1,0 +1,74 @@
+"""`verispec bench --quick`: the report's structure, and its numbers recomputed from the logged runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from verispec.bench.harness import run_quick
+from verispec.bench.metrics import per_prompt, summarize
+from verispec.cli import main
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    run_quick(out, progress=False)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_report_files_and_structure(quick) -> None:
+    out, results = quick
+    assert {p.name for p in out.iterdir()} >= {"report.md", "results.json", "speedup_vs_k.png",
+                                                "acceptance_by_position.png", "tokens_per_second.png"}
+    summary = results["summary"]
+    expected = {"autoregressive", "ngram k=4", "transformers greedy", "transformers assisted",
+                "transformers prompt lookup"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+    assert set(summary) == expected
+    assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
+    assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
+    report = (out / "report.md").read_text()
+    assert "## Goals" in report and "| draft k=4 |" in report and "## repetition" in report
+    assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
+
+
+def test_formulas_agree_with_logged_counts(quick) -> None:
+    _, results = quick
+    records, summary, timing = results["records"], results["summary"], results["timing"]
+    for method in ("draft k=4", "ngram k=4"):
+        runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
+        base = {r["id"]: r for r in records if r["method"] == "autoregressive" and r["repeat"] == 0}
+        entry = summary[method]["all"]
+        tau = sum(len(r["tokens"]) for r in runs) / sum(r["target_calls"] for r in runs)
+        assert entry["tau"] == pytest.approx(tau)
+        accepted = sum(sum(r["accepted_by_position"]) for r in runs)
+        assert entry["acceptance_rate"] == pytest.approx(accepted / sum(sum(r["proposed_by_position"]) for r in runs))
+        assert entry["exact_match"] == 1.0 and all(r["tokens"] == base[r["id"]]["tokens"] for r in runs)
+        median = lambda m, i: statistics.median(r["seconds"] for r in records if r["method"] == m and r["id"] == i)
+        ids = list(base)
+        total = sum(median("autoregressive", i) for i in ids) / sum(median(method, i) for i in ids)
+        assert entry["speedup_total"] == pytest.approx(total)
+        predicted = tau / (4 * timing["c"][method] + timing["r"]["5"])
+        assert entry["predicted_speedup"] == pytest.approx(predicted)
+        assert entry["efficiency"] == pytest.approx(total / predicted)
+
+
+def test_summary_of_a_hand_made_log() -> None:
+    records = [
+        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s,
+         "target_calls": calls, "proposed_by_position": prop, "accepted_by_position": acc}
+        for rep in range(3)
+        for m, s, calls, prop, acc in (("autoregressive", 2.0 + rep, 4, [], []), ("draft k=2", 1.0, 2, [2, 2], [2, 0]))
+        for i, cat in (("a", "code"), ("b", "docstring"))
+    ]
+    assert per_prompt(records)["autoregressive", "a"]["seconds"] == 3.0  # the median of 2, 3 and 4
+    entry = summarize(records, {"draft k=2": 0.5}, {3: 2.0})["draft k=2"]["all"]
+    assert entry["speedup_total"] == 3.0 and entry["tau"] == 2.0 and entry["acceptance_rate"] == 0.5
+    assert entry["acceptance_by_position"] == [1.0, 0.0]
+    assert entry["predicted_speedup"] == pytest.approx(2.0 / (2 * 0.5 + 2.0))
+
+
+def test_bench_needs_a_target(capsys) -> None:
+    assert main(["bench"]) == 2 and "--target" in capsys.readouterr().err

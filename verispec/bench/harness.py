@@ -1,0 +1,85 @@
+"""`verispec bench` end to end: load, time the primitives, run the suite, summarize, write the report."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from verispec.bench.methods import DRAFT_KS, forward_seconds, our_methods, transformers_methods
+from verispec.bench.metrics import summarize
+from verispec.bench.report import machine, write_report
+from verispec.bench.runner import run_suite
+from verispec.bench.suite import SUITE, read_suite
+from verispec.models.native import NativeModel, load_model
+from verispec.models.random_init import random_pair, tiny_config
+
+
+def timing(target: NativeModel, draft: NativeModel | None, methods: list[str]) -> dict:
+    """c per method (draft step / target step; prompt lookup runs no model) and r(n) for n = 1 .. max k + 1."""
+    seconds = {n: forward_seconds(target, n) for n in range(1, max(DRAFT_KS) + 2)}
+    one = seconds[1]
+    r = {n: t / one for n, t in seconds.items()}
+    c_draft = forward_seconds(draft, 1) / one if draft is not None else None
+    c = {m: (c_draft if m.startswith("draft") else 0.0) for m in methods if "k=" in m}
+    return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
+
+
+def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
+    """Token ids of each prompt, cut from the left when prompt and answer would not fit the context."""
+    out = []
+    for item in suite:
+        ids = target.tokenizer.encode(item["prompt"], add_special_tokens=True).ids
+        out.append((item, ids[-(target.context_length - item["max_new_tokens"] - 1):]))
+    return out
+
+
+def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
+              peers: bool = True, progress: bool = True, threads: int = 1) -> dict:
+    """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
+    thread mostly waits at barriers)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
+         progress: bool) -> dict:
+    target = load_model(target_dir)
+    draft = load_model(draft_dir) if draft_dir else None
+    methods = our_methods(target, draft)
+    if peers:
+        methods |= transformers_methods(target_dir, draft_dir)
+    times = timing(target, draft, list(methods))
+    records = run_suite(methods, prompts_for(target, suite), repeats, progress)
+    summary = summarize(records, times["c"], times["r"])
+    info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
+            "target": str(target_dir), "draft": str(draft_dir)}
+    write_report(out, summary, records, times, info)
+    return summary
+
+
+def quick_suite(per_category: int = 2, max_new_tokens: int = 16) -> list[dict]:
+    suite, seen = [], {}
+    for item in read_suite(SUITE):
+        if seen.setdefault(item["category"], 0) < per_category:
+            seen[item["category"]] += 1
+            suite.append(item | {"max_new_tokens": max_new_tokens, "prompt": item["prompt"][-300:]})
+    return suite
+
+
+def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
+    """Tiny random models and six short prompts: checks the machinery, not the speed (CI runs it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = random_pair(tmp, tiny_config(num_hidden_layers=3), draft_layers=1)
+        return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads)
+
+
+

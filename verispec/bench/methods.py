@@ -1,0 +1,91 @@
+"""What the benchmark runs: our loop with each drafter, and transformers' own generation as peers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from verispec.drafters import DraftModel, PromptLookup
+from verispec.generate import generate
+from verispec.models.native import NativeModel
+
+DRAFT_KS = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass
+class Run:
+    """One generation: what it produced, how long it took, and the loop's counters (zero for peers)."""
+
+    tokens: list[int]
+    seconds: float
+    target_calls: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+
+Method = Callable[[list[int], int], Run]
+
+
+def ours(target: NativeModel, make_drafter: Callable[[], object] | None) -> Method:
+    def run(prompt: list[int], max_new_tokens: int) -> Run:
+        result = generate(target, prompt, make_drafter() if make_drafter else None,
+                          max_new_tokens=max_new_tokens, ignore_eos=True)
+        s = result.stats
+        return Run(result.tokens, s.total_time, s.target_calls, s.proposed_by_position, s.accepted_by_position)
+
+    return run
+
+
+def our_methods(target: NativeModel, draft: NativeModel | None) -> dict[str, Method]:
+    """The autoregressive baseline, DraftModel at every k, and every other registered drafter at k = 4."""
+    methods = {"autoregressive": ours(target, None)}
+    if draft is not None:
+        methods |= {f"draft k={k}": ours(target, lambda k=k: DraftModel(draft, k)) for k in DRAFT_KS}
+    methods["ngram k=4"] = ours(target, lambda: PromptLookup(4))
+    return methods
+
+
+def transformers_methods(target_dir: Path, draft_dir: Path | None) -> dict[str, Method]:
+    """transformers' greedy generate, its assisted generation and its prompt lookup, on the same checkpoints."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its notes on generation arguments would interleave with the progress bar
+    logging.disable_progress_bar()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
+
+    def peer(**options) -> Method:
+        @torch.inference_mode()
+        def run(prompt: list[int], max_new_tokens: int) -> Run:
+            start = time.perf_counter()
+            out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, pad_token_id=0, **options)
+            return Run(out[0, len(prompt):].tolist(), time.perf_counter() - start)
+
+        return run
+
+    methods = {"transformers greedy": peer()}
+    if assistant is not None:
+        methods["transformers assisted"] = peer(assistant_model=assistant)
+    methods["transformers prompt lookup"] = peer(prompt_lookup_num_tokens=4)
+    return methods
+
+
+def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, repeats: int = 7) -> float:
+    """Median time of one forward of `new_tokens` tokens after `context` cached ones (batch 1)."""
+    times = []
+    prefix = torch.arange(context, device=model.device)[None] % model.vocab_size
+    chunk = torch.arange(new_tokens, device=model.device)[None]
+    cache = model.new_cache(context + new_tokens)
+    model(prefix, cache)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(chunk, cache)
+        times.append(time.perf_counter() - start)
+        cache.truncate(context)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,119 @@
+"""The report: results.json (everything), report.md (tables and the goals), and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+GOALS = "draft speculation >= 1.5x on code and docstring; efficiency >= 0.85; >= 1.5x transformers assisted"
+
+
+def machine() -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def _table(summary: dict, category: str) -> list[str]:
+    head = "| method | tok/s | speedup (mean of ratios) | speedup (total) | tau | acceptance | exact match | predicted | efficiency |"
+    lines = [head, "|" + "---|" * 9]
+    for method, by_category in summary.items():
+        e = by_category.get(category)
+        if e is None:
+            continue
+        fmt = lambda key, spec=".2f": format(e[key], spec) if key in e else "-"
+        lines.append(f"| {method} | {e['tokens_per_second']:.1f} | {e['speedup_mean']:.2f}x | {e['speedup_total']:.2f}x | "
+                     f"{fmt('tau')} | {fmt('acceptance_rate', '.1%')} | {e['exact_match']:.0%} | {fmt('predicted_speedup')} | "
+                     f"{fmt('efficiency')} |")
+    return lines
+
+
+def format_summary(summary: dict) -> str:
+    """The all-prompts table, for the terminal."""
+    return "\n".join(_table(summary, "all"))
+
+
+def _goals(summary: dict) -> list[str]:
+    drafts = {m: e for m, e in summary.items() if m.startswith("draft")}
+    if not drafts:
+        return ["No draft model in this run: the draft-model goals are not measured."]
+    best = max(drafts, key=lambda m: drafts[m]["all"]["speedup_total"])
+    e = drafts[best]
+    lines = [f"Best draft setting: **{best}**."]
+    for category in ("code", "docstring"):
+        if category in e:
+            value = e[category]["speedup_total"]
+            lines.append(f"- speedup on {category}: {value:.2f}x (goal 1.5x: {'met' if value >= 1.5 else 'not met'})")
+    if "efficiency" in e["all"]:
+        value = e["all"]["efficiency"]
+        lines.append(f"- efficiency: {value:.2f} (goal 0.85: {'met' if value >= 0.85 else 'not met'})")
+    if "transformers assisted" in summary:
+        ratio = e["all"]["tokens_per_second"] / summary["transformers assisted"]["all"]["tokens_per_second"]
+        lines.append(f"- tokens/s against transformers assisted generation: {ratio:.2f}x "
+                     f"(goal 1.5x: {'met' if ratio >= 1.5 else 'not met'})")
+    lines.append(f"- exact match with our autoregressive greedy output (float32): {e['all']['exact_match']:.0%}")
+    return lines
+
+
+def write_report(out: Path, summary: dict, records: list[dict], timing: dict, info: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"info": info, "timing": timing, "summary": summary,
+                                                  "records": records}, indent=1))
+    categories = [c for c in next(iter(summary.values())) if c != "all"]
+    m = info["machine"]
+    c_draft = next((v for k, v in timing["c"].items() if k.startswith("draft")), None)
+    md = [f"# verispec bench\n", f"Command: `{info['command']}`  ",
+          f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
+          f"transformers {m['transformers']}, Python {m['python']}  ",
+          f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
+          + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model); "
+          f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
+          + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
+          "Speedups are against our autoregressive baseline, per prompt, medians over repeats, methods interleaved.\n",
+          "## All prompts\n", *_table(summary, "all")]
+    for category in categories:
+        md += [f"\n## {category}\n", *_table(summary, category)]
+    md += ["\n## Goals\n", *_goals(summary), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
+           "![tokens per second](tokens_per_second.png)"]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    _plots(out, summary, categories)
+
+
+def _plots(out: Path, summary: dict, categories: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafts = [m for m in summary if m.startswith("draft")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for category in ["all", *categories]:
+        ax.plot([int(m.split("k=")[1]) for m in drafts], [summary[m][category]["speedup_total"] for m in drafts],
+                marker="o", label=category)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="k (tokens drafted per step)", ylabel="speedup over autoregressive", title="Draft-model speculation")
+    ax.legend()
+    fig.savefig(out / "speedup_vs_k.png", dpi=110, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, by_category in summary.items():
+        rates = by_category["all"].get("acceptance_by_position")
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker=".", label=method)
+    ax.set(xlabel="position in the proposal", ylabel="acceptance rate", title="Acceptance by position", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    fig.savefig(out / "acceptance_by_position.png", dpi=110, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(summary)
+    ax.barh(names, [summary[m]["all"]["tokens_per_second"] for m in names])
+    ax.set(xlabel="tokens per second", title="Throughput (all prompts)")
+    fig.savefig(out / "tokens_per_second.png", dpi=110, bbox_inches="tight")
+    plt.close("all")
