@@ -115,7 +115,7 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             stats.record_step(len(draft), n)
             new, drafted = [*draft[:n], nxt], [True] * n + [False]
             cut = _through_eos(new, eos)  # nothing after an end-of-sequence token is kept
-            if cut < len(new) or new[-1] in eos:
+            if new[cut - 1] in eos:
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
             new = new[: text.add(new, drafted)]
             if text.stopped:
