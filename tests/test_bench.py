@@ -25,13 +25,14 @@ def test_report_files_and_structure(quick) -> None:
                                                 "acceptance_by_position.png", "tokens_per_second.png"}
     summary = results["summary"]
     expected = {"autoregressive", "ngram k=4", "transformers greedy", "transformers assisted",
-                "transformers prompt lookup"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+                "transformers assisted k=4", "transformers prompt lookup"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
     assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
     report = (out / "report.md").read_text()
     assert "## Goals" in report and "| draft k=4 |" in report and "## repetition" in report
     assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
+    assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())  # peers decode the same tokens
 
 
 def test_formulas_agree_with_logged_counts(quick) -> None:
@@ -50,23 +51,38 @@ def test_formulas_agree_with_logged_counts(quick) -> None:
         ids = list(base)
         total = sum(median("autoregressive", i) for i in ids) / sum(median(method, i) for i in ids)
         assert entry["speedup_total"] == pytest.approx(total)
-        predicted = tau / (4 * timing["c"][method] + timing["r"]["5"])
-        assert entry["predicted_speedup"] == pytest.approx(predicted)
-        assert entry["efficiency"] == pytest.approx(total / predicted)
+        # Each step priced at the width it verified: a step with w drafts costs w*c + r(w+1) target steps.
+        calls = sum(r["target_calls"] for r in runs)
+        widths = [0] * (len(runs[0]["proposed_by_position"]) + 2)
+        for r in runs:
+            steps_at_least = [r["target_calls"], *r["proposed_by_position"], 0]
+            for w in range(len(steps_at_least) - 1):
+                widths[w] += steps_at_least[w] - steps_at_least[w + 1]
+        cost = sum(n * (w * timing["c"][method] + timing["r"][str(w + 1)]) for w, n in enumerate(widths) if n) / calls
+        assert entry["predicted_speedup"] == pytest.approx(tau / cost)
+        decode = lambda m: sum(median(m, i) - statistics.median(r["prefill_seconds"] for r in records
+                                                                if r["method"] == m and r["id"] == i) for i in ids)
+        assert entry["decode_speedup"] == pytest.approx(decode("autoregressive") / decode(method))
+        assert entry["efficiency"] == pytest.approx(entry["decode_speedup"] / (tau / cost))
 
 
 def test_summary_of_a_hand_made_log() -> None:
     records = [
-        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s,
+        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s, "prefill_seconds": 0.0,
          "target_calls": calls, "proposed_by_position": prop, "accepted_by_position": acc}
         for rep in range(3)
-        for m, s, calls, prop, acc in (("autoregressive", 2.0 + rep, 4, [], []), ("draft k=2", 1.0, 2, [2, 2], [2, 0]))
-        for i, cat in (("a", "code"), ("b", "docstring"))
+        for i, cat, draft_seconds in (("a", "code", 1.0), ("b", "docstring", 3.0))
+        for m, s, calls, prop, acc in (("autoregressive", 2.0 + rep, 4, [], []),
+                                       ("draft k=2", draft_seconds, 2, [2, 2], [2, 0]))
     ]
     assert per_prompt(records)["autoregressive", "a"]["seconds"] == 3.0  # the median of 2, 3 and 4
-    entry = summarize(records, {"draft k=2": 0.5}, {3: 2.0})["draft k=2"]["all"]
-    assert entry["speedup_total"] == 3.0 and entry["tau"] == 2.0 and entry["acceptance_rate"] == 0.5
+    summary = summarize(records, {"draft k=2": 0.5}, {1: 1.0, 2: 1.5, 3: 2.0})["draft k=2"]
+    entry = summary["all"]
+    assert entry["speedup_mean"] == 2.0 and entry["speedup_total"] == 1.5  # ratios 3 and 1; totals 6 / 4
+    assert summary["code"]["speedup_total"] == 3.0 and summary["docstring"]["speedup_total"] == 1.0
+    assert entry["tau"] == 2.0 and entry["acceptance_rate"] == 0.5
     assert entry["acceptance_by_position"] == [1.0, 0.0]
+    assert entry["mean_draft_width"] == 2.0  # both steps of each prompt verified two drafts
     assert entry["predicted_speedup"] == pytest.approx(2.0 / (2 * 0.5 + 2.0))
 
 

@@ -18,12 +18,17 @@ def test_cut_points_match_their_category() -> None:
     assert repeated and all(_shingle_overlap(SOURCE[:p], SOURCE[p: p + 300]) >= 0.6 for p in repeated)
 
 
-def test_build_suite_is_deterministic_and_line_aligned() -> None:
-    files = [(f"pkg/m{i}.py", SOURCE) for i in range(5)]
+def test_build_suite_is_deterministic_line_aligned_and_one_prompt_per_file() -> None:
+    files = [(f"pkg/m{i}.py", f"# file {i}\n" + SOURCE) for i in range(12)]
     suite = build_suite(files, per_category=3, max_new_tokens=32)
     assert suite == build_suite(files, per_category=3, max_new_tokens=32)
     assert [item["category"] for item in suite] == [c for c in CATEGORIES for _ in range(3)]
-    assert all(SOURCE.count(item["prompt"]) >= 1 and item["max_new_tokens"] == 32 for item in suite)
+    assert len({item["source"] for item in suite}) == len(suite)  # categories share no file
+    for item in suite:
+        text = dict(files)[item["source"]]
+        start = text.index(item["prompt"])
+        assert (start == 0 or text[start - 1] == "\n") and item["prompt"].endswith("\n")
+        assert item["max_new_tokens"] == 32
 
 
 def test_committed_suite_comes_from_the_benchmark_split() -> None:

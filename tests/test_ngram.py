@@ -39,10 +39,9 @@ def test_min_ngram_ignores_shorter_matches() -> None:
 def test_index_grows_with_committed_tokens_only() -> None:
     drafter = started([1, 2, 3])
     size = len(drafter.index)
-    drafter.propose([1, 2, 3, 1], 2)
-    assert len(drafter.tokens) == 4 and len(drafter.index) > size
-    drafter.accepted(0)
-    assert drafter.tokens == [1, 2, 3, 1]  # proposals never enter it
+    assert drafter.propose([1, 2, 3, 1], 2).tokens == [2, 3]
+    assert drafter.tokens == [1, 2, 3, 1] and len(drafter.index) > size  # the proposal [2, 3] is not in it
+    assert drafter.propose([1, 2, 3, 1, 5], 2).tokens == []  # "5" was never committed before
 
 
 @pytest.mark.parametrize("options", [dict(k=0), dict(min_ngram=0), dict(min_ngram=3, max_ngram=2)])

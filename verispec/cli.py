@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--out", default="bench-report", help="folder for report.md, results.json and plots")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
-    bench.add_argument("--quick", action="store_true", help="tiny random models, six short prompts (seconds)")
+    bench.add_argument("--quick", action="store_true",
+                       help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
+                            "and --threads do not apply")
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
     trn.add_argument("what", choices=("manifest", "target", "draft", "card"),

@@ -24,7 +24,7 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[str]) -
     one = seconds[1]
     r = {n: t / one for n, t in seconds.items()}
     c_draft = forward_seconds(draft, 1) / one if draft is not None else None
-    c = {m: (c_draft if m.startswith("draft") else 0.0) for m in methods if "k=" in m}
+    c = {m: (c_draft if m.startswith("draft") else 0.0) for m in methods if m.startswith(("draft ", "ngram "))}
     return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
 
 
@@ -61,6 +61,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     summary = summarize(records, times["c"], times["r"])
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
+            "prompts": len(suite),
             "target": str(target_dir), "draft": str(draft_dir)}
     write_report(out, summary, records, times, info)
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ class Run:
     """One generation: what it produced, how long it took, and the loop's counters (zero for peers)."""
 
     tokens: list[int]
-    seconds: float
+    seconds: float  # the whole generate() call, timed the same way for every method
+    prefill_seconds: float = 0.0  # the target's prompt prefill inside it (ours only)
     target_calls: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
@@ -32,10 +34,12 @@ Method = Callable[[list[int], int], Run]
 
 def ours(target: NativeModel, make_drafter: Callable[[], object] | None) -> Method:
     def run(prompt: list[int], max_new_tokens: int) -> Run:
+        start = time.perf_counter()
         result = generate(target, prompt, make_drafter() if make_drafter else None,
                           max_new_tokens=max_new_tokens, ignore_eos=True)
         s = result.stats
-        return Run(result.tokens, s.total_time, s.target_calls, s.proposed_by_position, s.accepted_by_position)
+        return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.target_calls,
+                   s.proposed_by_position, s.accepted_by_position)
 
     return run
 
@@ -49,8 +53,10 @@ def our_methods(target: NativeModel, draft: NativeModel | None) -> dict[str, Met
     return methods
 
 
-def transformers_methods(target_dir: Path, draft_dir: Path | None) -> dict[str, Method]:
-    """transformers' greedy generate, its assisted generation and its prompt lookup, on the same checkpoints."""
+def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4) -> dict[str, Method]:
+    """transformers' greedy generate, its assisted generation (its defaults, and at our k) and its prompt lookup
+    (our n-gram sizes), on the same checkpoints. EOS is switched off as in our runs, so every method produces
+    exactly max_new_tokens tokens of the same greedy continuation."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -59,20 +65,28 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None) -> dict[str, 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
 
+    config = copy.deepcopy(target.generation_config)
+    config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False
+
     def peer(**options) -> Method:
         @torch.inference_mode()
         def run(prompt: list[int], max_new_tokens: int) -> Run:
+            ids = torch.tensor([prompt])
             start = time.perf_counter()
-            out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                                  min_new_tokens=max_new_tokens, pad_token_id=0, **options)
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                  max_new_tokens=max_new_tokens, **options)
             return Run(out[0, len(prompt):].tolist(), time.perf_counter() - start)
 
         return run
 
     methods = {"transformers greedy": peer()}
     if assistant is not None:
-        methods["transformers assisted"] = peer(assistant_model=assistant)
-    methods["transformers prompt lookup"] = peer(prompt_lookup_num_tokens=4)
+        assistant.generation_config.eos_token_id = None
+        methods["transformers assisted"] = peer(assistant_model=assistant)  # its own defaults (adaptive length)
+        methods[f"transformers assisted k={k}"] = peer(
+            assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0)
+    methods["transformers prompt lookup"] = peer(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
     return methods
 
 

@@ -9,17 +9,20 @@ BASELINE = "autoregressive"
 
 
 def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
-    """(method, prompt id) -> median seconds over repeats, and the counts of the first repeat (deterministic)."""
+    """(method, prompt id) -> median times over repeats, and the counts of the first repeat (deterministic)."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[r["method"], r["id"]].append(r)
-    return {key: runs[0] | {"seconds": statistics.median(r["seconds"] for r in runs)} for key, runs in groups.items()}
+    return {key: runs[0] | {t: statistics.median(r[t] for r in runs) for t in ("seconds", "prefill_seconds")}
+            for key, runs in groups.items()}
 
 
 def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> dict:
     """Per method and per category ("all" included): speed, speedup, tau, acceptance, exactness, prediction.
 
     c[method]: draft step time / target step time; r[n]: target time for n new tokens / for 1.
+    The prediction prices each step at the width actually drafted (proposals are often shorter than k), and
+    efficiency compares it with the decoding-only speedup, since the model does not cover the prompt's prefill.
     """
     rows = per_prompt(records)
     methods = list(dict.fromkeys(r_["method"] for r_ in records))
@@ -46,17 +49,22 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
                           "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)]}
-                gamma = _gamma(method)
-                if gamma and method in c:
-                    entry["predicted_speedup"] = entry["tau"] / (gamma * c[method] + r[gamma + 1])
-                    entry["efficiency"] = entry["speedup_total"] / entry["predicted_speedup"]
+                if method in c:
+                    widths = _width_histogram(proposed, calls)  # widths[j]: steps that verified j drafts
+                    step_cost = sum(w * (j * c[method] + r[j + 1]) for j, w in enumerate(widths)) / calls
+                    decode = lambda rows: sum(x["seconds"] - x["prefill_seconds"] for x in rows)
+                    entry |= {"mean_draft_width": sum(j * w for j, w in enumerate(widths)) / calls,
+                              "predicted_speedup": entry["tau"] / step_cost,
+                              "decode_speedup": decode(base) / decode(mine)}
+                    entry["efficiency"] = entry["decode_speedup"] / entry["predicted_speedup"]
             out[method][category] = entry
     return out
 
 
-def _gamma(method: str) -> int | None:
-    """Tokens drafted per step, from a name such as "draft k=4"."""
-    return int(method.split("k=")[1]) if "k=" in method else None
+def _width_histogram(proposed_by_position: list[int], calls: int) -> list[int]:
+    """Steps by number of tokens verified: proposed_by_position[i] counts the steps with more than i."""
+    at_least = [calls, *proposed_by_position, 0]
+    return [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
 
 
 def _sum_lists(lists) -> list[int]:

@@ -78,7 +78,14 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model); "
           f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
-          "Speedups are against our autoregressive baseline, per prompt, medians over repeats, methods interleaved.\n",
+          f"Greedy decoding, EOS ignored by every method (each prompt gets exactly its max_new_tokens), "
+          f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
+          "the methods in a fresh random order for every prompt. Speedup is against our autoregressive baseline: the "
+          "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "
+          "of tokens it actually drafted; efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
+          "Peers: transformers greedy; assisted with its defaults (adaptive number of assistant tokens) and at k = 4 "
+          "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
+          "Peak memory is the whole process's.\n",
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]

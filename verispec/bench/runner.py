@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import random
 from dataclasses import asdict
 
 from tqdm import tqdm
@@ -10,18 +12,18 @@ from verispec.bench.methods import Method
 
 
 def run_suite(methods: dict[str, Method], prompts: list[tuple[dict, list[int]]], repeats: int = 3,
-              progress: bool = True) -> list[dict]:
-    """A record per (repeat, prompt, method). The order of methods rotates from prompt to prompt, so that
-    drift in the machine's speed falls on every method alike."""
-    names = list(methods)
+              progress: bool = True, seed: int = 0) -> list[dict]:
+    """A record per (repeat, prompt, method). The methods run in a fresh seeded random order for each prompt,
+    so that drift in the machine's speed, and whatever one run leaves behind for the next, fall on all alike."""
+    names, rng = list(methods), random.Random(seed)
     for name in names:  # warm-up: first calls pay for allocation and kernel selection
         methods[name](prompts[0][1], 4)
     records = []
     bar = tqdm(total=repeats * len(prompts) * len(names), disable=not progress, desc="bench", unit="run")
     for repeat in range(repeats):
-        for p, (item, ids) in enumerate(prompts):
-            shift = (p + repeat) % len(names)
-            for name in names[shift:] + names[:shift]:
+        for item, ids in prompts:
+            for name in rng.sample(names, len(names)):
+                gc.collect()  # outside the timed call, so no run pays for another's garbage
                 run = methods[name](ids, item["max_new_tokens"])
                 records.append({"method": name, "id": item["id"], "category": item["category"],
                                 "repeat": repeat, **asdict(run)})

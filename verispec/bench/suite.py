@@ -1,7 +1,7 @@
 """The benchmark suite: prompts cut from the benchmark split of the corpus, in three categories.
 
 code        cut inside a function or method body, at the end of a line
-docstring   cut right after a docstring or a comment line that introduces code
+docstring   cut right after a docstring, where the code it describes begins
 repetition  cut before a line whose continuation largely stands in the prompt already (a test method
             whose twin is above, a table, a run of similar calls)
 """
@@ -41,8 +41,7 @@ def _cut_points(text: str, category: str) -> list[int]:
         body = re.match(r"( {4,})\S", line) and not line.lstrip().startswith(("#", '"', "'"))
         if category == "code" and body and _is_code(lines[i + 1]):
             points.append(starts[i + 1])
-        elif category == "docstring" and (line.strip().endswith('"""') and line.strip() != '"""' or
-                                           line.lstrip().startswith("# ")) and _is_code(lines[i + 1]):
+        elif category == "docstring" and line.rstrip().endswith(('"""', "'''")) and _is_code(lines[i + 1]):
             points.append(starts[i + 1])
         elif category == "repetition" and re.match(r"\s*(def |[\w.]+\(|\(|\[|\{)", lines[i + 1]):
             prompt, continuation = text[max(0, starts[i + 1] - CONTEXT_CHARS): starts[i + 1]], text[starts[i + 1]: starts[i + 1] + 300]
@@ -53,20 +52,21 @@ def _cut_points(text: str, category: str) -> list[int]:
 
 def build_suite(files: list[tuple[str, str]], per_category: int = 14, max_new_tokens: int = 128,
                 seed: int = 0) -> list[dict]:
-    """At most one prompt per file and category, chosen by a seeded generator, until each category is full."""
-    rng, suite = random.Random(seed), []
-    for category in CATEGORIES:
+    """Files in a seeded random order; each file gives at most one prompt in all, so categories share no text."""
+    rng, suite, used = random.Random(seed), [], set()
+    order = rng.sample(files, len(files))
+    for category in reversed(CATEGORIES):  # the rarest cut points choose their files first
         chosen = 0
-        for path, text in files:
-            points = _cut_points(text, category)
-            if not points or chosen == per_category:
+        for path, text in order:
+            if chosen == per_category or path in used or not (points := _cut_points(text, category)):
                 continue
+            used.add(path)
             end = rng.choice(points)
             start = text.find("\n", max(0, end - CONTEXT_CHARS)) + 1  # begin on a line boundary
             suite.append({"id": f"{category}-{chosen:02d}", "category": category, "source": path,
                           "prompt": text[start:end], "max_new_tokens": max_new_tokens})
             chosen += 1
-    return suite
+    return sorted(suite, key=lambda item: (CATEGORIES.index(item["category"]), item["id"]))
 
 
 def write_suite(suite: list[dict], path: Path = SUITE) -> None:

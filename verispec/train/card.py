@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -87,7 +88,8 @@ def write_cards(target: NativeModel, draft: NativeModel, target_dir: Path, draft
     (target_dir / "README.md").write_text(
         f"# verispec default target\n\nLlama architecture, {_params(target):.1f}M parameters, "
         f"{target.context_length} positions, {target.config.vocab_size}-token byte-level BPE.\n\n{shared}\n"
-        f"Training: {t_log['tokens_seen'] / 1e6:.2f}M tokens seen in {t_log['hours']:.2f} h on 2 CPU cores; "
+        f"Training: {t_log['tokens_seen'] / 1e6:.2f}M tokens seen in {t_log['hours']:.2f} h of training steps on "
+        f"{os.cpu_count()} CPU cores; "
         f"final train loss {t_log['train_loss']:.3f}, validation loss {t_log['val_loss']:.3f} nats/token, "
         f"{t_log['val_bpb']:.3f} bits per byte.\n\n{speculation}\n## Samples (with the default draft, k = 4)\n\n{sample_text}\n")
     (draft_dir / "README.md").write_text(

@@ -18,7 +18,7 @@ from verispec.models.llama import LlamaForCausalLM
 
 @dataclass
 class TrainConfig:
-    hours: float = 2.0  # wall-clock budget; the learning-rate schedule runs over it, so a resumed run ends on time
+    hours: float = 2.0  # time spent in training steps (not evaluation); the schedule runs over it, across resumes
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 1e-3
@@ -70,12 +70,19 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     step, elapsed, seen = 0, 0.0, 0
+    generator = torch.Generator().manual_seed(cfg.seed)
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
+        if state["train_config"] != asdict(cfg):
+            changed = {k: v for k, v in asdict(cfg).items() if state["train_config"].get(k) != v}
+            print(f"resuming with changed settings {changed}", flush=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, seen = state["step"], state["elapsed"], state["tokens_seen"]
-    generator = torch.Generator().manual_seed(cfg.seed + step)  # a resumed run draws fresh batches
+        if "generator" in state:  # states written before it was saved draw their batches from a fresh seed
+            generator.set_state(state["generator"])
+        else:
+            generator.manual_seed(cfg.seed + step)
     budget, last_eval, loss_sum, loss_steps = cfg.hours * 3600, elapsed, 0.0, 0
     model.train()
     while elapsed < budget:
@@ -97,13 +104,14 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
             record = {"step": step, "tokens_seen": seen, "hours": elapsed / 3600, "lr": lr,
                       "train_loss": loss_sum / loss_steps} | evaluate(model)
             model.train()
-            with log_file.open("a") as log:
-                log.write(json.dumps(record) + "\n")
-            print(json.dumps(record), flush=True)
             tmp = state_file.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "elapsed": elapsed, "tokens_seen": seen, "train_config": asdict(cfg)}, tmp)
+                        "elapsed": elapsed, "tokens_seen": seen, "train_config": asdict(cfg),
+                        "generator": generator.get_state()}, tmp)
             os.replace(tmp, state_file)  # atomic: a kill mid-save keeps the previous state
+            with log_file.open("a") as log:  # after the state, so the log never runs ahead of it
+                log.write(json.dumps(record) + "\n")
+            print(json.dumps(record), flush=True)
             last_eval, loss_sum, loss_steps = elapsed, 0.0, 0
     model.eval()
     return {"step": step, "tokens_seen": seen, "hours": elapsed / 3600}

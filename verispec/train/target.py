@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -25,8 +26,10 @@ TARGET_CONFIG = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=
 
 
 def tokenized_split(run_dir: Path, tokenizer: Tokenizer, split: str) -> np.ndarray:
-    """All files of a split, each followed by the end-of-text token, as uint16 ids (cached in run_dir)."""
-    cache = run_dir / f"{split}.npy"
+    """All files of a split, each followed by the end-of-text token, as uint16 ids (cached in run_dir, keyed by
+    the tokenizer so that a retrained one never reads stale ids)."""
+    key = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:12]
+    cache = run_dir / f"{split}-{key}.npy"
     if cache.exists():
         return np.load(cache)
     texts, skipped = load_split(split)
