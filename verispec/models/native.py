@@ -67,8 +67,9 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
-    module.load_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in weights.items()},
-                           assign=True, strict=True)
+    # Cast one tensor at a time, dropping each original as we go, so loading never holds two full copies.
+    state = {name: weights.pop(name).to(device=device, dtype=torch_dtype) for name in list(weights)}
+    module.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
