@@ -30,7 +30,7 @@ def test_report_files_and_structure(quick) -> None:
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
     assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
     report = (out / "report.md").read_text()
-    assert "## Goals" in report and "| draft k=4 |" in report and "## repetition" in report
+    assert "## Goals" in report and "## Where the time goes" in report and "| draft k=4 |" in report and "## repetition" in report
     assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())  # peers decode the same tokens
 
@@ -64,11 +64,14 @@ def test_formulas_agree_with_logged_counts(quick) -> None:
                                                                 if r["method"] == m and r["id"] == i) for i in ids)
         assert entry["decode_speedup"] == pytest.approx(decode("autoregressive") / decode(method))
         assert entry["efficiency"] == pytest.approx(entry["decode_speedup"] / (tau / cost))
+        split = entry["time_split"]
+        assert sum(split.values()) == pytest.approx(1.0) and split["verify"] > 0 and split["other"] >= -1e-9
 
 
 def test_summary_of_a_hand_made_log() -> None:
     records = [
         {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s, "prefill_seconds": 0.0,
+         "draft_seconds": 0.0, "verify_seconds": 0.0,
          "target_calls": calls, "proposed_by_position": prop, "accepted_by_position": acc}
         for rep in range(3)
         for i, cat, draft_seconds in (("a", "code", 1.0), ("b", "docstring", 3.0))

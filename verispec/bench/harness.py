@@ -59,6 +59,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     times = timing(target, draft, list(methods))
     records = run_suite(methods, prompts_for(target, suite), repeats, progress)
     summary = summarize(records, times["c"], times["r"])
+    summary = {name: summary[name] for name in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
             "prompts": len(suite),

@@ -24,6 +24,8 @@ class Run:
     tokens: list[int]
     seconds: float  # the whole generate() call, timed the same way for every method
     prefill_seconds: float = 0.0  # the target's prompt prefill inside it (ours only)
+    draft_seconds: float = 0.0  # drafting, verifying: where our loop's time goes (ours only)
+    verify_seconds: float = 0.0
     target_calls: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
@@ -38,8 +40,8 @@ def ours(target: NativeModel, make_drafter: Callable[[], object] | None) -> Meth
         result = generate(target, prompt, make_drafter() if make_drafter else None,
                           max_new_tokens=max_new_tokens, ignore_eos=True)
         s = result.stats
-        return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.target_calls,
-                   s.proposed_by_position, s.accepted_by_position)
+        return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.draft_time, s.verify_time,
+                   s.target_calls, s.proposed_by_position, s.accepted_by_position)
 
     return run
 

@@ -13,8 +13,8 @@ def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[r["method"], r["id"]].append(r)
-    return {key: runs[0] | {t: statistics.median(r[t] for r in runs) for t in ("seconds", "prefill_seconds")}
-            for key, runs in groups.items()}
+    times = ("seconds", "prefill_seconds", "draft_seconds", "verify_seconds")
+    return {key: runs[0] | {t: statistics.median(r[t] for r in runs) for t in times} for key, runs in groups.items()}
 
 
 def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> dict:
@@ -44,8 +44,10 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
                 "speedup_total": sum(b["seconds"] for b in base) / sum(x["seconds"] for x in mine),
                 "exact_match": sum(x["tokens"] == b["tokens"] for x, b in zip(mine, base)) / len(ids),
             }
-            if calls:  # our loop: counts exist
-                entry["tau"] = new / calls
+            if calls:  # our loop: counts and a split of its time exist
+                total = sum(x["seconds"] for x in mine)
+                split = {part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")}
+                entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())}}
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
                           "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)]}

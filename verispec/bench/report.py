@@ -89,6 +89,9 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]
+    md += ["\n## Where the time goes (all prompts)\n", "| method | prefill | draft | verify | other |", "|---|---|---|---|---|"]
+    md += [f"| {m} | " + " | ".join(f"{e['all']['time_split'][p]:.0%}" for p in ("prefill", "draft", "verify", "other")) + " |"
+           for m, e in summary.items() if "time_split" in e["all"]]
     md += ["\n## Goals\n", *_goals(summary), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
            "![tokens per second](tokens_per_second.png)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
