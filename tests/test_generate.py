@@ -105,6 +105,10 @@ def test_eos_stops_and_drops_proposals_after_it(target, greedy_truth) -> None:
         result = generate(with_eos, PROMPT, drafter, max_new_tokens=N)
         assert result.tokens == greedy_truth[:cut]
         assert result.stop_reason == "eos"
+    # An always-right drafter proposes 8 per step (9 tokens a step); the step that reaches the EOS verifies
+    # its proposals only up to the EOS.
+    steps_before, rest = divmod(cut, 9)
+    assert result.stats.proposed == 8 * steps_before + min(8, rest)
 
 
 def test_stop_string_truncates_text_and_stream(target, draft, greedy_truth) -> None:
