@@ -9,9 +9,6 @@ from pathlib import Path
 
 import torch
 
-GOALS = "draft speculation >= 1.5x on code and docstring; efficiency >= 0.85; >= 1.5x transformers assisted"
-
-
 def machine() -> dict:
     import transformers
 
