@@ -94,6 +94,9 @@ def test_stats_are_consistent(target, draft) -> None:
     assert sum(s.accepted_by_position) == s.accepted and sum(s.proposed_by_position) == s.proposed
     assert all(a >= b for a, b in zip(s.accepted_by_position, s.accepted_by_position[1:]))
     assert s.total_time >= s.prefill_time + s.draft_time + s.verify_time > 0
+    as_dict = s.to_dict()
+    assert as_dict["tau"] == s.tau and as_dict["acceptance_by_position"] == s.acceptance_by_position
+    assert as_dict["target_calls"] == s.target_calls
 
 
 def test_eos_stops_and_drops_proposals_after_it(target, greedy_truth) -> None:
