@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import load_model
-from verispec.train.loop import TrainConfig, init_weights, train
+from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, tokenized_split
 
 # 2.5M parameters; one decoding step measured at ~0.08 of the target's on this machine (budget: 1/8).
@@ -33,8 +33,7 @@ def kl_loss(teacher: LlamaForCausalLM):
 
 def agreement_evaluator(teacher: LlamaForCausalLM, tokens: np.ndarray, seq_len: int, windows: int = 16):
     """Validation KL and top-1 agreement of the draft with the target, on fixed windows."""
-    starts = np.linspace(0, len(tokens) - seq_len - 2, windows).astype(int)
-    batch = torch.stack([torch.from_numpy(tokens[s: s + seq_len + 1].astype(np.int64)) for s in starts])
+    batch = even_windows(tokens, windows, seq_len)
     with torch.no_grad():
         teacher_logits = torch.cat([teacher(batch[i: i + 4, :-1], None) for i in range(0, windows, 4)])
 

@@ -43,10 +43,18 @@ def init_weights(model: LlamaForCausalLM) -> None:
             torch.nn.init.normal_(p, 0.0, std)
 
 
-def random_windows(tokens: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """(batch, length + 1) windows at random offsets of a 1-D token array."""
-    starts = torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist()
+def windows_at(tokens: np.ndarray, starts, length: int) -> torch.Tensor:
+    """(len(starts), length + 1) windows of a 1-D token array: inputs and their next-token targets."""
     return torch.stack([torch.from_numpy(tokens[s: s + length + 1].astype(np.int64)) for s in starts])
+
+
+def random_windows(tokens: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    return windows_at(tokens, torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist(), length)
+
+
+def even_windows(tokens: np.ndarray, count: int, length: int) -> torch.Tensor:
+    """Fixed, evenly spaced windows: the same validation batch at every evaluation."""
+    return windows_at(tokens, np.linspace(0, len(tokens) - length - 2, count).astype(int), length)
 
 
 def learning_rate(cfg: TrainConfig, step: int, progress: float) -> float:

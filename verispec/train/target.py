@@ -15,7 +15,7 @@ from verispec.models.checkpoint import save_checkpoint
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.corpus import load_split
-from verispec.train.loop import TrainConfig, init_weights, train
+from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 from verispec.tokenizer import EOT, save_tokenizer
 from verispec.train.tokenizer import train_tokenizer
 
@@ -58,8 +58,7 @@ def lm_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
 
 def evaluator(tokens: np.ndarray, tokenizer: Tokenizer, seq_len: int, windows: int = 16):
     """Validation loss (nats/token) and bits per byte on fixed, evenly spaced windows."""
-    starts = np.linspace(0, len(tokens) - seq_len - 2, windows).astype(int)
-    batch = torch.stack([torch.from_numpy(tokens[s: s + seq_len + 1].astype(np.int64)) for s in starts])
+    batch = even_windows(tokens, windows, seq_len)
     num_bytes = sum(len(tokenizer.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in batch)
 
     @torch.no_grad()
