@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verispec import (ContextLengthError, DraftModel, InvalidArgumentError, Proposal, SamplingParams,
-                      TokenizerMismatchError, generate, load_model, stream)
+                      TokenizerMismatchError, Verdict, generate, load_model, stream)
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, tiny_config
@@ -26,10 +26,10 @@ class OracleDrafter:
     name = "oracle"
 
     def __init__(self, truth: Sequence[int], errors: set[int], k: int) -> None:
-        self.truth, self.errors, self.k = list(truth), errors, k
+        self.truth, self.errors, self.k, self.width = list(truth), errors, k, k
         self.verdicts: list[tuple[int, int]] = []  # (first position proposed, number accepted)
 
-    def begin(self, target, prompt, sampling, generator) -> None:
+    def begin(self, target, prompt, sampling, generator, cache) -> None:
         self.prompt_len = len(prompt)
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
@@ -37,8 +37,8 @@ class OracleDrafter:
         wanted = range(self.pos, self.pos + k)
         return Proposal([(self.truth[i] + 1) % 256 if i in self.errors else self.truth[i] for i in wanted])
 
-    def accepted(self, num_accepted: int) -> None:
-        self.verdicts.append((self.pos, num_accepted))
+    def accepted(self, verdict: Verdict) -> None:
+        self.verdicts.append((self.pos, verdict.num_accepted))
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +181,11 @@ def test_abandoned_stream_leaves_drafter_consistent(target, draft, greedy_truth)
         def __getattr__(self, name):
             return getattr(target, name)
 
-        def __call__(self, tokens, cache, mask=None):
+        def __call__(self, tokens, cache, mask=None, positions=None):
             self.calls += 1
             if self.calls == 4:  # prefill, then three steps
                 raise RuntimeError("interrupted")
-            return target(tokens, cache, mask)
+            return target(tokens, cache, mask, positions)
 
     failing = Failing()
     steps = stream(failing, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
@@ -260,9 +260,9 @@ def test_sampling_params_are_shared_with_the_drafter(target, draft) -> None:
     seen = {}
 
     class Spy(DraftModel):
-        def begin(self, target, prompt, sampling, generator):
+        def begin(self, target, prompt, sampling, generator, cache):
             seen["sampling"] = sampling
-            super().begin(target, prompt, sampling, generator)
+            super().begin(target, prompt, sampling, generator, cache)
 
     generate(target, PROMPT, Spy(draft, 2), max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9, seed=0)
     assert seen["sampling"] == SamplingParams(0.7, 5, 0.9)

@@ -10,7 +10,7 @@ from verispec.cli import main
 
 def started(prompt: list[int], **options) -> PromptLookup:
     drafter = PromptLookup(**options)
-    drafter.begin(None, prompt, SamplingParams(), None)
+    drafter.begin(None, prompt, SamplingParams(), None, None)
     return drafter
 
 

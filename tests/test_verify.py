@@ -342,17 +342,17 @@ class FixedDrafter:
     name = "fixed"
 
     def __init__(self, k: int) -> None:
-        self.k, self.verdicts = k, []
+        self.k, self.width, self.verdicts = k, k, []
 
     def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator) -> None:
+              generator: torch.Generator, cache) -> None:
         self.vocab_size, self.verdicts = target.vocab_size, []
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         return Proposal([(context[-1] + 1 + i) % self.vocab_size for i in range(k)], None)
 
-    def accepted(self, num_accepted: int) -> None:
-        self.verdicts.append(num_accepted)
+    def accepted(self, verdict) -> None:
+        self.verdicts.append(verdict.num_accepted)
 
 
 def generations(target: NativeModel, drafter: DraftModel | FixedDrafter, num_draws: int,

@@ -1,6 +1,6 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
-from verispec.drafters import DraftModel, Drafter, PromptLookup, Proposal
+from verispec.drafters import DraftModel, Drafter, PromptLookup, Proposal, SideBranch, Verdict
 from verispec.errors import (CheckpointError, ContextLengthError, InvalidArgumentError, TokenizerMismatchError,
                              UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
@@ -12,7 +12,7 @@ from verispec.stats import GenerationStats
 
 __all__ = [
     "CheckpointError", "ContextLengthError", "DraftModel", "Drafter", "Generation", "GenerationStats",
-    "InvalidArgumentError", "NativeModel", "PromptLookup", "Proposal", "SamplingParams", "Stream", "TokenizerMismatchError",
+    "InvalidArgumentError", "NativeModel", "PromptLookup", "Proposal", "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "Verdict",
     "TransformersModel", "UnsupportedArchitectureError", "VerispecError", "generate", "load", "load_model",
     "load_transformers_model", "stream",
 ]

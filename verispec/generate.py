@@ -10,11 +10,12 @@ from typing import Generator, Iterator, Sequence
 import torch
 
 from verispec.detokenize import Piece, TextTracker
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Drafter, Proposal, Verdict
 from verispec.errors import ContextLengthError, InvalidArgumentError
-from verispec.models.protocol import CausalLM
+from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
+from verispec.tree import cut_after_eos, depth, layout, verify_tree
 from verispec.verify import verify
 
 
@@ -66,9 +67,14 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     else:
         generator.manual_seed(seed)
     eos = frozenset() if ignore_eos else target.eos_token_ids
+    # The cache holds every token but the last, so prompt + max_new_tokens - 1 positions are all a chain
+    # needs; a tree or side branch wider than it is deep needs up to width - 1 slots more while verified.
+    width = 0 if drafter is None else drafter.width
+    cache = target.new_cache(min(target.context_length, len(ids) + max_new_tokens) + max(0, width - 1))
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
-        drafter.begin(target, ids, sampling, generator)
-    return Stream(_decode(target, ids, drafter, sampling, generator, max_new_tokens, eos, TextTracker(target.tokenizer, ids, stop)))
+        drafter.begin(target, ids, sampling, generator, cache)
+    text = TextTracker(target.tokenizer, ids, stop)
+    return Stream(_decode(target, cache, ids, drafter, sampling, generator, max_new_tokens, eos, text))
 
 
 def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, **options) -> Generation:
@@ -79,12 +85,10 @@ def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | N
     return steps.result
 
 
-def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampling: SamplingParams,
+def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter | None, sampling: SamplingParams,
             generator: torch.Generator, max_new_tokens: int, eos: frozenset[int],
             text: TextTracker) -> Generator[Piece, None, Generation]:
     stats, start, V = GenerationStats(), time.perf_counter(), target.vocab_size
-    # The cache holds every token but the last, so prompt + max_new_tokens - 1 positions are all it needs.
-    cache = target.new_cache(min(target.context_length, len(prompt) + max_new_tokens))
     tokens = list(prompt)
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=target.device), cache)
@@ -101,19 +105,28 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
             if drafter is not None and room > 1:
                 proposal, outstanding = drafter.propose(tokens, min(drafter.k, room - 1)), True
                 stats.drafter_calls += 1
-            draft = proposal.tokens[: _through_eos(proposal.tokens, eos)]
+            proposal = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
-            logits = target(torch.tensor([[tokens[-1], *draft]], device=target.device), cache)[:, :, :V]  # (1, k+1, V)
-            q = None if proposal.probs is None else proposal.probs[: len(draft)]
-            n, nxt = verify(draft, q, logits, sampling, generator)
-            cache.truncate(len(tokens) + n)  # the old last token and the accepted drafts; nxt is the new last
+            # One forward: the last committed token, then the proposal (a chain or a tree), then any side branch.
+            side = [] if proposal.side is None else proposal.side.tokens
+            mask, positions = layout(proposal, cache.length, target.device)
+            x = torch.tensor([[tokens[-1], *proposal.tokens, *side]], device=target.device)
+            logits = target(x, cache, mask, positions)[0, :, :V]
+            nodes = 1 + len(proposal.tokens)
+            if proposal.parents is None:
+                n, nxt = verify(proposal.tokens, proposal.probs, logits[None, :nodes], sampling, generator)
+                path = list(range(n))
+                cache.truncate(len(tokens) + n)  # the old last token and the accepted drafts; nxt is the new last
+            else:
+                path, nxt = verify_tree(proposal, logits[:nodes], sampling, generator)
+                cache.keep(len(tokens), path)  # the accepted branch moves into place; the rest is dropped
             if outstanding:
-                drafter.accepted(n)
+                drafter.accepted(Verdict(path, logits[nodes:] if side else None))
                 outstanding = False
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
             stats.target_calls += 1
-            stats.record_step(len(draft), n)
-            new, drafted = [*draft[:n], nxt], [True] * n + [False]
+            stats.record_step(depth(proposal), len(path))
+            new, drafted = [*(proposal.tokens[i] for i in path), nxt], [True] * len(path) + [False]
             cut = _through_eos(new, eos)  # nothing after an end-of-sequence token is kept
             if new[cut - 1] in eos:
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
@@ -127,7 +140,7 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, sampli
                 break
     finally:
         if outstanding:  # abandoned mid-step: roll the drafter back too
-            drafter.accepted(0)
+            drafter.accepted(Verdict([]))
         cache.truncate(min(cache.length, len(tokens) - 1))
         stats.total_time = time.perf_counter() - start
     yield from text.ready(final=True)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Proposal, Verdict
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams, logits_to_probs, sample
@@ -26,12 +26,12 @@ class DraftModel:
     def __init__(self, model: CausalLM, k: int = 4) -> None:
         if k < 1:
             raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
-        self.model, self.k = model, k
+        self.model, self.k, self.width = model, k, k
         self.cache: Cache | None = None
         self._context_len = 0
 
     def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator) -> None:
+              generator: torch.Generator, cache: Cache) -> None:
         check_same_tokenizer(target.tokenizer, self.model.tokenizer, target.name, self.model.name)
         if self.model.vocab_size != target.vocab_size:
             raise TokenizerMismatchError(
@@ -62,5 +62,5 @@ class DraftModel:
                 logits = self.model(torch.tensor([[token]], device=self.model.device), self.cache)[0, -1, : self.model.vocab_size]
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
-    def accepted(self, num_accepted: int) -> None:
-        self.cache.truncate(min(self.cache.length, self._context_len + num_accepted))
+    def accepted(self, verdict: Verdict) -> None:
+        self.cache.truncate(min(self.cache.length, self._context_len + verdict.num_accepted))

@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Proposal, Verdict
 from verispec.errors import InvalidArgumentError
-from verispec.models.protocol import CausalLM
+from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 
 
@@ -29,12 +29,13 @@ class PromptLookup:
             raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
-        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.k = self.width = k
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
 
     def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator) -> None:
+              generator: torch.Generator, cache: Cache) -> None:
         self.tokens, self.index = [], {}
         self._extend(prompt)
 
@@ -54,5 +55,5 @@ class PromptLookup:
                 return Proposal(self.tokens[start: start + k])
         return Proposal([])
 
-    def accepted(self, num_accepted: int) -> None:
+    def accepted(self, verdict: Verdict) -> None:
         """Nothing to roll back: proposals enter the index only once the target has committed them."""

@@ -39,6 +39,16 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Move the entries at start + offsets[j] to start + j and truncate after them: a token tree's
+        accepted path, compacted into place once verified."""
+        if offsets != list(range(len(offsets))):  # a chain prefix is already in place
+            src = torch.tensor(offsets, device=self.k.device) + start
+            end = start + len(offsets)
+            self.k[:, :, :, start:end] = self.k[:, :, :, src]  # the gather copies before the write
+            self.v[:, :, :, start:end] = self.v[:, :, :, src]
+        self.truncate(start + len(offsets))
+
     def truncate(self, length: int) -> int:
         """Roll back to `length` positions (O(1)); returns how many were removed."""
         if not 0 <= length <= self.length:

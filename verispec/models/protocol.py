@@ -15,6 +15,9 @@ class Cache(Protocol):
     def truncate(self, length: int) -> int:
         """Roll back to `length` positions; returns how many were removed."""
 
+    # Token trees also need `keep(start, offsets)` (move a verified branch into place); the native
+    # runtime's KVCache has it, and only it takes tree masks.
+
 
 class CausalLM(Protocol):
     name: str
