@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+import torch
 
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, random_pair, tiny_config
@@ -34,3 +36,12 @@ def draft(pair_dirs: tuple[Path, Path]) -> NativeModel:
 @pytest.fixture(scope="session")
 def unrelated(unrelated_dir: Path) -> NativeModel:
     return load_model(unrelated_dir)
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """One intra-op thread: the tensors are tiny, and a busy neighbour core stalls two-thread ops at barriers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,8 +24,9 @@ def test_report_files_and_structure(quick) -> None:
     assert {p.name for p in out.iterdir()} >= {"report.md", "results.json", "speedup_vs_k.png",
                                                 "acceptance_by_position.png", "tokens_per_second.png"}
     summary = results["summary"]
-    expected = {"autoregressive", "ngram k=4", "transformers greedy", "transformers assisted",
-                "transformers assisted k=4", "transformers prompt lookup"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+    expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead W=5 N=4 G=5", "transformers greedy",
+                "transformers assisted", "transformers assisted k=4",
+                "transformers prompt lookup", "draft tree b=2 k=4"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
     assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
@@ -38,7 +39,7 @@ def test_report_files_and_structure(quick) -> None:
 def test_formulas_agree_with_logged_counts(quick) -> None:
     _, results = quick
     records, summary, timing = results["records"], results["summary"], results["timing"]
-    for method in ("draft k=4", "ngram k=4"):
+    for method in ("draft k=4", "ngram k=4", "layerskip k=4"):
         runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
         base = {r["id"]: r for r in records if r["method"] == "autoregressive" and r["repeat"] == 0}
         entry = summary[method]["all"]

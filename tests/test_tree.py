@@ -39,10 +39,10 @@ def test_parents_must_come_first() -> None:
 
 def test_cut_after_eos_drops_descendants_only() -> None:
     eos = frozenset({0})
-    tree = cut_after_eos(Proposal([0, 5, 6, 7], torch.eye(8)[[0, 5, 6, 7]], parents=[-1, -1, 0, 1]), eos)
-    assert (tree.tokens, tree.parents) == ([0, 5, 7], [-1, -1, 1])
+    tree, kept = cut_after_eos(Proposal([0, 5, 6, 7], torch.eye(8)[[0, 5, 6, 7]], parents=[-1, -1, 0, 1]), eos)
+    assert (tree.tokens, tree.parents, kept) == ([0, 5, 7], [-1, -1, 1], [0, 1, 3])
     assert tree.probs.argmax(-1).tolist() == [0, 5, 7]
-    assert cut_after_eos(Proposal([3, 0, 4]), eos).tokens == [3, 0]
+    assert cut_after_eos(Proposal([3, 0, 4]), eos)[0].tokens == [3, 0]
 
 
 def test_keep_moves_the_accepted_branch_into_place() -> None:

@@ -1,10 +1,11 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
-from verispec.drafters import DraftModel, Drafter, PromptLookup, Proposal, SideBranch, Verdict
+from verispec.drafters import DraftModel, Drafter, LayerSkip, Lookahead, PromptLookup, Proposal, SideBranch, Verdict
 from verispec.errors import (CheckpointError, ContextLengthError, InvalidArgumentError, TokenizerMismatchError,
                              UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
 from verispec.models.auto import load
+from verispec.models.default import load_default
 from verispec.models.hf_adapter import TransformersModel, load_transformers_model
 from verispec.models.native import NativeModel, load_model
 from verispec.sampling import SamplingParams
@@ -12,7 +13,7 @@ from verispec.stats import GenerationStats
 
 __all__ = [
     "CheckpointError", "ContextLengthError", "DraftModel", "Drafter", "Generation", "GenerationStats",
-    "InvalidArgumentError", "NativeModel", "PromptLookup", "Proposal", "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "Verdict",
-    "TransformersModel", "UnsupportedArchitectureError", "VerispecError", "generate", "load", "load_model",
+    "InvalidArgumentError", "LayerSkip", "Lookahead", "NativeModel", "PromptLookup", "Proposal", "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "Verdict",
+    "TransformersModel", "UnsupportedArchitectureError", "VerispecError", "generate", "load", "load_default", "load_model",
     "load_transformers_model", "stream",
 ]

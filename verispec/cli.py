@@ -13,10 +13,11 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters import DraftModel, PromptLookup
+from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
 from verispec.models.auto import BACKENDS, load
+from verispec.models.default import default_paths
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
 
@@ -28,13 +29,25 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     gen.add_argument("prompt")
-    gen.add_argument("--target", required=True, help="target checkpoint folder (Hugging Face format)")
-    gen.add_argument("--draft", help="draft checkpoint folder (--method draft); without it, plain decoding")
-    gen.add_argument("--method", choices=("draft", "ngram"), default="draft",
-                     help="draft: a smaller model proposes; ngram: prompt lookup proposes from the text itself")
+    gen.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
+                                      "models/stdlib-target, with models/stdlib-draft as the draft")
+    gen.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
+                                     "plain decoding")
+    gen.add_argument("--method", choices=("draft", "ngram", "layerskip", "lookahead"), default="draft",
+                     help="draft: a smaller model proposes; ngram: prompt lookup proposes from the text itself; "
+                          "layerskip: the target drafts for itself with some layers skipped; "
+                          "lookahead: Jacobi iteration in the target's own forward guesses n-grams")
     gen.add_argument("--max-ngram", type=int, default=3, help="ngram: longest n-gram matched")
     gen.add_argument("--min-ngram", type=int, default=1, help="ngram: shortest n-gram matched")
+    gen.add_argument("--window", type=int, default=5, help="lookahead: columns of the Jacobi window (W)")
+    gen.add_argument("--ngram-size", type=int, default=4, help="lookahead: n-gram size N (N - 1 tokens drafted)")
+    gen.add_argument("--candidates", type=int, default=5, help="lookahead: most n-grams verified per step (G)")
+    gen.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
     gen.add_argument("-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    gen.add_argument("--branch", type=int, default=1,
+                     help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
+                          "tree (native runtime; default 1, a chain)")
+    gen.add_argument("--branch-depth", type=int, default=1, help="draft: how many depths branch (default 1)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
@@ -57,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--draft-layers", type=int, default=1)
     rnd.add_argument("--hidden-size", type=int, default=128)
     rnd.add_argument("--seed", type=int, default=0)
+    lsk = sub.add_parser("search-layerskip", help="choose the layers --method layerskip skips; writes "
+                                                  "TARGET/layerskip.json")
+    lsk.add_argument("--target", required=True, help="target checkpoint folder (native runtime)")
+    lsk.add_argument("-k", "--k", type=int, default=4, help="tokens drafted per step to optimise for (default 4)")
+    lsk.add_argument("--prompts", type=int, default=8, help="prompts cut from the validation text (default 8)")
+    lsk.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
+    lsk.add_argument("--new-tokens", type=int, default=32, help="tokens each greedy run generates (default 32)")
+    lsk.add_argument("--text", action="append", default=[],
+                     help="a text file to measure on (repeatable); default: the corpus's validation split")
+    lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
     bench.add_argument("--target", help="target checkpoint folder")
     bench.add_argument("--draft", help="draft checkpoint folder")
@@ -97,12 +120,26 @@ def _generate(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
     if not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
+    if args.target is None:  # the shipped default pair
+        args.target, default_draft = default_paths()
+        args.draft = args.draft or default_draft
+    if args.branch < 1 or args.branch_depth < 1:
+        raise InvalidArgumentError(f"--branch and --branch-depth must be >= 1, got {args.branch} and {args.branch_depth}")
+    if (args.branch, args.branch_depth) != (1, 1) and (args.method != "draft" or not args.draft):
+        raise InvalidArgumentError("--branch and --branch-depth shape a draft model's tree: use them with "
+                                   "--method draft and --draft")
     target = load(args.target, args.backend, args.device, args.dtype)
     drafter = None
     if args.method == "ngram":
         drafter = PromptLookup(args.k, args.max_ngram, args.min_ngram)
+    elif args.method == "lookahead":
+        drafter = Lookahead(args.window, args.ngram_size, args.candidates)
+    elif args.method == "layerskip":
+        skip = _layer_list(args.skip) if args.skip else None
+        drafter = LayerSkip(skip, args.k) if skip else LayerSkip.from_checkpoint(args.target, args.k)
     elif args.draft:
-        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k)
+        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k, args.branch,
+                             args.branch_depth)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
@@ -127,6 +164,35 @@ def _generate(args: argparse.Namespace) -> None:
               f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
         note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"--skip takes comma-separated layer indices such as 2,3; got {text!r}") from None
+
+
+def _search_layerskip(args: argparse.Namespace) -> None:
+    from verispec.drafters.layer_skip_search import search_skip, write_plan  # with the bench's timing, on demand
+
+    if args.threads < 1:
+        raise InvalidArgumentError("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    target = load_model(args.target)
+    texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
+    plan = search_skip(target, texts, k=args.k, prompts=args.prompts, prompt_len=args.prompt_len,
+                       new_tokens=args.new_tokens)
+    print(f"data: {plan.data}; k={plan.k}, r(k+1)={plan.r:.2f}, share outside the blocks f={plan.fixed_share:.2f}")
+    for step in plan.steps:
+        print(f"skip layer {step['layer']}: acceptance {step['agreement']:.3f}, tau {step['tau']:.2f}, "
+              f"predicted speedup {step['predicted_speedup']:.2f}x")
+    layers = target.config.num_hidden_layers
+    print(f"chosen: skip {plan.skip} of {layers} layers; acceptance {plan.agreement:.3f}, c {plan.c:.2f}, "
+          f"predicted speedup {plan.predicted_speedup:.2f}x")
+    if plan.predicted_speedup <= 1:
+        print("(predicted speedup at most 1: layer skip will not pay on this model)")
+    print(f"wrote {write_plan(plan, args.target)}")
 
 
 def _init_random(args: argparse.Namespace) -> None:
@@ -187,7 +253,8 @@ def _train(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench}[args.command](args)
+        {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
+         "search-layerskip": _search_layerskip}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -105,7 +105,7 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
             if drafter is not None and room > 1:
                 proposal, outstanding = drafter.propose(tokens, min(drafter.k, room - 1)), True
                 stats.drafter_calls += 1
-            proposal = cut_after_eos(proposal, eos)
+            proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
             # One forward: the last committed token, then the proposal (a chain or a tree), then any side branch.
             side = [] if proposal.side is None else proposal.side.tokens
@@ -121,7 +121,7 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
                 path, nxt = verify_tree(proposal, logits[:nodes], sampling, generator)
                 cache.keep(len(tokens), path)  # the accepted branch moves into place; the rest is dropped
             if outstanding:
-                drafter.accepted(Verdict(path, logits[nodes:] if side else None))
+                drafter.accepted(Verdict([kept[i] for i in path], logits[nodes:] if side else None))
                 outstanding = False
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
             stats.target_calls += 1

@@ -58,3 +58,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """One token id per row of `probs` (..., V)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def draw(logits: torch.Tensor, params: SamplingParams,
+         generator: torch.Generator | None = None) -> tuple[int, torch.Tensor | None]:
+    """A drafter's next token from its logits (V,): the argmax when greedy (no q needed), else a sample and its q."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits, params)
+    return int(sample(q, generator)), q

@@ -55,8 +55,9 @@ def layout(proposal: Proposal, start: int, device: torch.device) -> tuple[torch.
     return mask.to(device), start + torch.tensor(offsets, device=device)
 
 
-def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> Proposal:
-    """Drop every token that follows an end-of-sequence token: nothing after it can be kept."""
+def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, list[int]]:
+    """Drop every token that follows an end-of-sequence token (nothing after it can be kept); also returns
+    the original index of each token kept, so that a verdict can be told in the drafter's numbering."""
     if proposal.parents is None:
         n = next((i + 1 for i, t in enumerate(proposal.tokens) if t in eos), len(proposal.tokens))
         keep = list(range(n))
@@ -67,10 +68,10 @@ def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> Proposal:
                 new_index[i] = len(keep)
                 keep.append(i)
     if len(keep) == len(proposal.tokens):
-        return proposal
+        return proposal, keep
     parents = None if proposal.parents is None else [new_index[proposal.parents[i]] for i in keep]
     probs = None if proposal.probs is None else proposal.probs[keep]
-    return Proposal([proposal.tokens[i] for i in keep], probs, parents, proposal.side)
+    return Proposal([proposal.tokens[i] for i in keep], probs, parents, proposal.side), keep
 
 
 def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,

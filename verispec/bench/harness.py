@@ -6,6 +6,7 @@ import resource
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -14,17 +15,23 @@ from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
+from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
+from verispec.drafters.layer_skip_search import search_skip, write_plan
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 
 
-def timing(target: NativeModel, draft: NativeModel | None, methods: list[str]) -> dict:
-    """c per method (draft step / target step; prompt lookup runs no model) and r(n) for n = 1 .. max k + 1."""
+def timing(target: NativeModel, draft: NativeModel | None, methods: list[str], skip: Sequence[int] | None = None) -> dict:
+    """c per method (draft step / target step; prompt lookup runs no model; layer skip runs the target without
+    the layers `skip`) and r(n) for n = 1 .. max k + 1."""
     seconds = {n: forward_seconds(target, n) for n in range(1, max(DRAFT_KS) + 2)}
     one = seconds[1]
     r = {n: t / one for n, t in seconds.items()}
     c_draft = forward_seconds(draft, 1) / one if draft is not None else None
-    c = {m: (c_draft if m.startswith("draft") else 0.0) for m in methods if m.startswith(("draft ", "ngram "))}
+    kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
+    c_skip = forward_seconds(target, 1, layers=kept) / one if skip else None
+    c = {m: (c_draft if m.startswith("draft") else c_skip if m.startswith("layerskip") else 0.0)
+         for m in methods if m.startswith(("draft k=", "ngram ", "layerskip "))}  # a tree's step is not w c + r(w + 1)
     return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
 
 
@@ -53,10 +60,12 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
          progress: bool) -> dict:
     target = load_model(target_dir)
     draft = load_model(draft_dir) if draft_dir else None
-    methods = our_methods(target, draft)
+    plan = target_dir / PLAN_FILE
+    skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
+    methods = our_methods(target, draft, skip)
     if peers:
         methods |= transformers_methods(target_dir, draft_dir)
-    times = timing(target, draft, list(methods))
+    times = timing(target, draft, list(methods), skip)
     records = run_suite(methods, prompts_for(target, suite), repeats, progress)
     summary = summarize(records, times["c"], times["r"])
     summary = {name: summary[name] for name in methods}  # the methods' own order, not the runs' random one
@@ -81,6 +90,14 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
     """Tiny random models and six short prompts: checks the machinery, not the speed (CI runs it)."""
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = random_pair(tmp, tiny_config(num_hidden_layers=3), draft_layers=1)
+        # A short layer-skip search on two prompts of the suite, so the layerskip row runs too; at the bench's
+        # thread count, since two threads on a busy 2-core machine make it thirty times slower.
+        texts, previous = [item["prompt"] for item in quick_suite()[:2]], torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            write_plan(search_skip(load_model(target_dir), texts, prompts=2, prompt_len=32, new_tokens=8), target_dir)
+        finally:
+            torch.set_num_threads(previous)
         return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads)
 
 

@@ -6,11 +6,11 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from verispec.drafters import DraftModel, PromptLookup
+from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.generate import generate
 from verispec.models.native import NativeModel
 
@@ -46,12 +46,18 @@ def ours(target: NativeModel, make_drafter: Callable[[], object] | None) -> Meth
     return run
 
 
-def our_methods(target: NativeModel, draft: NativeModel | None) -> dict[str, Method]:
-    """The autoregressive baseline, DraftModel at every k, and every other registered drafter at k = 4."""
+def our_methods(target: NativeModel, draft: NativeModel | None, skip: Sequence[int] | None = None) -> dict[str, Method]:
+    """The autoregressive baseline, DraftModel at every k and as a tree (two candidates for the first token, each
+    continued to depth 4), and every other registered drafter at k = 4; layer skip when `skip` (the layers it
+    leaves out, from the target's layerskip.json) is given."""
     methods = {"autoregressive": ours(target, None)}
     if draft is not None:
         methods |= {f"draft k={k}": ours(target, lambda k=k: DraftModel(draft, k)) for k in DRAFT_KS}
+        methods["draft tree b=2 k=4"] = ours(target, lambda: DraftModel(draft, 4, branch=2))
     methods["ngram k=4"] = ours(target, lambda: PromptLookup(4))
+    if skip:
+        methods["layerskip k=4"] = ours(target, lambda: LayerSkip(skip, 4))
+    methods["lookahead W=5 N=4 G=5"] = ours(target, lambda: Lookahead(5, 4, 5))
     return methods
 
 
@@ -92,8 +98,10 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4) -
     return methods
 
 
-def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, repeats: int = 7) -> float:
-    """Median time of one forward of `new_tokens` tokens after `context` cached ones (batch 1)."""
+def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, repeats: int = 7,
+                    layers: Sequence[int] | None = None) -> float:
+    """Median time of one forward of `new_tokens` tokens after `context` cached ones (batch 1), running only
+    the blocks `layers` (all by default) in the timed forward."""
     times = []
     prefix = torch.arange(context, device=model.device)[None] % model.vocab_size
     chunk = torch.arange(new_tokens, device=model.device)[None]
@@ -101,7 +109,7 @@ def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, rep
     model(prefix, cache)
     for _ in range(repeats):
         start = time.perf_counter()
-        model(chunk, cache)
+        model(chunk, cache, layers=layers)
         times.append(time.perf_counter() - start)
         cache.truncate(context)
     return sorted(times)[len(times) // 2]

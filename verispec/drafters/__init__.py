@@ -2,6 +2,8 @@
 
 from verispec.drafters.base import Drafter, Proposal, SideBranch, Verdict
 from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.layer_skip import LayerSkip
+from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 
-__all__ = ["Drafter", "DraftModel", "PromptLookup", "Proposal", "SideBranch", "Verdict"]
+__all__ = ["Drafter", "DraftModel", "LayerSkip", "Lookahead", "PromptLookup", "Proposal", "SideBranch", "Verdict"]

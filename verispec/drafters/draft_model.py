@@ -1,4 +1,5 @@
-"""A smaller model of the same tokenizer drafts k tokens autoregressively, with its own KV cache."""
+"""A smaller model of the same tokenizer drafts k tokens autoregressively, with its own KV cache; optionally a
+token tree, with the top-b candidates (or b draws) at each of the first positions."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import torch
 
 from verispec.drafters.base import Proposal, Verdict
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
+from verispec.models.native import NativeModel
 from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, draw, logits_to_probs
 from verispec.tokenizer import check_same_tokenizer
+
+
+def tree_size(k: int, branch: int, branch_depth: int) -> int:
+    """Nodes of a tree k deep in which every node above depth `branch_depth` has `branch` children, the rest one."""
+    return sum(branch ** min(d, branch_depth) for d in range(1, k + 1))
 
 
 class DraftModel:
@@ -19,16 +26,32 @@ class DraftModel:
     After the target's verdict it rolls back to the accepted tokens; the target's correction (and
     the last proposal, when everything was accepted) is fed at the start of the next `propose`,
     in the same forward as the first draft step.
+
+    With `branch` b > 1 it proposes a tree: every node at the first `branch_depth` depths gets b children
+    (greedy: the draft's top-b tokens; sampling: b independent draws from its q, as SpecInfer's rule needs),
+    deeper nodes one, down to depth k. Each depth is one draft forward over the whole frontier with a tree
+    mask; after the verdict the accepted path's cache entries are moved into place and the rest dropped.
     """
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, k: int = 4) -> None:
+    def __init__(self, model: CausalLM, k: int = 4, branch: int = 1, branch_depth: int = 1) -> None:
         if k < 1:
             raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
-        self.model, self.k, self.width = model, k, k
+        if branch < 1:
+            raise InvalidArgumentError(f"branch (candidates per tree node) must be >= 1, got {branch}")
+        if branch_depth < 1:
+            raise InvalidArgumentError(f"branch_depth (depths that branch) must be >= 1, got {branch_depth}")
+        if branch > 1 and not isinstance(model, NativeModel):
+            raise InvalidArgumentError(
+                f"branch > 1 drafts a token tree, which needs a draft model in the native runtime; "
+                f"{model.name} is loaded through transformers, which takes no tree masks"
+            )
+        self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
+        self.width = tree_size(k, branch, branch_depth)
         self.cache: Cache | None = None
         self._context_len = 0
+        self._slots: dict[int, int] = {}  # tree node -> its entry's offset after the committed tokens
 
     def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
               generator: torch.Generator, cache: Cache) -> None:
@@ -37,30 +60,87 @@ class DraftModel:
             raise TokenizerMismatchError(
                 f"draft {self.model.name} has {self.model.vocab_size} usable tokens, target {target.name} {target.vocab_size}"
             )
-        if self.cache is None:
-            self.cache = self.model.new_cache()
+        if self.cache is None:  # a tree's other branches need width - k slots more than a chain
+            self.cache = self.model.new_cache(self.model.context_length + self.width - self.k)
         self.cache.truncate(0)
         self.sampling, self.generator, self._context_len = sampling, generator, len(prompt)
+        # The loop drops whatever follows an end-of-sequence token and renumbers the tree; never growing
+        # anything beneath one keeps the verdict's indices ours.
+        self._eos = target.eos_token_ids
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
-        self._context_len = len(context)
-        k = min(k, self.cache.max_len - len(context))  # the cache must hold context + k - 1 tokens
+        self._context_len, self._slots = len(context), {}
+        # the cache must hold context + k - 1 tokens; a tree's other nodes above depth k fit in the width - k more
+        k = min(k, self.cache.max_len - (self.width - self.k) - len(context))
         if k < 1:
             return Proposal([])
         unseen = torch.tensor([context[self.cache.length:]], device=self.model.device)
         logits = self.model(unseen, self.cache)[0, -1, : self.model.vocab_size]
+        if self.branch > 1:
+            return self._propose_tree(logits, k)
         tokens, probs = [], []
         for i in range(k):
-            if self.sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, self.sampling)
-                token = int(sample(q, self.generator))
-                probs.append(q)
+            token, q = draw(logits, self.sampling, self.generator)
             tokens.append(token)
+            probs += [] if q is None else [q]
             if i < k - 1:
                 logits = self.model(torch.tensor([[token]], device=self.model.device), self.cache)[0, -1, : self.model.vocab_size]
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
+    def _propose_tree(self, root_logits: torch.Tensor, k: int) -> Proposal:
+        """Grow the tree a depth at a time, from the logits at the last committed token (already in the cache)."""
+        start, V = self._context_len, self.model.vocab_size
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        sees: dict[int, list[int]] = {-1: []}  # node -> cache offsets of its ancestors' entries
+        frontier, frontier_logits = [-1], root_logits[None]
+        for d in range(1, k + 1):
+            n = self.branch if d <= self.branch_depth else 1
+            children = []
+            for parent, logits in zip(frontier, frontier_logits):
+                if self.sampling.greedy:  # distinct candidates; q stays one-hot, as greedy verification needs
+                    picks, q = logits.topk(min(n, V)).indices.tolist(), None
+                else:  # independent draws from q: SpecInfer's rule is lossless for exactly these
+                    q = logits_to_probs(logits, self.sampling)
+                    picks = torch.multinomial(q, n, replacement=True, generator=self.generator).tolist()
+                for token in picks:
+                    children.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(parent)
+                    if q is not None:
+                        probs.append(q)
+            frontier = [c for c in children if tokens[c] not in self._eos]
+            if d == k or not frontier:
+                break
+            frontier_logits = self._score(frontier, tokens, parents, sees, start, d)
+        return Proposal(tokens, torch.stack(probs) if probs else None, parents)
+
+    def _score(self, frontier: list[int], tokens: list[int], parents: list[int], sees: dict[int, list[int]],
+               start: int, d: int) -> torch.Tensor:
+        """One draft forward over the frontier (all at depth d): each sees the committed tokens, its
+        ancestors and itself. Returns their logits (len(frontier), V)."""
+        T, length = len(frontier), self.cache.length
+        mask = torch.zeros(T, length + T, dtype=torch.bool)
+        mask[:, :start] = True
+        for row, node in enumerate(frontier):
+            parent = parents[node]
+            sees[node] = sees[parent] + ([self._slots[parent]] if parent >= 0 else [])
+            mask[row, [start + s for s in sees[node]]] = True
+            mask[row, length + row] = True
+            self._slots[node] = length - start + row
+        device = self.model.device
+        x = torch.tensor([[tokens[node] for node in frontier]], device=device)
+        positions = torch.full((T,), start - 1 + d, device=device)
+        return self.model(x, self.cache, mask.to(device), positions)[0, :, : self.model.vocab_size]
+
     def accepted(self, verdict: Verdict) -> None:
-        self.cache.truncate(min(self.cache.length, self._context_len + verdict.num_accepted))
+        if self.branch == 1:
+            self.cache.truncate(min(self.cache.length, self._context_len + verdict.num_accepted))
+            return
+        # Every accepted node but the last has children, so it was scored; the last may not have been.
+        offsets = [self._slots[i] for i in verdict.path if i in self._slots]
+        if offsets:
+            self.cache.keep(self._context_len, offsets)
+        else:
+            self.cache.truncate(min(self.cache.length, self._context_len))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,14 +109,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
-        pattern among the new tokens; every new token always sees the whole cache. `positions` (T,)
+        pattern among the new tokens; every new token always sees the whole cache. A mask
+        (T, cache.length + T) covers the cache too (a draft model's own tree entries). `positions` (T,)
         are the rotary positions, cache.length + index by default; a token tree passes
         cache.length + depth, so that siblings share a position. With no cache (training), the
-        tokens are a whole sequence from position 0.
+        tokens are a whole sequence from position 0. `layers` (indices, ascending) are the blocks to run,
+        all by default: a skipped block neither computes nor writes its cache entries for the new tokens, so
+        they hold stale values, and only a caller that truncates them away (layer-skip drafting) may skip.
         """
         B, T = tokens.shape
         start = 0
@@ -126,11 +131,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         attn_mask = mask
-        if cache is not None and (T > 1 or mask is not None):
+        if mask is not None and cache is not None and mask.shape[-1] == start + T:
+            attn_mask = mask.to(tokens.device)  # it already says which cached positions each token sees
+        elif cache is not None and (T > 1 or mask is not None):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
-        for block in self.model.layers:
+        for block in self.model.layers if layers is None else [self.model.layers[i] for i in layers]:
             x = block(x, cos, sin, cache, attn_mask)
         if cache is not None:
             cache.advance(T)

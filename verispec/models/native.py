@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -42,8 +43,8 @@ class NativeModel:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.module(tokens, cache, mask, positions)
+                 positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None) -> torch.Tensor:
+        return self.module(tokens, cache, mask, positions, layers)
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",

@@ -1,0 +1,94 @@
+"""Self-speculative drafting: the target drafts for itself with some of its layers skipped.
+
+No second model is held in memory, and the draft reuses the target's own KV cache: the committed prefix's
+entries in the layers it runs are the full model's (as in Draft & Verify and SWIFT). Which layers to skip is
+chosen by `verispec.drafters.layer_skip_search` and saved as `layerskip.json` beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from numbers import Integral
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from verispec.drafters.base import Proposal, Verdict
+from verispec.errors import CheckpointError, InvalidArgumentError
+from verispec.models.native import NativeModel
+from verispec.models.protocol import Cache, CausalLM
+from verispec.sampling import SamplingParams, draw
+
+PLAN_FILE = "layerskip.json"
+
+
+class LayerSkip:
+    """Drafts k tokens autoregressively with the target's blocks `skip` left out.
+
+    Each proposal writes its tokens' keys and values into the target's cache past the committed tokens (the
+    skipped layers' slots stay stale and are never read by the layers that run), then truncates the cache
+    back, so the verification forward overwrites those slots with the full model's entries.
+    """
+
+    name = "layerskip"
+
+    def __init__(self, skip: Sequence[int], k: int = 4) -> None:
+        if k < 1:
+            raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
+        if not all(isinstance(i, Integral) and not isinstance(i, bool) and i >= 0 for i in skip):
+            raise InvalidArgumentError(f"layers to skip must be non-negative integers, got {list(skip)}")
+        if len(set(skip)) != len(skip):
+            raise InvalidArgumentError(f"layers to skip must be distinct, got {list(skip)}")
+        if not skip:
+            raise InvalidArgumentError("layer skip needs at least one layer to skip (skipping none drafts with "
+                                       "the full target, which is never faster)")
+        self.skip, self.k, self.width = sorted(int(i) for i in skip), k, k
+        self.layers: list[int] = []
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, k: int | None = None) -> LayerSkip:
+        """The skip set saved in `folder/layerskip.json` by the search; k defaults to the one searched for."""
+        file = Path(folder) / PLAN_FILE
+        if not file.is_file():
+            raise CheckpointError(f"{file}: no layer-skip plan; write one with `verispec search-layerskip --target "
+                                  f"{folder}` or pass --skip")
+        try:
+            plan = json.loads(file.read_text())
+            skip, saved_k = list(plan["skip"]), int(plan["k"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{file}: not a layer-skip plan ({err})") from None
+        return cls(skip, saved_k if k is None else k)
+
+    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
+              generator: torch.Generator, cache: Cache) -> None:
+        if not isinstance(target, NativeModel):
+            raise InvalidArgumentError(f"layer skip runs the target with layers left out, which only the native "
+                                       f"runtime can do; {target.name} is loaded through transformers")
+        layers = target.config.num_hidden_layers
+        if self.skip[-1] >= layers:
+            raise InvalidArgumentError(f"cannot skip layer {self.skip[-1]}: {target.name} has layers 0..{layers - 1}")
+        if len(self.skip) == layers:
+            raise InvalidArgumentError(f"cannot skip all {layers} layers of {target.name}")
+        self.layers = [i for i in range(layers) if i not in self.skip]
+        self.target, self.cache, self.sampling, self.generator = target, cache, sampling, generator
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        start, vocab = self.cache.length, self.target.vocab_size
+        unseen = list(context[start:])  # the last committed token, which the cache does not hold yet
+        k = min(k, self.cache.max_len - start - len(unseen) + 1)  # the last draft is never fed
+        tokens, probs = [], []
+        try:
+            for _ in range(k):
+                x = torch.tensor([unseen], device=self.target.device)
+                logits = self.target(x, self.cache, layers=self.layers)[0, -1, :vocab]
+                token, q = draw(logits, self.sampling, self.generator)
+                tokens.append(token)
+                probs += [] if q is None else [q]
+                unseen = [token]
+        finally:  # the loop expects the cache where it left it; the verification rewrites these slots
+            self.cache.truncate(start)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def accepted(self, verdict: Verdict) -> None:
+        """Nothing to roll back: the drafter keeps no state of its own past the committed tokens."""

@@ -1,0 +1,29 @@
+"""The default pair that ships in `models/`: a target and its draft, trained on the Python standard library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from verispec.errors import CheckpointError
+from verispec.models.native import NativeModel, load_model
+
+MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
+DEFAULT_TARGET = MODELS / "stdlib-target"
+DEFAULT_DRAFT = MODELS / "stdlib-draft"
+
+
+def default_paths() -> tuple[Path, Path]:
+    """The shipped target and draft folders; a clear error where this install has no `models/`."""
+    for folder in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"default model {folder} is missing: install verispec from a clone "
+                                  "(pip install -e .), or pass --target/--draft")
+    return DEFAULT_TARGET, DEFAULT_DRAFT
+
+
+def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> tuple[NativeModel, NativeModel]:
+    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default."""
+    target_dir, draft_dir = default_paths()
+    return load_model(target_dir, device, dtype), load_model(draft_dir, device, dtype)
