@@ -34,6 +34,9 @@ def test_report_files_and_structure(quick) -> None:
     assert "## Goals" in report and "## Where the time goes" in report and "| draft k=4 |" in report and "## repetition" in report
     assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())  # peers decode the same tokens
+    check = results["info"]["float64_check"]
+    assert check["exact_match"] == 1.0 and check["prompts"] == 6
+    assert "exact match 100% (goal 100%)" in report
 
 
 def test_formulas_agree_with_logged_counts(quick) -> None:

@@ -15,8 +15,10 @@ from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
+from verispec.drafters import DraftModel
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
 from verispec.drafters.layer_skip_search import search_skip, write_plan
+from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 
@@ -44,6 +46,20 @@ def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list
     return out
 
 
+def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[dict, list[int]]],
+                  count: int = 8) -> dict | None:
+    """Greedy draft-model speculation (k = 4) against autoregressive decoding with both models in float64, on the
+    first `count` prompts: where rounding cannot flip a near-tie, the outputs must be identical."""
+    if draft_dir is None:
+        return None
+    target, draft = load_model(target_dir, dtype="float64"), load_model(draft_dir, dtype="float64")
+    chosen = prompts[:count]
+    same = sum(generate(target, ids, DraftModel(draft, 4), max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
+               == generate(target, ids, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
+               for item, ids in chosen)
+    return {"method": "draft k=4", "prompts": len(chosen), "exact_match": same / len(chosen)}
+
+
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
               peers: bool = True, progress: bool = True, threads: int = 1) -> dict:
     """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
@@ -66,12 +82,13 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     if peers:
         methods |= transformers_methods(target_dir, draft_dir)
     times = timing(target, draft, list(methods), skip)
-    records = run_suite(methods, prompts_for(target, suite), repeats, progress)
+    prompts = prompts_for(target, suite)
+    records = run_suite(methods, prompts, repeats, progress)
     summary = summarize(records, times["c"], times["r"])
     summary = {name: summary[name] for name in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
-            "prompts": len(suite),
+            "prompts": len(suite), "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir)}
     write_report(out, summary, records, times, info)
     return summary

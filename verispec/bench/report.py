@@ -61,6 +61,13 @@ def _goals(summary: dict) -> list[str]:
     return lines
 
 
+def _float64_line(check: dict | None) -> str:
+    if check is None:
+        return "- float64 check: not run (no draft model)"
+    return (f"- float64 check ({check['method']} against autoregressive, both models in float64, first "
+            f"{check['prompts']} prompts): exact match {check['exact_match']:.0%} (goal 100%)")
+
+
 def write_report(out: Path, summary: dict, records: list[dict], timing: dict, info: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"info": info, "timing": timing, "summary": summary,
@@ -89,7 +96,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     md += ["\n## Where the time goes (all prompts)\n", "| method | prefill | draft | verify | other |", "|---|---|---|---|---|"]
     md += [f"| {m} | " + " | ".join(f"{e['all']['time_split'][p]:.0%}" for p in ("prefill", "draft", "verify", "other")) + " |"
            for m, e in summary.items() if "time_split" in e["all"]]
-    md += ["\n## Goals\n", *_goals(summary), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
+    md += ["\n## Goals\n", *_goals(summary), _float64_line(info.get("float64_check")), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
            "![tokens per second](tokens_per_second.png)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     _plots(out, summary, categories)
