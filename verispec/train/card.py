@@ -79,7 +79,9 @@ def write_cards(target: NativeModel, draft: NativeModel, target_dir: Path, draft
     numbers = {"target": t_log, "draft": d_log, "pair": pair, "draft_cost_ratio": cost}
     shared = (f"Data: the `.py` files of the Python {'.'.join(map(str, __import__('sys').version_info[:3]))} standard "
               f"library, train split of `data/stdlib_manifest.jsonl` (90 / 5 / 5 by a hash of the path).\n"
-              f"Reproduce: `verispec train target`, `verispec train draft`, then `verispec train card`.\n")
+              f"Reproduce: `verispec train target --hours {t_log['hours']:.2f}`, `verispec train draft --hours "
+              f"{d_log['hours']:.2f}`, then `verispec train card --threads 1` (training hours count training steps only, "
+              f"so the token counts below depend on the machine).\n")
     speculation = (f"Greedy speculative decoding at k = {pair['k']} on {pair['prompts']} validation prompts "
                    f"(64-token prompts, 64 new tokens): acceptance rate {pair['acceptance_rate']:.1%}, "
                    f"tau {pair['tau']:.2f} tokens per target call, token-identical to plain decoding on "

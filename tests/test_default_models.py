@@ -1,0 +1,79 @@
+"""The shipped default pair: on disk as promised, loadable by transformers, and equal to the native runtime."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from verispec import DraftModel, generate, load_default
+from verispec.cli import main
+from verispec.models.default import DEFAULT_DRAFT, DEFAULT_TARGET
+
+PROMPT = "def parse_header(line):"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_default()
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(DEFAULT_TARGET))
+
+
+def test_files_and_sizes() -> None:
+    total = 0
+    for folder in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+            assert (folder / name).is_file(), folder / name
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+        total += sum(p.stat().st_size for p in folder.iterdir())
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert total <= 150 * 2**20
+
+
+def test_loaded_in_float32_with_one_tokenizer(pair) -> None:
+    target, draft = pair
+    assert target.dtype == draft.dtype == torch.float32
+    assert target.tokenizer.to_str() == draft.tokenizer.to_str()
+
+
+def test_transformers_loads_them_and_agrees(pair, hf_target) -> None:
+    target, _ = pair
+    model, tokenizer = hf_target
+    ids = target.tokenizer.encode(PROMPT).ids
+    assert tokenizer(PROMPT)["input_ids"] == ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        expected = model(x).logits
+    got = target(x, target.new_cache())
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_64_greedy_tokens_identical_to_transformers(pair, hf_target) -> None:
+    target, draft = pair
+    model, _ = hf_target
+    ids = target.tokenizer.encode(PROMPT).ids
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False  # 64 tokens, EOS or not
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             generation_config=config, max_new_tokens=64)
+    theirs = out[0, len(ids):].tolist()
+    assert generate(target, PROMPT, max_new_tokens=64, ignore_eos=True).tokens == theirs
+    assert generate(target, PROMPT, DraftModel(draft, 4), max_new_tokens=64, ignore_eos=True).tokens == theirs
+
+
+def test_generate_needs_no_arguments(capsys) -> None:
+    assert main(["generate", PROMPT, "--max-new-tokens", "12", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and "tau" in out and "accepted" in out
