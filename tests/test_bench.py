@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from verispec.bench.harness import run_quick
+from verispec.bench.harness import quick_suite, run_bench, run_quick
 from verispec.bench.metrics import per_prompt, summarize
 from verispec.cli import main
 
@@ -95,3 +95,22 @@ def test_summary_of_a_hand_made_log() -> None:
 
 def test_bench_needs_a_target(capsys) -> None:
     assert main(["bench"]) == 2 and "--target" in capsys.readouterr().err
+
+
+def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
+    target_dir, draft_dir = pair_dirs
+    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8), repeats=1,
+                        peers=False, progress=False, dtype="bfloat16", only=["autoregressive", "draft k=2"])
+    assert set(summary) == {"autoregressive", "draft k=2"}
+    assert json.loads((tmp_path / "results.json").read_text())["info"]["dtype"] == "bfloat16"
+    assert "(bfloat16)" in (tmp_path / "report.md").read_text()
+
+
+def test_methods_filter_needs_the_baseline_and_known_names(tmp_path, pair_dirs, capsys) -> None:
+    target_dir, draft_dir = pair_dirs
+    args = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--no-peers", "--out", str(tmp_path)]
+    assert main([*args, "--methods", "draft k=4"]) == 2
+    assert main([*args, "--methods", "autoregressive,draft k=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "autoregressive" in err[0] and "unknown: draft k=5" in err[1]
+    assert not (tmp_path / "report.md").exists()

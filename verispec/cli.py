@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
                             "and --threads do not apply")
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
+    bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                       help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
+                                         "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
     trn.add_argument("what", choices=("manifest", "target", "draft", "card"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), or the cards")
@@ -218,8 +222,9 @@ def _bench(args: argparse.Namespace) -> None:
         if not args.target:
             raise InvalidArgumentError("bench needs --target (and --draft for draft-model speculation), or --quick")
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
+        only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
-                            args.repeats, not args.no_peers, threads=args.threads)
+                            args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype, only=only)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")
 

@@ -18,6 +18,7 @@ from verispec.bench.suite import SUITE, read_suite
 from verispec.drafters import DraftModel
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
 from verispec.drafters.layer_skip_search import search_skip, write_plan
+from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
@@ -61,26 +62,33 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
 
 
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
-              peers: bool = True, progress: bool = True, threads: int = 1) -> dict:
+              peers: bool = True, progress: bool = True, threads: int = 1, dtype: str = "float32",
+              only: Sequence[str] | None = None) -> dict:
     """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
     thread mostly waits at barriers)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress)
+        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
-         progress: bool) -> dict:
-    target = load_model(target_dir)
-    draft = load_model(draft_dir) if draft_dir else None
+         progress: bool, dtype: str, only: Sequence[str] | None) -> dict:
+    target = load_model(target_dir, dtype=dtype)
+    draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     methods = our_methods(target, draft, skip)
     if peers:
-        methods |= transformers_methods(target_dir, draft_dir)
+        methods |= transformers_methods(target_dir, draft_dir, dtype=dtype)
+    if only is not None:
+        unknown = sorted(set(only) - set(methods))
+        if unknown or "autoregressive" not in only:
+            raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
+                                       f"{', '.join(methods)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        methods = {name: method for name, method in methods.items() if name in only}
     times = timing(target, draft, list(methods), skip)
     prompts = prompts_for(target, suite)
     records = run_suite(methods, prompts, repeats, progress)
@@ -88,7 +96,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     summary = {name: summary[name] for name in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
-            "prompts": len(suite), "float64_check": float64_check(target_dir, draft_dir, prompts),
+            "prompts": len(suite), "dtype": dtype, "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir)}
     write_report(out, summary, records, times, info)
     return summary

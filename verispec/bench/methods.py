@@ -12,7 +12,7 @@ import torch
 
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.generate import generate
-from verispec.models.native import NativeModel
+from verispec.models.native import NativeModel, parse_dtype
 
 DRAFT_KS = (1, 2, 3, 4, 6, 8)
 
@@ -61,7 +61,7 @@ def our_methods(target: NativeModel, draft: NativeModel | None, skip: Sequence[i
     return methods
 
 
-def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4) -> dict[str, Method]:
+def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32") -> dict[str, Method]:
     """transformers' greedy generate, its assisted generation (its defaults, and at our k) and its prompt lookup
     (our n-gram sizes), on the same checkpoints. EOS is switched off as in our runs, so every method produces
     exactly max_new_tokens tokens of the same greedy continuation."""
@@ -70,8 +70,8 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4) -
 
     logging.set_verbosity_error()  # its notes on generation arguments would interleave with the progress bar
     logging.disable_progress_bar()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype)).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=parse_dtype(dtype)).eval() if draft_dir else None
 
     config = copy.deepcopy(target.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False

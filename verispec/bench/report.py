@@ -39,7 +39,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(_table(summary, "all"))
 
 
-def _goals(summary: dict) -> list[str]:
+def _goals(summary: dict, dtype: str) -> list[str]:
     drafts = {m: e for m, e in summary.items() if m.startswith("draft")}
     if not drafts:
         return ["No draft model in this run: the draft-model goals are not measured."]
@@ -57,7 +57,7 @@ def _goals(summary: dict) -> list[str]:
         ratio = e["all"]["tokens_per_second"] / summary["transformers assisted"]["all"]["tokens_per_second"]
         lines.append(f"- tokens/s against transformers assisted generation: {ratio:.2f}x "
                      f"(goal 1.5x: {'met' if ratio >= 1.5 else 'not met'})")
-    lines.append(f"- exact match with our autoregressive greedy output (float32): {e['all']['exact_match']:.0%}")
+    lines.append(f"- exact match with our autoregressive greedy output ({dtype}): {e['all']['exact_match']:.0%}")
     return lines
 
 
@@ -82,7 +82,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model); "
           f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
-          f"Greedy decoding, EOS ignored by every method (each prompt gets exactly its max_new_tokens), "
+          f"Greedy decoding in {info['dtype']}, EOS ignored by every method (each prompt gets exactly its max_new_tokens), "
           f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
           "the methods in a fresh random order for every prompt. Speedup is against our autoregressive baseline: the "
           "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "
@@ -96,7 +96,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     md += ["\n## Where the time goes (all prompts)\n", "| method | prefill | draft | verify | other |", "|---|---|---|---|---|"]
     md += [f"| {m} | " + " | ".join(f"{e['all']['time_split'][p]:.0%}" for p in ("prefill", "draft", "verify", "other")) + " |"
            for m, e in summary.items() if "time_split" in e["all"]]
-    md += ["\n## Goals\n", *_goals(summary), _float64_line(info.get("float64_check")), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
+    md += ["\n## Goals\n", *_goals(summary, info["dtype"]), _float64_line(info.get("float64_check")), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
            "![tokens per second](tokens_per_second.png)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     _plots(out, summary, categories)
