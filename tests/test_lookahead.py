@@ -197,7 +197,8 @@ def test_a_transformers_target_is_refused(pair_dirs) -> None:
         generate(target, PROMPT, Lookahead(), max_new_tokens=4)
 
 
-def test_cli_refuses_a_bad_window(capsys, pair_dirs) -> None:
-    code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "lookahead", "--window", "0"])
+@pytest.mark.parametrize("options, message", [(["--window", "0"], "lookahead window"), (["-k", "3"], "--ngram-size")])
+def test_cli_refuses_bad_options(capsys, pair_dirs, options, message) -> None:
+    code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "lookahead", *options])
     out, err = capsys.readouterr()
-    assert code == 2 and out == "" and err.startswith("verispec: error: lookahead window") and err.count("\n") == 1
+    assert code == 2 and out == "" and err.startswith("verispec: error: ") and message in err and err.count("\n") == 1

@@ -7,7 +7,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from verispec import Proposal, SideBranch, Verdict, generate
+from verispec import DrafterError, Proposal, SideBranch, Verdict, generate
 from verispec.models.cache import KVCache
 from verispec.sampling import SamplingParams
 from verispec.tree import cut_after_eos, depths, layout, verify_tree
@@ -94,3 +94,32 @@ def test_tree_decoding_is_identical_to_greedy(target, k) -> None:
     assert result.tokens == truth
     assert result.stats.target_calls == -(-30 // (k + 1))
     assert oracle.paths[0] == [2 * d + 1 for d in range(k)]  # always the second sibling, compacted into place
+
+
+class Overreaching(TreeOracle):
+    """Proposes one level deeper than asked, or declares a width smaller than its trees."""
+
+    def __init__(self, truth: Sequence[int], deeper: bool) -> None:
+        super().__init__(truth, 2)
+        self.deeper = deeper
+        self.width = 100 if deeper else 3  # only the depth is wrong, or only the width
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        return super().propose(context, k + 1 if self.deeper else k)
+
+
+@pytest.mark.parametrize("deeper", [True, False])
+def test_a_drafter_that_breaks_its_bounds_is_stopped(target, deeper) -> None:
+    truth = generate(target, PROMPT, max_new_tokens=12, ignore_eos=True).tokens
+    with pytest.raises(DrafterError, match="at most"):
+        generate(target, PROMPT, Overreaching(truth, deeper), max_new_tokens=10, ignore_eos=True)
+
+
+def test_sampled_siblings_with_different_q_are_refused() -> None:
+    q = torch.softmax(torch.randn(2, 10), -1)
+    tree = Proposal([1, 2], q, parents=[-1, -1])
+    with pytest.raises(DrafterError, match="siblings"):
+        verify_tree(tree, torch.randn(3, 10), SamplingParams(1.0), torch.Generator().manual_seed(0))
+    shared = Proposal([1, 2], q[[0, 0]], parents=[-1, -1])
+    path, _ = verify_tree(shared, torch.randn(3, 10), SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert path in ([], [0], [1])

@@ -20,7 +20,7 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams, logits_to_probs, sample
-from verispec.tree import cut_after_eos, verify_tree
+from verispec.tree import verify_tree
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 
@@ -88,21 +88,29 @@ def test_cli_rejects_bad_branch_options(capsys, pair_dirs, extra, message) -> No
     assert code == 2 and out == "" and last.startswith("verispec: error: ") and message in last, err
 
 
-def test_no_tree_grows_beneath_an_end_of_sequence_token(target, draft) -> None:
-    """The loop would drop such nodes and renumber the tree under the drafter; it never grows them instead."""
-    drafter = DraftModel(draft, k=3, branch=2)
-    drafter.begin(target, PROMPT, SamplingParams(), None, target.new_cache())
-    full = drafter.propose(PROMPT, 3)
-    eos = frozenset({full.tokens[1]})  # the second candidate for the first token ends the text
+def test_verdicts_after_an_end_of_sequence_cut_are_in_the_drafters_numbering(target) -> None:
+    """The loop drops the nodes beneath an end-of-sequence token, which renumbers the tree; the verdict it hands
+    back must still name the drafter's own nodes. The target drafts for itself, so every path runs to depth k."""
+    probe = DraftModel(target, k=3, branch=2)
+    probe.begin(target, PROMPT, SamplingParams(), None, target.new_cache())
+    eos = frozenset({probe.propose(PROMPT, 3).tokens[1]})  # the second candidate for the first token ends the text
     eos_target = copy.copy(target)
     eos_target.eos_token_ids = eos
-    drafter.begin(eos_target, PROMPT, SamplingParams(), None, eos_target.new_cache())
-    tree = drafter.propose(PROMPT, 3)
-    assert len(tree.tokens) < len(full.tokens) and tree.tokens[1] in eos
-    assert all(parent < 0 or tree.tokens[parent] not in eos for parent in tree.parents)
-    assert cut_after_eos(tree, eos)[0] is tree
-    truth = generate(eos_target, PROMPT, max_new_tokens=30)
-    assert generate(eos_target, PROMPT, DraftModel(draft, k=3, branch=2), max_new_tokens=30).tokens == truth.tokens
+    truth = generate(eos_target, PROMPT, max_new_tokens=30).tokens
+    verdicts = []
+
+    class Checking(DraftModel):
+        def propose(self, context, k) -> Proposal:
+            self.at, self.proposal = len(context) - len(PROMPT), super().propose(context, k)
+            return self.proposal
+
+        def accepted(self, verdict: Verdict) -> None:
+            verdicts.append((self.at, [self.proposal.tokens[i] for i in verdict.path], verdict.path))
+            super().accepted(verdict)
+
+    assert generate(eos_target, PROMPT, Checking(target, k=3, branch=2), max_new_tokens=30).tokens == truth
+    assert verdicts[0][2] == [0, 2, 4]  # nodes 3 and 5 (beneath the EOS at node 1) were cut before verification
+    assert all(tokens == truth[at: at + len(tokens)] for at, tokens, _ in verdicts)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ngram-size", type=int, default=4, help="lookahead: n-gram size N (N - 1 tokens drafted)")
     gen.add_argument("--candidates", type=int, default=5, help="lookahead: most n-grams verified per step (G)")
     gen.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
-    gen.add_argument("-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    gen.add_argument("-k", type=int, help="tokens drafted per step (default 4; layerskip: the k in layerskip.json; "
+                                          "lookahead drafts N - 1, set by --ngram-size)")
     gen.add_argument("--branch", type=int, default=1,
                      help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
                           "tree (native runtime; default 1, a chain)")
@@ -120,8 +121,10 @@ def _stats_lines(result: Generation) -> list[str]:
 def _generate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.k < 1:
+    if args.k is not None and args.k < 1:
         raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
+    if args.k is not None and args.method == "lookahead":
+        raise InvalidArgumentError("lookahead drafts N - 1 tokens per step: set N with --ngram-size, not -k")
     if not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     if args.target is None:  # the shipped default pair
@@ -135,14 +138,14 @@ def _generate(args: argparse.Namespace) -> None:
     target = load(args.target, args.backend, args.device, args.dtype)
     drafter = None
     if args.method == "ngram":
-        drafter = PromptLookup(args.k, args.max_ngram, args.min_ngram)
+        drafter = PromptLookup(args.k or 4, args.max_ngram, args.min_ngram)
     elif args.method == "lookahead":
         drafter = Lookahead(args.window, args.ngram_size, args.candidates)
     elif args.method == "layerskip":
         skip = _layer_list(args.skip) if args.skip else None
-        drafter = LayerSkip(skip, args.k) if skip else LayerSkip.from_checkpoint(args.target, args.k)
+        drafter = LayerSkip(skip, args.k or 4) if skip else LayerSkip.from_checkpoint(args.target, args.k)
     elif args.draft:
-        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k, args.branch,
+        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k or 4, args.branch,
                              args.branch_depth)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)

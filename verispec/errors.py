@@ -23,3 +23,8 @@ class InvalidArgumentError(VerispecError, ValueError):
 
 class ContextLengthError(VerispecError):
     """The prompt (or a write to a KV cache) does not fit in the context length."""
+
+
+class DrafterError(VerispecError):
+    """A drafter broke its protocol: a proposal deeper than asked or wider than it declared, siblings the rule
+    cannot verify losslessly."""

@@ -11,7 +11,7 @@ import torch
 
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict
-from verispec.errors import ContextLengthError, InvalidArgumentError
+from verispec.errors import ContextLengthError, DrafterError, InvalidArgumentError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
@@ -105,6 +105,7 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
             if drafter is not None and room > 1:
                 proposal, outstanding = drafter.propose(tokens, min(drafter.k, room - 1)), True
                 stats.drafter_calls += 1
+                _check(drafter, proposal, min(drafter.k, room - 1))
             proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
             # One forward: the last committed token, then the proposal (a chain or a tree), then any side branch.
@@ -146,6 +147,14 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
     yield from text.ready(final=True)
     generated = tokens[len(prompt):]
     return Generation(text.text, generated, [p.drafted for p in text.pieces], stop_reason, stats)
+
+
+def _check(drafter: Drafter, proposal: Proposal, k: int) -> None:
+    """A proposal deeper than asked, or wider than the drafter declared, would overrun the cache or the context."""
+    side = 0 if proposal.side is None else len(proposal.side.tokens)
+    if depth(proposal) > k or len(proposal.tokens) + side > drafter.width:
+        raise DrafterError(f"drafter {drafter.name} proposed {len(proposal.tokens) + side} tokens {depth(proposal)} "
+                           f"deep; it may propose at most {drafter.width} tokens {k} deep")
 
 
 def _through_eos(tokens: list[int], eos: frozenset[int]) -> int:

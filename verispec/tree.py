@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Proposal
+from verispec.errors import DrafterError
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 def chain_parents(n: int) -> list[int]:
+    """The parents of n tokens in one chain: -1, 0, 1, ..., n - 2."""
     return list(range(-1, n - 1))
 
 
@@ -82,7 +84,8 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
     target's argmax. Sampling: SpecInfer's multi-candidate rule, which keeps the target distribution p:
     try the children in order, accepting child x with probability min(1, p(x)/q(x)); after each
     rejection p becomes norm(max(0, p - q)); if no child is accepted, sample from what p has become
-    (a leaf's p unchanged: the bonus token). q is each child's own row of `probs`, one-hot where None.
+    (a leaf's p unchanged: the bonus token). q is the children's shared row of `probs` (they must be independent
+    draws from it, with replacement), or one-hot at each child where `probs` is None (distinct fixed candidates).
     """
     parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.tokens))
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
@@ -97,8 +100,11 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
             if child is None:
                 return path, best
         else:
-            p, child = logits_to_probs(row, sampling), None
-            for c in children[node + 1]:
+            p, child, kids = logits_to_probs(row, sampling), None, children[node + 1]
+            if proposal.probs is not None and any(not torch.equal(proposal.probs[c], proposal.probs[kids[0]]) for c in kids):
+                raise DrafterError("sampled siblings must be independent draws from one q (SpecInfer's "
+                                           "rule); these have different q rows")
+            for c in kids:
                 x = proposal.tokens[c]
                 q = None if proposal.probs is None else proposal.probs[c].to(p.dtype)
                 qx = 1.0 if q is None else float(q[x])

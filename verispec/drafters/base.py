@@ -27,7 +27,9 @@ class SideBranch:
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]
-    probs: torch.Tensor | None = None  # q (len(tokens), V) where the drafter sampled; None counts as one-hot
+    # q (len(tokens), V) where the drafter sampled; None counts as one-hot. In a tree, sampled siblings must be
+    # independent draws (with replacement) from their shared q, which SpecInfer's rule needs to stay lossless.
+    probs: torch.Tensor | None = None
     # A token tree: each token's parent index, -1 for the last committed token; parents come before their
     # children, siblings in the order they are tried. None: the tokens form one chain.
     parents: list[int] | None = None

@@ -63,10 +63,10 @@ class DraftModel:
         if self.cache is None:  # a tree's other branches need width - k slots more than a chain
             self.cache = self.model.new_cache(self.model.context_length + self.width - self.k)
         self.cache.truncate(0)
+        if self.branch > 1 and not isinstance(target, NativeModel):
+            raise InvalidArgumentError(f"branch > 1 drafts a token tree, which the target must verify with a tree "
+                                       f"mask; {target.name} is loaded through transformers, which takes none")
         self.sampling, self.generator, self._context_len = sampling, generator, len(prompt)
-        # The loop drops whatever follows an end-of-sequence token and renumbers the tree; never growing
-        # anything beneath one keeps the verdict's indices ours.
-        self._eos = target.eos_token_ids
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         self._context_len, self._slots = len(context), {}
@@ -110,10 +110,10 @@ class DraftModel:
                     parents.append(parent)
                     if q is not None:
                         probs.append(q)
-            frontier = [c for c in children if tokens[c] not in self._eos]
-            if d == k or not frontier:
+            if d == k:
                 break
-            frontier_logits = self._score(frontier, tokens, parents, sees, start, d)
+            # Nodes below an end-of-sequence token too: the loop drops them and tells the verdict in our numbering.
+            frontier, frontier_logits = children, self._score(children, tokens, parents, sees, start, d)
         return Proposal(tokens, torch.stack(probs) if probs else None, parents)
 
     def _score(self, frontier: list[int], tokens: list[int], parents: list[int], sees: dict[int, list[int]],

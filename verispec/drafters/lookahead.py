@@ -17,7 +17,7 @@ import torch
 
 from verispec.drafters.base import Proposal, SideBranch, Verdict
 from verispec.errors import InvalidArgumentError
-from verispec.models.hf_adapter import TransformersModel
+from verispec.models.native import NativeModel
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 
@@ -105,7 +105,7 @@ class Lookahead:
 
     def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
               generator: torch.Generator, cache: Cache) -> None:
-        if isinstance(target, TransformersModel):
+        if not isinstance(target, NativeModel):
             raise InvalidArgumentError(
                 "lookahead decoding needs a target on the native runtime (custom attention masks)")
         rng = random.Random(self.seed)
