@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.bench.methods import DRAFT_KS, forward_seconds, our_methods, transformers_methods
+from verispec.bench.methods import DRAFT_KS, our_methods, transformers_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
@@ -22,6 +22,7 @@ from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
+from verispec.models.timing import forward_seconds
 
 
 def timing(target: NativeModel, draft: NativeModel | None, methods: list[str], skip: Sequence[int] | None = None) -> dict:

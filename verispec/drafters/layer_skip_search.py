@@ -24,11 +24,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from verispec.bench.methods import forward_seconds
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel
+from verispec.models.timing import forward_seconds
 
 METHOD = ("greedy: add the layer that most raises tau / (k c + r), stop when none does; tau and acceptance from "
           "greedy speculative runs; c = f + (1 - f) kept / layers with f measured; r = measured time of k + 1 "
