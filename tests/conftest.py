@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import pytest
-import torch
 
+from verispec.bench.harness import torch_threads
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, random_pair, tiny_config
+from verispec.reference import full_lm_forward, load_params
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +43,18 @@ def unrelated(unrelated_dir: Path) -> NativeModel:
 @pytest.fixture
 def single_thread() -> Iterator[None]:
     """One intra-op thread: the tensors are tiny, and a busy neighbour core stalls two-thread ops at barriers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="session")
+def reference_probs() -> Callable[..., np.ndarray]:
+    """Exact next-token probabilities: (B, T, V) float64 softmax(logits / temperature) of the numpy reference's
+    forward over token contexts (B, T) of a checkpoint folder."""
+
+    def probs(checkpoint: Path, contexts: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        logits = full_lm_forward(contexts, load_params(checkpoint)) / temperature
+        exp = np.exp(logits - logits.max(-1, keepdims=True))
+        return exp / exp.sum(-1, keepdims=True)
+
+    return probs

@@ -14,7 +14,6 @@ from verispec.cli import main
 from verispec.drafters.lookahead import NgramPool, candidate_tree, window_layout
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams
 
 # The tiny random target decodes this prompt greedily into short loops (e.g. 25 12 71 25 12 71 ...), the kind of
@@ -144,15 +143,13 @@ DRAWS = 3000
 P_VALUE_MIN = 1e-3
 
 
-def test_sampling_follows_the_target_distribution(tmp_path: Path) -> None:
+def test_sampling_follows_the_target_distribution(tmp_path: Path, reference_probs) -> None:
     """Pairs of new tokens are distributed as under the target, and the first token comes from the two one-hot
     candidates with probability p(5) + p(3), the optimum of the multi-candidate rule."""
     config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     folder = random_checkpoint(tmp_path / "target", config, seed=3)  # p(5) = 0.42, p(3) = 0.15
     contexts = np.array([SAMPLING_PROMPT + [x] for x in range(VOCAB)])
-    logits = full_lm_forward(contexts, load_params(folder))
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)  # temperature 1
+    probs = reference_probs(folder, contexts)  # temperature 1
     first = probs[0, -2]
     joint = first[:, None] * probs[:, -1]
     accept = first[5] + first[3]

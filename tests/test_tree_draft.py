@@ -5,7 +5,6 @@ end to end through `generate`."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +17,6 @@ from verispec.cli import main
 from verispec.drafters.draft_model import tree_size
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.tree import verify_tree
 
@@ -323,23 +321,16 @@ class TinyModels(NamedTuple):
     draft_first: np.ndarray  # (V,)
 
 
-def _probs(checkpoint: Path, contexts: np.ndarray) -> np.ndarray:
-    """(B, T, V) float64 softmax of the reference forward's logits (temperature 1)."""
-    logits = full_lm_forward(contexts, load_params(checkpoint))
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    return probs / probs.sum(-1, keepdims=True)
-
-
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, reference_probs) -> TinyModels:
     folder = tmp_path_factory.mktemp("tiny_tree")
     config = tiny_config(vocab_size=E2E_VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     target_dir = random_checkpoint(folder / "target", config, seed=1)
     draft_dir = random_checkpoint(folder / "draft", config, seed=3)  # a1 0.52: room for a second candidate
     contexts = np.array([E2E_PROMPT + [x] for x in range(E2E_VOCAB)])
-    target_probs = _probs(target_dir, contexts)  # (V, len + 1, V)
+    target_probs = reference_probs(target_dir, contexts)  # (V, len + 1, V)
     joint = target_probs[0, -2][:, None] * target_probs[:, -1]
-    draft_first = _probs(draft_dir, contexts[:1])[0, -2]
+    draft_first = reference_probs(draft_dir, contexts[:1])[0, -2]
     return TinyModels(load_model(target_dir), load_model(draft_dir), joint, target_probs[0, -2], draft_first)
 
 

@@ -315,24 +315,17 @@ class TinyModels(NamedTuple):
     draft_first: np.ndarray  # (V,) draft's
 
 
-def _next_token_probs(checkpoint: Path, contexts: np.ndarray) -> np.ndarray:
-    """(B, T, V) float64 softmax(logits / E2E_TEMPERATURE) of the reference forward pass on a checkpoint."""
-    logits = full_lm_forward(contexts, load_params(checkpoint)) / E2E_TEMPERATURE
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    return probs / probs.sum(-1, keepdims=True)
-
-
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, reference_probs) -> TinyModels:
     """A random target, an unrelated random draft, and exact probabilities from the numpy reference."""
     folder = tmp_path_factory.mktemp("tiny")
     config = tiny_config(vocab_size=E2E_VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     target_dir = random_checkpoint(folder / "target", config, seed=1)
     draft_dir = random_checkpoint(folder / "draft", config, seed=2)
     contexts = np.array([PROMPT + [x] for x in range(E2E_VOCAB)])  # (V, len + 1): every possible first token
-    target_probs = _next_token_probs(target_dir, contexts)  # (V, len + 1, V)
+    target_probs = reference_probs(target_dir, contexts, E2E_TEMPERATURE)  # (V, len + 1, V)
     joint = target_probs[0, -2][:, None] * target_probs[:, -1]  # p(x1 | prompt) * p(x2 | prompt, x1)
-    draft_first = _next_token_probs(draft_dir, contexts[:1])[0, -2]
+    draft_first = reference_probs(draft_dir, contexts[:1], E2E_TEMPERATURE)[0, -2]
     return TinyModels(load_model(target_dir), load_model(draft_dir), joint, target_probs[0, -2], draft_first)
 
 

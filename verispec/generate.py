@@ -15,7 +15,7 @@ from verispec.errors import ContextLengthError, DrafterError, InvalidArgumentErr
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
-from verispec.tree import cut_after_eos, depth, layout, verify_tree
+from verispec.tree import cut_after_eos, depth, layout, through_eos, verify_tree
 from verispec.verify import verify
 
 
@@ -103,9 +103,10 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
             t0 = time.perf_counter()
             proposal = Proposal([])
             if drafter is not None and room > 1:
-                proposal, outstanding = drafter.propose(tokens, min(drafter.k, room - 1)), True
+                k = min(drafter.k, room - 1)
+                proposal, outstanding = drafter.propose(tokens, k), True
                 stats.drafter_calls += 1
-                _check(drafter, proposal, min(drafter.k, room - 1))
+                _check(drafter, proposal, k)
             proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
             # One forward: the last committed token, then the proposal (a chain or a tree), then any side branch.
@@ -128,7 +129,7 @@ def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter 
             stats.target_calls += 1
             stats.record_step(depth(proposal), len(path))
             new, drafted = [*(proposal.tokens[i] for i in path), nxt], [True] * len(path) + [False]
-            cut = _through_eos(new, eos)  # nothing after an end-of-sequence token is kept
+            cut = through_eos(new, eos)  # nothing after an end-of-sequence token is kept
             if new[cut - 1] in eos:
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
             new = new[: text.add(new, drafted)]
@@ -155,8 +156,3 @@ def _check(drafter: Drafter, proposal: Proposal, k: int) -> None:
     if depth(proposal) > k or len(proposal.tokens) + side > drafter.width:
         raise DrafterError(f"drafter {drafter.name} proposed {len(proposal.tokens) + side} tokens {depth(proposal)} "
                            f"deep; it may propose at most {drafter.width} tokens {k} deep")
-
-
-def _through_eos(tokens: list[int], eos: frozenset[int]) -> int:
-    """How many tokens to keep: up to and including the first end-of-sequence token."""
-    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))

@@ -57,12 +57,16 @@ def layout(proposal: Proposal, start: int, device: torch.device) -> tuple[torch.
     return mask.to(device), start + torch.tensor(offsets, device=device)
 
 
+def through_eos(tokens: list[int], eos: frozenset[int]) -> int:
+    """How many tokens to keep: up to and including the first end-of-sequence token."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+
+
 def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, list[int]]:
     """Drop every token that follows an end-of-sequence token (nothing after it can be kept); also returns
     the original index of each token kept, so that a verdict can be told in the drafter's numbering."""
     if proposal.parents is None:
-        n = next((i + 1 for i, t in enumerate(proposal.tokens) if t in eos), len(proposal.tokens))
-        keep = list(range(n))
+        keep = list(range(through_eos(proposal.tokens, eos)))
     else:
         keep, new_index = [], {-1: -1}
         for i, parent in enumerate(proposal.parents):
@@ -102,8 +106,8 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
         else:
             p, child, kids = logits_to_probs(row, sampling), None, children[node + 1]
             if proposal.probs is not None and any(not torch.equal(proposal.probs[c], proposal.probs[kids[0]]) for c in kids):
-                raise DrafterError("sampled siblings must be independent draws from one q (SpecInfer's "
-                                           "rule); these have different q rows")
+                raise DrafterError("sampled siblings must be independent draws from one q (SpecInfer's rule); "
+                                   "these have different q rows")
             for c in kids:
                 x = proposal.tokens[c]
                 q = None if proposal.probs is None else proposal.probs[c].to(p.dtype)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -23,6 +24,17 @@ from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.models.timing import forward_seconds
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count fixed for a block, restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def timing(target: NativeModel, draft: NativeModel | None, methods: list[str], skip: Sequence[int] | None = None) -> dict:
@@ -67,12 +79,8 @@ def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[d
               only: Sequence[str] | None = None) -> dict:
     """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
     thread mostly waits at barriers)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
@@ -118,12 +126,9 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         target_dir, draft_dir = random_pair(tmp, tiny_config(num_hidden_layers=3), draft_layers=1)
         # A short layer-skip search on two prompts of the suite, so the layerskip row runs too; at the bench's
         # thread count, since two threads on a busy 2-core machine make it thirty times slower.
-        texts, previous = [item["prompt"] for item in quick_suite()[:2]], torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
+            texts = [item["prompt"] for item in quick_suite()[:2]]
             write_plan(search_skip(load_model(target_dir), texts, prompts=2, prompt_len=32, new_tokens=8), target_dir)
-        finally:
-            torch.set_num_threads(previous)
         return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads)
 
 
