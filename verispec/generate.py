@@ -29,10 +29,13 @@ class Generation:
 
 
 class Stream:
-    """Iterate for the text `Piece` of each token as soon as it is accepted; `result` is set at the end."""
+    """Iterate for the text `Piece` of each token as soon as it is accepted; `result` is set at the end.
 
-    def __init__(self, steps: Generator[Piece, None, Generation]) -> None:
-        self._steps, self.result = steps, None
+    `stats` counts as the stream goes, so a stream closed early (Ctrl-C) still has its partial numbers.
+    """
+
+    def __init__(self, steps: Generator[Piece, None, Generation], stats: GenerationStats) -> None:
+        self._steps, self.stats, self.result = steps, stats, None
 
     def __iter__(self) -> Iterator[Piece]:
         result = yield from self._steps
@@ -73,8 +76,8 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     cache = target.new_cache(min(target.context_length, len(ids) + max_new_tokens) + max(0, width - 1))
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
         drafter.begin(target, ids, sampling, generator, cache)
-    text = TextTracker(target.tokenizer, ids, stop)
-    return Stream(_decode(target, cache, ids, drafter, sampling, generator, max_new_tokens, eos, text))
+    text, stats = TextTracker(target.tokenizer, ids, stop), GenerationStats()
+    return Stream(_decode(target, cache, ids, drafter, sampling, generator, max_new_tokens, eos, text, stats), stats)
 
 
 def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, **options) -> Generation:
@@ -87,8 +90,8 @@ def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | N
 
 def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter | None, sampling: SamplingParams,
             generator: torch.Generator, max_new_tokens: int, eos: frozenset[int],
-            text: TextTracker) -> Generator[Piece, None, Generation]:
-    stats, start, V = GenerationStats(), time.perf_counter(), target.vocab_size
+            text: TextTracker, stats: GenerationStats) -> Generator[Piece, None, Generation]:
+    start, V = time.perf_counter(), target.vocab_size
     tokens = list(prompt)
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=target.device), cache)
