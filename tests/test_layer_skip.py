@@ -16,15 +16,17 @@ from scipy import stats
 from verispec import (CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load,
                       load_model)
 from verispec.cli import main
-from verispec.drafters.layer_skip_search import search_skip, write_plan
+from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
-from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.reference import init_params
+from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.errors import IncompatibleTargetError
 from verispec.tokenizer import byte_level_tokenizer
+
+from drafting import start_session
 
 PROMPT = "def parse(line):\n    return"
 TEXTS = ["import os\n\ndef main(argv):\n    for name in argv:\n        print(os.path.basename(name))\n",
@@ -39,7 +41,7 @@ def identity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 3-layer model whose layer 1 writes nothing into the residual stream (o_proj and down_proj zero):
     skipping it changes no logit."""
     config = tiny_config(num_hidden_layers=3)
-    weights = {name: value for name, value in init_params(config, 5).items() if name != "config"}
+    weights = random_weights(config, 5)
     for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         weights[name] = np.zeros_like(weights[name])
     return save_checkpoint(tmp_path_factory.mktemp("identity"), config, weights, byte_level_tokenizer())
@@ -119,9 +121,8 @@ def test_propose_leaves_the_target_cache_as_it_found_it(target: NativeModel) -> 
     cache = prefilled(target, prompt)
     before = cache.k[:, :, :, : cache.length].clone(), cache.v[:, :, :, : cache.length].clone(), cache.length
     drafter = LayerSkip([2], k=4)
-    drafter.begin(target, prompt, SamplingParams(), torch.Generator(), cache)
-    proposal = drafter.propose(prompt, 4)
-    assert len(proposal.tokens) == 4 and proposal.probs is None
+    proposal = start_session(drafter, target, prompt, SamplingParams(), torch.Generator(), cache).propose(prompt, 4)
+    assert len(proposal.tokens) == 4 and proposal.q is None
     assert cache.length == before[2]
     assert torch.equal(cache.k[:, :, :, : cache.length], before[0])
     assert torch.equal(cache.v[:, :, :, : cache.length], before[1])
@@ -136,20 +137,19 @@ def test_propose_fits_a_nearly_full_cache(target: NativeModel) -> None:
     prompt = target.tokenizer.encode(PROMPT).ids
     cache = prefilled(target, prompt, room=len(prompt) + 1)  # two free slots: the last token and one draft
     drafter = LayerSkip([1], k=4)
-    drafter.begin(target, prompt, SamplingParams(), torch.Generator(), cache)
-    assert len(drafter.propose(prompt, 4).tokens) == 2 and cache.length == len(prompt) - 1
+    session = start_session(drafter, target, prompt, SamplingParams(), torch.Generator(), cache)
+    assert len(session.propose(prompt, 4).tokens) == 2 and cache.length == len(prompt) - 1
 
 
 def test_sampling_returns_q_and_is_reproducible(target: NativeModel) -> None:
     prompt = target.tokenizer.encode(PROMPT).ids
     sampling = SamplingParams(1.0, top_k=20)
     cache, drafter = prefilled(target, prompt), LayerSkip([1, 2], k=3)
-    drafter.begin(target, prompt, sampling, torch.Generator().manual_seed(0), cache)
-    proposal = drafter.propose(prompt, 3)
-    assert proposal.probs.shape == (3, target.vocab_size)
-    torch.testing.assert_close(proposal.probs.sum(-1), torch.ones(3))
-    assert all(proposal.probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
-    assert int((proposal.probs[0] > 0).sum()) == 20  # q is the processed draft distribution (top-k applied)
+    proposal = start_session(drafter, target, prompt, sampling, torch.Generator().manual_seed(0), cache).propose(prompt, 3)
+    assert proposal.q.shape == (3, target.vocab_size)
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(3))
+    assert all(proposal.q[i, t] > 0 for i, t in enumerate(proposal.tokens))
+    assert int((proposal.q[0] > 0).sum()) == 20  # q is the processed draft distribution (top-k applied)
 
     def run(seed: int) -> list[int]:
         return generate(target, PROMPT, LayerSkip([1], k=3), max_new_tokens=16, temperature=1.0, seed=seed,
@@ -211,14 +211,14 @@ def test_k_below_one_is_refused() -> None:
 
 @pytest.mark.parametrize("skip, message", [([3], "cannot skip layer 3"), ([0, 1, 2], "all 3 layers")])
 def test_skip_sets_out_of_the_model_are_refused(target: NativeModel, skip: list[int], message: str) -> None:
-    with pytest.raises(InvalidArgumentError, match=message):
+    with pytest.raises(IncompatibleTargetError, match=message):
         generate(target, PROMPT, LayerSkip(skip), max_new_tokens=4)
 
 
 def test_a_transformers_target_is_refused(pair_dirs) -> None:
     target = load(pair_dirs[0], backend="transformers")
     assert isinstance(target, TransformersModel)
-    with pytest.raises(InvalidArgumentError, match="native runtime"):
+    with pytest.raises(IncompatibleTargetError, match="native runtime"):
         generate(target, PROMPT, LayerSkip([1]), max_new_tokens=4)
     with pytest.raises(InvalidArgumentError, match="native runtime"):
         search_skip(target, TEXTS, r=1.5, fixed_share=0.2)

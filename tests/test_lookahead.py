@@ -15,6 +15,9 @@ from verispec.drafters.lookahead import NgramPool, candidate_tree, window_layout
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
+from verispec.errors import IncompatibleTargetError
+
+from drafting import start_session
 
 # The tiny random target decodes this prompt greedily into short loops (e.g. 25 12 71 25 12 71 ...), the kind of
 # repetition that lookahead's n-grams catch.
@@ -61,15 +64,14 @@ def test_candidate_tree_shares_prefixes_and_cuts_to_k() -> None:
 
 
 def test_propose_sends_pool_candidates_and_the_window(target: NativeModel) -> None:
-    drafter = Lookahead(window=2, ngram=3, candidates=2, text_ngrams=False)
-    drafter.begin(target, PROMPT, SamplingParams(), torch.Generator(), target.new_cache())
+    drafter = start_session(Lookahead(window=2, ngram=3, candidates=2, text_ngrams=False), target, PROMPT)
     assert len(drafter.levels) == 1 and all(t in PROMPT for t in drafter.levels[0])  # random prompt tokens
     drafter.levels = [[10, 11], [20, 21]]
     drafter.pool.add(32, [7, 8])
     drafter.pool.add(32, [7, 9])
     drafter.pool.add(33, [1, 2])
     proposal = drafter.propose(PROMPT, k=2)
-    assert proposal.probs is None  # one-hot q
+    assert proposal.q is None  # one-hot q
     assert (proposal.tokens, proposal.parents) == ([7, 9, 8], [-1, 0, 0])  # the latest n-gram first
     assert proposal.side.tokens == [10, 11, 20, 21] and proposal.side.offsets == [1, 2, 2, 3]
     assert torch.equal(proposal.side.mask, window_layout(2, 2)[0])
@@ -77,21 +79,17 @@ def test_propose_sends_pool_candidates_and_the_window(target: NativeModel) -> No
 
 
 def test_jacobi_step_reads_the_newest_level(target: NativeModel) -> None:
-    drafter = Lookahead(window=3, ngram=3, candidates=5, text_ngrams=False)
-    drafter.begin(target, PROMPT, SamplingParams(), torch.Generator(), target.new_cache())
+    drafter = start_session(Lookahead(window=3, ngram=3, candidates=5, text_ngrams=False), target, PROMPT)
     drafter.levels = [[10, 11, 12], [20, 21, 22]]  # full: N - 1 levels
     side_logits = torch.zeros(6, target.vocab_size)
     side_logits[torch.arange(6), torch.arange(100, 106)] = 1.0  # side row i predicts 100 + i
-    drafter.accepted(Verdict([], None))  # abandoned: the window stays
-    assert drafter.levels == [[10, 11, 12], [20, 21, 22]]
     drafter.accepted(Verdict([0], side_logits))
     assert drafter.levels == [[20, 21, 22], [103, 104, 105]]  # rows 3..5 are the newest level
     assert [drafter.pool.get(key) for key in (10, 11, 12)] == [[(20, 103)], [(21, 104)], [(22, 105)]]
 
 
 def test_window_fills_one_level_per_step_before_collecting(target: NativeModel) -> None:
-    drafter = Lookahead(window=2, ngram=4, candidates=5, text_ngrams=False)
-    drafter.begin(target, PROMPT, SamplingParams(), torch.Generator(), target.new_cache())
+    drafter = start_session(Lookahead(window=2, ngram=4, candidates=5, text_ngrams=False), target, PROMPT)
     for level in range(1, 3):
         side_logits = torch.zeros(2 * level, target.vocab_size)
         side_logits[-2:, 50 + level] = 1.0
@@ -190,7 +188,7 @@ def test_a_transformers_target_is_refused(pair_dirs) -> None:
     """Only the native runtime takes the custom attention mask that the window needs."""
     target = load(pair_dirs[0], backend="transformers")
     assert isinstance(target, TransformersModel)
-    with pytest.raises(InvalidArgumentError, match="native runtime"):
+    with pytest.raises(IncompatibleTargetError, match="native runtime"):
         generate(target, PROMPT, Lookahead(), max_new_tokens=4)
 
 

@@ -6,12 +6,12 @@ import pytest
 
 from verispec import InvalidArgumentError, PromptLookup, SamplingParams, generate
 from verispec.cli import main
+from verispec.drafters.base import DraftContext
+from verispec.drafters.ngram import NgramIndex
 
 
-def started(prompt: list[int], **options) -> PromptLookup:
-    drafter = PromptLookup(**options)
-    drafter.begin(None, prompt, SamplingParams(), None, None)
-    return drafter
+def started(prompt: list[int], **options) -> NgramIndex:
+    return PromptLookup(**options).begin(DraftContext(None, prompt, SamplingParams(), None, None))
 
 
 def test_longest_ngram_wins_and_latest_occurrence_is_used() -> None:

@@ -10,7 +10,10 @@ import torch
 from verispec import DrafterError, Proposal, SideBranch, Verdict, generate
 from verispec.models.cache import KVCache
 from verispec.sampling import SamplingParams
+from verispec.drafters.base import Needs
 from verispec.tree import cut_after_eos, depths, layout, verify_tree
+
+from drafting import OwnSession
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 
@@ -41,7 +44,7 @@ def test_cut_after_eos_drops_descendants_only() -> None:
     eos = frozenset({0})
     tree, kept = cut_after_eos(Proposal([0, 5, 6, 7], torch.eye(8)[[0, 5, 6, 7]], parents=[-1, -1, 0, 1]), eos)
     assert (tree.tokens, tree.parents, kept) == ([0, 5, 7], [-1, -1, 1], [0, 1, 3])
-    assert tree.probs.argmax(-1).tolist() == [0, 5, 7]
+    assert tree.q.argmax(-1).tolist() == [0, 5, 7]
     assert cut_after_eos(Proposal([3, 0, 4]), eos)[0].tokens == [3, 0]
 
 
@@ -63,7 +66,7 @@ def test_greedy_walk_follows_the_argmax_child() -> None:
     assert (path, nxt) == ([1, 2], 9)
 
 
-class TreeOracle:
+class TreeOracle(OwnSession):
     """At every depth two siblings: a wrong token first, then the target's own; the true one goes deeper."""
 
     name = "tree-oracle"
@@ -71,8 +74,10 @@ class TreeOracle:
     def __init__(self, truth: Sequence[int], k: int) -> None:
         self.truth, self.k, self.width, self.paths = list(truth), k, 2 * k, []
 
-    def begin(self, target, prompt, sampling, generator, cache) -> None:
-        self.prompt_len = len(prompt)
+    needs = Needs(tree_masks=True)
+
+    def start(self, context) -> None:
+        self.prompt_len = len(context.prompt)
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         pos, tokens, parents, parent = len(context) - self.prompt_len, [], [], -1

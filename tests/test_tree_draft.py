@@ -14,11 +14,14 @@ from scipy import stats
 
 from verispec import DraftModel, InvalidArgumentError, Proposal, Verdict, generate
 from verispec.cli import main
-from verispec.drafters.draft_model import tree_size
+from verispec.drafters.draft_model import DraftModelSession, tree_size
+from verispec.models.protocol import Capabilities
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.tree import verify_tree
+
+from drafting import start_session
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 
@@ -41,7 +44,7 @@ def test_tree_shape_and_bad_arguments(draft) -> None:
 
 def test_branching_needs_the_native_runtime(draft) -> None:
     class Adapted:  # stands in for a TransformersModel: same protocol, no tree masks
-        name = "hf-draft"
+        name, capabilities = "hf-draft", Capabilities()
 
     with pytest.raises(InvalidArgumentError, match="native runtime"):
         DraftModel(Adapted(), k=4, branch=2)
@@ -89,15 +92,14 @@ def test_cli_rejects_bad_branch_options(capsys, pair_dirs, extra, message) -> No
 def test_verdicts_after_an_end_of_sequence_cut_are_in_the_drafters_numbering(target) -> None:
     """The loop drops the nodes beneath an end-of-sequence token, which renumbers the tree; the verdict it hands
     back must still name the drafter's own nodes. The target drafts for itself, so every path runs to depth k."""
-    probe = DraftModel(target, k=3, branch=2)
-    probe.begin(target, PROMPT, SamplingParams(), None, target.new_cache())
+    probe = start_session(DraftModel(target, k=3, branch=2), target, PROMPT)
     eos = frozenset({probe.propose(PROMPT, 3).tokens[1]})  # the second candidate for the first token ends the text
     eos_target = copy.copy(target)
     eos_target.eos_token_ids = eos
     truth = generate(eos_target, PROMPT, max_new_tokens=30).tokens
     verdicts = []
 
-    class Checking(DraftModel):
+    class CheckingSession(DraftModelSession):
         def propose(self, context, k) -> Proposal:
             self.at, self.proposal = len(context) - len(PROMPT), super().propose(context, k)
             return self.proposal
@@ -105,6 +107,10 @@ def test_verdicts_after_an_end_of_sequence_cut_are_in_the_drafters_numbering(tar
         def accepted(self, verdict: Verdict) -> None:
             verdicts.append((self.at, [self.proposal.tokens[i] for i in verdict.path], verdict.path))
             super().accepted(verdict)
+
+    class Checking(DraftModel):
+        def begin(self, context):
+            return CheckingSession(self, context)
 
     assert generate(eos_target, PROMPT, Checking(target, k=3, branch=2), max_new_tokens=30).tokens == truth
     assert verdicts[0][2] == [0, 2, 4]  # nodes 3 and 5 (beneath the EOS at node 1) were cut before verification
@@ -116,23 +122,30 @@ def test_verdicts_after_an_end_of_sequence_cut_are_in_the_drafters_numbering(tar
 
 
 class Recorder(DraftModel):
-    """A DraftModel that checks, after every verdict, that its cache holds exactly what a plain forward over the
-    committed tokens it has seen would hold; counts the verdicts whose entries had to move and those that took
-    a sibling other than the first."""
+    """A DraftModel whose session checks, after every verdict, that its cache holds exactly what a plain forward
+    over the committed tokens it has seen would hold; counts the verdicts whose entries had to move and those that
+    took a sibling other than the first."""
 
-    def begin(self, target, prompt, sampling, generator, cache) -> None:
-        super().begin(target, prompt, sampling, generator, cache)
-        self.moved = self.second_choice = self.steps = 0
+    moved = second_choice = steps = 0
+
+    def begin(self, context):
+        return RecorderSession(self, context)
+
+
+class RecorderSession(DraftModelSession):
+    def __init__(self, recorder: Recorder, context) -> None:
+        super().__init__(recorder, context)
+        self.recorder = recorder
 
     def propose(self, context, k) -> Proposal:
         self.context, self.proposal = list(context), super().propose(context, k)
         return self.proposal
 
     def accepted(self, verdict: Verdict) -> None:
-        parents = self.proposal.parents
-        self.moved += any(self._slots.get(i, j) != j for j, i in enumerate(verdict.path))
-        self.second_choice += any(parents.index(parents[i]) != i for i in verdict.path)  # not the first sibling
-        self.steps += 1
+        parents, recorder = self.proposal.parents, self.recorder
+        recorder.moved += any(self._slots.get(i, j) != j for j, i in enumerate(verdict.path))
+        recorder.second_choice += any(parents.index(parents[i]) != i for i in verdict.path)  # not the first sibling
+        recorder.steps += 1
         super().accepted(verdict)
         committed = self.context + [self.proposal.tokens[i] for i in verdict.path]
         seen = self.cache.length
@@ -163,16 +176,15 @@ def test_tree_rows_are_the_draft_distribution_at_each_parent(target, draft) -> N
     and the node's ancestors, as a plain forward computes it: the frontier's tree mask and positions are right."""
     sampling = SamplingParams(1.0)
     drafter = DraftModel(draft, k=3, branch=2, branch_depth=2)
-    drafter.begin(target, PROMPT, sampling, torch.Generator().manual_seed(0), target.new_cache())
-    proposal = drafter.propose(PROMPT, 3)
-    assert len(proposal.tokens) == 2 + 4 + 4 and proposal.probs.shape == (10, draft.vocab_size)
+    proposal = start_session(drafter, target, PROMPT, sampling, torch.Generator().manual_seed(0)).propose(PROMPT, 3)
+    assert len(proposal.tokens) == 2 + 4 + 4 and proposal.q.shape == (10, draft.vocab_size)
     assert proposal.parents == [-1, -1, 0, 0, 1, 1, 2, 3, 4, 5]
     for node, parent in enumerate(proposal.parents):
         path = []
         while parent >= 0:
             path, parent = [proposal.tokens[parent], *path], proposal.parents[parent]
         logits = draft(torch.tensor([PROMPT + path]), draft.new_cache())[0, -1, : draft.vocab_size]
-        torch.testing.assert_close(proposal.probs[node], logits_to_probs(logits, sampling), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(proposal.q[node], logits_to_probs(logits, sampling), atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,7 +295,7 @@ def no_residual_verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: 
         p, child = logits_to_probs(logits[node + 1], sampling), None
         for c in children.get(node, []):
             x = proposal.tokens[c]
-            qx = 1.0 if proposal.probs is None else float(proposal.probs[c, x])
+            qx = 1.0 if proposal.q is None else float(proposal.q[c, x])
             if float(torch.rand((), generator=generator)) * qx < float(p[x]):
                 child = c
                 break

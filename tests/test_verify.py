@@ -26,6 +26,8 @@ from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.verify import greedy_match, one_hot_probs, speculative_sampling
 
+from drafting import OwnSession
+
 Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Generator | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -329,7 +331,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, reference_probs) -> Ti
     return TinyModels(load_model(target_dir), load_model(draft_dir), joint, target_probs[0, -2], draft_first)
 
 
-class FixedDrafter:
+class FixedDrafter(OwnSession):
     """A drafter with no probabilities: proposes (last + 1), (last + 2), ... modulo the vocabulary."""
 
     name = "fixed"
@@ -337,9 +339,8 @@ class FixedDrafter:
     def __init__(self, k: int) -> None:
         self.k, self.width, self.verdicts = k, k, []
 
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache) -> None:
-        self.vocab_size, self.verdicts = target.vocab_size, []
+    def start(self, context) -> None:
+        self.vocab_size, self.verdicts = context.target.vocab_size, []
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         return Proposal([(context[-1] + 1 + i) % self.vocab_size for i in range(k)], None)

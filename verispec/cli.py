@@ -181,7 +181,7 @@ def _layer_list(text: str) -> list[int]:
 
 
 def _search_layerskip(args: argparse.Namespace) -> None:
-    from verispec.drafters.layer_skip_search import search_skip, write_plan
+    from verispec.bench.layer_skip_search import search_skip, write_plan
 
     if args.threads < 1:
         raise InvalidArgumentError("--threads must be >= 1")

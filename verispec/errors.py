@@ -13,16 +13,21 @@ class UnsupportedArchitectureError(CheckpointError):
     """The checkpoint's architecture is not one the native runtime implements."""
 
 
-class TokenizerMismatchError(VerispecError):
-    """Draft and target do not share a tokenizer."""
-
-
 class InvalidArgumentError(VerispecError, ValueError):
     """A generation argument is out of range (k, temperature, top-p, prompt, ...)."""
 
 
 class ContextLengthError(VerispecError):
     """The prompt (or a write to a KV cache) does not fit in the context length."""
+
+
+class IncompatibleTargetError(VerispecError):
+    """A drafter cannot draft for this target: it lacks a capability the drafter needs (tree masks, hidden states,
+    layer subsets), or its tokenizer or layers do not match."""
+
+
+class TokenizerMismatchError(IncompatibleTargetError):
+    """Draft and target do not share a tokenizer."""
 
 
 class DrafterError(VerispecError):

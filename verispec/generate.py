@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Generator, Iterator, Sequence
 
 import torch
 
 from verispec.detokenize import Piece, TextTracker
-from verispec.drafters.base import Drafter, Proposal, Verdict
+from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import ContextLengthError, DrafterError, InvalidArgumentError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
-from verispec.tree import cut_after_eos, depth, layout, through_eos, verify_tree
-from verispec.verify import verify
+from verispec.step import speculative_step
+from verispec.tree import cut_after_eos, depth, through_eos
 
 
 @dataclass
@@ -69,15 +69,16 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
         generator.seed()
     else:
         generator.manual_seed(seed)
+    if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
+        check_target(drafter, target)
     eos = frozenset() if ignore_eos else target.eos_token_ids
     # The cache holds every token but the last, so prompt + max_new_tokens - 1 positions are all a chain
     # needs; a tree or side branch wider than it is deep needs up to width - 1 slots more while verified.
     width = 0 if drafter is None else drafter.width
     cache = target.new_cache(min(target.context_length, len(ids) + max_new_tokens) + max(0, width - 1))
-    if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
-        drafter.begin(target, ids, sampling, generator, cache)
-    text, stats = TextTracker(target.tokenizer, ids, stop), GenerationStats()
-    return Stream(_decode(target, cache, ids, drafter, sampling, generator, max_new_tokens, eos, text, stats), stats)
+    run = _Run(target, drafter, ids, sampling, generator, max_new_tokens, eos, cache,
+               TextTracker(target.tokenizer, ids, stop))
+    return Stream(_decode(run), run.stats)
 
 
 def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, **options) -> Generation:
@@ -88,68 +89,82 @@ def generate(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | N
     return steps.result
 
 
-def _decode(target: CausalLM, cache: Cache, prompt: list[int], drafter: Drafter | None, sampling: SamplingParams,
-            generator: torch.Generator, max_new_tokens: int, eos: frozenset[int],
-            text: TextTracker, stats: GenerationStats) -> Generator[Piece, None, Generation]:
-    start, V = time.perf_counter(), target.vocab_size
-    tokens = list(prompt)
+@dataclass
+class _Run:
+    """One generation's fixed inputs and the state the loop keeps for it."""
+
+    target: CausalLM
+    drafter: Drafter | None
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    max_new_tokens: int
+    eos: frozenset[int]
+    cache: Cache
+    text: TextTracker
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _begin(run: _Run) -> DraftSession | None:
+    """Prefill the target with the prompt but its last token, then start the drafter's session on it."""
+    target, tokens = run.target, run.prompt
+    layers = () if run.drafter is None else run.drafter.needs.hidden_states
+    hidden = torch.empty(0, len(layers), target.hidden_size) if layers else None
     if len(tokens) > 1:
-        target(torch.tensor([tokens[:-1]], device=target.device), cache)
-    stats.prefill_time, stop_reason = time.perf_counter() - start, "max_new_tokens"
-    outstanding = False  # a proposal the drafter has made and not yet heard back on
+        out = target(torch.tensor([tokens[:-1]], device=target.device), run.cache, hidden=layers or None)
+        hidden = out[1][0] if layers else None
+    if run.drafter is None:
+        return None
+    return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden))
+
+
+def _decode(run: _Run) -> Generator[Piece, None, Generation]:
+    """The loop's bookkeeping around `speculative_step`: room, proposals, the EOS cut, stats, stops and text."""
+    target, drafter, cache, text, stats, eos = run.target, run.drafter, run.cache, run.text, run.stats, run.eos
+    start, tokens, stop_reason = time.perf_counter(), list(run.prompt), "max_new_tokens"
+    layers = () if drafter is None else drafter.needs.hidden_states
     try:
+        session = _begin(run)
+        stats.prefill_time = time.perf_counter() - start
         while True:
-            room = min(max_new_tokens - (len(tokens) - len(prompt)), target.context_length - len(tokens))
+            room = min(run.max_new_tokens - (len(tokens) - len(run.prompt)), target.context_length - len(tokens))
             if room <= 0:
-                stop_reason = "max_new_tokens" if len(tokens) - len(prompt) >= max_new_tokens else "context_length"
+                done = len(tokens) - len(run.prompt) >= run.max_new_tokens
+                stop_reason = "max_new_tokens" if done else "context_length"
                 break
             t0 = time.perf_counter()
-            proposal = Proposal([])
-            if drafter is not None and room > 1:
+            proposal, asked = Proposal([]), session is not None and room > 1
+            if asked:
                 k = min(drafter.k, room - 1)
-                proposal, outstanding = drafter.propose(tokens, k), True
+                proposal = session.propose(tokens, k)
                 stats.drafter_calls += 1
                 _check(drafter, proposal, k)
             proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
-            # One forward: the last committed token, then the proposal (a chain or a tree), then any side branch.
-            side = [] if proposal.side is None else proposal.side.tokens
-            mask, positions = layout(proposal, cache.length, target.device)
-            x = torch.tensor([[tokens[-1], *proposal.tokens, *side]], device=target.device)
-            logits = target(x, cache, mask, positions)[0, :, :V]
-            nodes = 1 + len(proposal.tokens)
-            if proposal.parents is None:
-                n, nxt = verify(proposal.tokens, proposal.probs, logits[None, :nodes], sampling, generator)
-                path = list(range(n))
-                cache.truncate(len(tokens) + n)  # the old last token and the accepted drafts; nxt is the new last
-            else:
-                path, nxt = verify_tree(proposal, logits[:nodes], sampling, generator)
-                cache.keep(len(tokens), path)  # the accepted branch moves into place; the rest is dropped
-            if outstanding:
-                drafter.accepted(Verdict([kept[i] for i in path], logits[nodes:] if side else None))
-                outstanding = False
+            step = speculative_step(target, cache, tokens[-1], proposal, run.sampling, run.generator, layers)
+            if asked:
+                session.accepted(Verdict([kept[i] for i in step.path], step.side_logits, step.hidden))
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
             stats.target_calls += 1
-            stats.record_step(depth(proposal), len(path))
-            new, drafted = [*(proposal.tokens[i] for i in path), nxt], [True] * len(path) + [False]
+            new = [*(proposal.tokens[i] for i in step.path), step.next_token]
+            drafted = [True] * len(step.path) + [False]
             cut = through_eos(new, eos)  # nothing after an end-of-sequence token is kept
             if new[cut - 1] in eos:
                 new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
             new = new[: text.add(new, drafted)]
             if text.stopped:
                 stop_reason = "stop_string"
+            stats.record_step(depth(proposal), sum(drafted[: len(new)]))  # a draft cut by a stop is not accepted
             tokens += new
             stats.new_tokens += len(new)
             yield from text.ready()
             if stop_reason in ("eos", "stop_string"):
                 break
-    finally:
-        if outstanding:  # abandoned mid-step: roll the drafter back too
-            drafter.accepted(Verdict([]))
+    finally:  # also when the stream is abandoned: the cache holds exactly the committed tokens but the last
         cache.truncate(min(cache.length, len(tokens) - 1))
         stats.total_time = time.perf_counter() - start
     yield from text.ready(final=True)
-    generated = tokens[len(prompt):]
+    generated = tokens[len(run.prompt):]
     return Generation(text.text, generated, [p.drafted for p in text.pieces], stop_reason, stats)
 
 

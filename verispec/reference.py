@@ -17,31 +17,16 @@ import torch
 from numpy.typing import ArrayLike
 
 from verispec.errors import InvalidArgumentError
-from verispec.models.checkpoint import load_weights, param_shapes
+from verispec.models.checkpoint import load_weights
 from verispec.models.config import ModelConfig, read_config
+from verispec.models.random_init import random_weights
 
 Params = dict[str, Any]  # weight name -> float64 ndarray, and "config" -> ModelConfig
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> Params:
-    """Random float64 weights for every parameter of `config`, deterministic for `seed`.
-
-    Norm weights are 1 + small noise, embeddings are standard normal, projections have std 1/sqrt(fan_in) so that
-    a tiny random model gives logits of order 1, and biases are small.
-    """
-    rng = np.random.default_rng(seed)
-    params: Params = {"config": config}
-    for name, shape in param_shapes(config).items():
-        noise = rng.standard_normal(shape)
-        if name.endswith("norm.weight"):
-            params[name] = 1.0 + 0.1 * noise
-        elif name.endswith(".bias"):
-            params[name] = 0.1 * noise
-        elif name == "model.embed_tokens.weight":
-            params[name] = noise
-        else:
-            params[name] = noise / np.sqrt(shape[1])
-    return params
+    """Random float64 weights for every parameter of `config` (see `random_weights`), with the config."""
+    return {"config": config} | random_weights(config, seed)
 
 
 def load_params(checkpoint_dir: str | Path) -> Params:

@@ -76,8 +76,8 @@ def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, li
     if len(keep) == len(proposal.tokens):
         return proposal, keep
     parents = None if proposal.parents is None else [new_index[proposal.parents[i]] for i in keep]
-    probs = None if proposal.probs is None else proposal.probs[keep]
-    return Proposal([proposal.tokens[i] for i in keep], probs, parents, proposal.side), keep
+    q = None if proposal.q is None else proposal.q[keep]
+    return Proposal([proposal.tokens[i] for i in keep], q, parents, proposal.side), keep
 
 
 def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
@@ -88,8 +88,8 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
     target's argmax. Sampling: SpecInfer's multi-candidate rule, which keeps the target distribution p:
     try the children in order, accepting child x with probability min(1, p(x)/q(x)); after each
     rejection p becomes norm(max(0, p - q)); if no child is accepted, sample from what p has become
-    (a leaf's p unchanged: the bonus token). q is the children's shared row of `probs` (they must be independent
-    draws from it, with replacement), or one-hot at each child where `probs` is None (distinct fixed candidates).
+    (a leaf's p unchanged: the bonus token). q is the children's shared row of `proposal.q` (they must be independent
+    draws from it, with replacement), or one-hot at each child where `proposal.q` is None (distinct fixed candidates).
     """
     parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.tokens))
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
@@ -105,12 +105,12 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
                 return path, best
         else:
             p, child, kids = logits_to_probs(row, sampling), None, children[node + 1]
-            if proposal.probs is not None and any(not torch.equal(proposal.probs[c], proposal.probs[kids[0]]) for c in kids):
+            if proposal.q is not None and any(not torch.equal(proposal.q[c], proposal.q[kids[0]]) for c in kids):
                 raise DrafterError("sampled siblings must be independent draws from one q (SpecInfer's rule); "
                                    "these have different q rows")
             for c in kids:
                 x = proposal.tokens[c]
-                q = None if proposal.probs is None else proposal.probs[c].to(p.dtype)
+                q = None if proposal.q is None else proposal.q[c].to(p.dtype)
                 qx = 1.0 if q is None else float(q[x])
                 if float(torch.rand((), generator=generator, device=p.device)) * qx < float(p[x]):
                     child = c

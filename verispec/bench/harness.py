@@ -18,7 +18,7 @@ from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
 from verispec.drafters import DraftModel
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
-from verispec.drafters.layer_skip_search import search_skip, write_plan
+from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model

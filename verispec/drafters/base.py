@@ -1,4 +1,9 @@
-"""The Drafter protocol: every method of proposing tokens plugs into the generation loop through it."""
+"""The Drafter protocol: every method of proposing tokens plugs into the generation loop through it.
+
+A `Drafter` is a recipe: its settings and any weights it reads, never the state of one generation. `begin` starts
+a `DraftSession` that holds that state, so one drafter can serve several generations at once, from several
+threads. To write a drafter, read this file and `ngram.py` (the smallest example).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from verispec.errors import IncompatibleTargetError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 
@@ -27,9 +33,9 @@ class SideBranch:
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]
-    # q (len(tokens), V) where the drafter sampled; None counts as one-hot. In a tree, sampled siblings must be
-    # independent draws (with replacement) from their shared q, which SpecInfer's rule needs to stay lossless.
-    probs: torch.Tensor | None = None
+    # q (len(tokens), V): the draft's probabilities where it sampled; None counts as one-hot. In a tree, sampled
+    # siblings must be independent draws (with replacement) from their shared q, as SpecInfer's rule needs.
+    q: torch.Tensor | None = None
     # A token tree: each token's parent index, -1 for the last committed token; parents come before their
     # children, siblings in the order they are tried. None: the tokens form one chain.
     parents: list[int] | None = None
@@ -40,27 +46,71 @@ class Proposal:
 class Verdict:
     path: list[int]  # indices of the accepted proposal tokens, root to leaf (a chain: 0, 1, ..., n - 1)
     side_logits: torch.Tensor | None = None  # (S, V) the target's logits at the side branch's tokens
+    # (1 + len(path), len(layers), D): the target's hidden states at the last committed token and at each accepted
+    # token, for a drafter whose `needs.hidden_states` names layers; None otherwise.
+    hidden: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:
         return len(self.path)
 
 
-class Drafter(Protocol):
-    name: str
-    k: int  # the deepest proposal: at most this many tokens can be accepted per step
-    width: int  # the most tokens one proposal puts into the target's forward (tree nodes and side branch)
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter needs of the target's forward; the loop refuses a target that lacks it, before any work."""
 
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache: Cache) -> None:
-        """Start a new sequence for this target (drop any state from an earlier one).
+    tree_masks: bool = False  # it proposes token trees or side branches
+    hidden_states: tuple[int, ...] = ()  # the target layers it reads (block indices, or models.protocol.FINAL)
+    layer_subsets: bool = False  # it runs the target with some blocks left out
 
-        `cache` is the target's: at each `propose` it holds every committed token but the last. A drafter
-        that runs the target itself (layer skip) may write past that and must truncate back before returning.
-        """
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a session starts from: the target, the prompt, and the target's state after the prefill."""
+
+    target: CausalLM
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    # The target's cache: at each `propose` it holds every committed token but the last. A drafter that runs the
+    # target itself (layer skip) may write past that and must truncate back before returning.
+    cache: Cache
+    # (len(prompt) - 1, len(layers), D): the target's hidden states at the prefilled prompt tokens (all but the
+    # last), when `needs.hidden_states` names layers; None otherwise.
+    hidden: torch.Tensor | None = None
+
+
+class DraftSession(Protocol):
+    """One generation's drafting state."""
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         """Tokens to follow `context` (every token committed so far), at most k deep."""
 
     def accepted(self, verdict: Verdict) -> None:
         """The target's verdict on the last proposal; roll back any state past the accepted tokens."""
+
+
+class Drafter(Protocol):
+    name: str
+    k: int  # the deepest proposal: at most this many tokens can be accepted per step
+    width: int  # the most tokens one proposal puts into the target's forward (tree nodes and side branch)
+    needs: Needs
+
+    def check(self, target: CausalLM) -> None:
+        """Refuse, with a VerispecError, a target this drafter cannot draft for (beyond `needs`); cheap, no work."""
+
+    def begin(self, context: DraftContext) -> DraftSession:
+        """A new session for one generation."""
+
+
+def check_target(drafter: Drafter, target: CausalLM) -> None:
+    """Refuse a target that lacks what the drafter declares it needs, then run the drafter's own checks."""
+    needs, can = drafter.needs, target.capabilities
+    missing = [what for what, needed, has in (
+        ("tree attention masks", needs.tree_masks, can.tree_masks),
+        ("hidden states", bool(needs.hidden_states), can.hidden_states),
+        ("running a subset of its layers", needs.layer_subsets, can.layer_subsets)) if needed and not has]
+    if missing:
+        raise IncompatibleTargetError(f"drafter {drafter.name} needs {' and '.join(missing)} of the target; {target.name} "
+                           f"does not offer it (the native runtime does; this model is loaded through another)")
+    drafter.check(target)

@@ -7,11 +7,10 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal, Verdict
+from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
-from verispec.models.native import NativeModel
-from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams, draw, logits_to_probs
+from verispec.models.protocol import CausalLM
+from verispec.sampling import draw, logits_to_probs
 from verispec.tokenizer import check_same_tokenizer
 
 
@@ -21,11 +20,7 @@ def tree_size(k: int, branch: int, branch_depth: int) -> int:
 
 
 class DraftModel:
-    """Its cache holds the committed tokens it has seen plus its own proposals, minus the last one.
-
-    After the target's verdict it rolls back to the accepted tokens; the target's correction (and
-    the last proposal, when everything was accepted) is fed at the start of the next `propose`,
-    in the same forward as the first draft step.
+    """A drafter that runs `model`, a smaller model with the target's tokenizer, with its own KV cache.
 
     With `branch` b > 1 it proposes a tree: every node at the first `branch_depth` depths gets b children
     (greedy: the draft's top-b tokens; sampling: b independent draws from its q, as SpecInfer's rule needs),
@@ -42,31 +37,40 @@ class DraftModel:
             raise InvalidArgumentError(f"branch (candidates per tree node) must be >= 1, got {branch}")
         if branch_depth < 1:
             raise InvalidArgumentError(f"branch_depth (depths that branch) must be >= 1, got {branch_depth}")
-        if branch > 1 and not isinstance(model, NativeModel):
-            raise InvalidArgumentError(
-                f"branch > 1 drafts a token tree, which needs a draft model in the native runtime; "
-                f"{model.name} is loaded through transformers, which takes no tree masks"
-            )
+        if branch > 1 and not model.capabilities.tree_masks:
+            raise InvalidArgumentError(f"branch > 1 drafts a token tree, which needs a draft model that takes tree "
+                                       f"masks (the native runtime); {model.name} does not")
         self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
         self.width = tree_size(k, branch, branch_depth)
-        self.cache: Cache | None = None
-        self._context_len = 0
-        self._slots: dict[int, int] = {}  # tree node -> its entry's offset after the committed tokens
+        self.needs = Needs(tree_masks=branch > 1)
 
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache: Cache) -> None:
+    def check(self, target: CausalLM) -> None:
         check_same_tokenizer(target.tokenizer, self.model.tokenizer, target.name, self.model.name)
         if self.model.vocab_size != target.vocab_size:
             raise TokenizerMismatchError(
                 f"draft {self.model.name} has {self.model.vocab_size} usable tokens, target {target.name} {target.vocab_size}"
             )
-        if self.cache is None:  # a tree's other branches need width - k slots more than a chain
-            self.cache = self.model.new_cache(self.model.context_length + self.width - self.k)
-        self.cache.truncate(0)
-        if self.branch > 1 and not isinstance(target, NativeModel):
-            raise InvalidArgumentError(f"branch > 1 drafts a token tree, which the target must verify with a tree "
-                                       f"mask; {target.name} is loaded through transformers, which takes none")
-        self.sampling, self.generator, self._context_len = sampling, generator, len(prompt)
+
+    def begin(self, context: DraftContext) -> DraftModelSession:
+        return DraftModelSession(self, context)
+
+
+class DraftModelSession:
+    """The draft's cache holds the committed tokens it has seen plus its own proposals, minus the last one.
+
+    After the target's verdict it rolls back to the accepted tokens; the target's correction (and
+    the last proposal, when everything was accepted) is fed at the start of the next `propose`,
+    in the same forward as the first draft step.
+    """
+
+    def __init__(self, drafter: DraftModel, context: DraftContext) -> None:
+        self.model, self.k, self.width = drafter.model, drafter.k, drafter.width
+        self.branch, self.branch_depth = drafter.branch, drafter.branch_depth
+        self.sampling, self.generator = context.sampling, context.generator
+        # As long as the target's (it fits prompt and answer), plus the width - k slots a tree's other branches take.
+        self.cache = self.model.new_cache(min(self.model.context_length, context.cache.max_len) + self.width - self.k)
+        self._context_len = len(context.prompt)
+        self._slots: dict[int, int] = {}  # tree node -> its entry's offset after the committed tokens
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         self._context_len, self._slots = len(context), {}
@@ -78,21 +82,21 @@ class DraftModel:
         logits = self.model(unseen, self.cache)[0, -1, : self.model.vocab_size]
         if self.branch > 1:
             return self._propose_tree(logits, k)
-        tokens, probs = [], []
+        tokens, q = [], []
         for i in range(k):
-            token, q = draw(logits, self.sampling, self.generator)
+            token, q_i = draw(logits, self.sampling, self.generator)
             tokens.append(token)
-            probs += [] if q is None else [q]
+            q += [] if q_i is None else [q_i]
             if i < k - 1:
                 logits = self.model(torch.tensor([[token]], device=self.model.device), self.cache)[0, -1, : self.model.vocab_size]
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens, torch.stack(q) if q else None)
 
     def _propose_tree(self, root_logits: torch.Tensor, k: int) -> Proposal:
         """Grow the tree a depth at a time, from the logits at the last committed token (already in the cache)."""
         start, V = self._context_len, self.model.vocab_size
         tokens: list[int] = []
         parents: list[int] = []
-        probs: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
         sees: dict[int, list[int]] = {-1: []}  # node -> cache offsets of its ancestors' entries
         frontier, frontier_logits = [-1], root_logits[None]
         for d in range(1, k + 1):
@@ -109,12 +113,12 @@ class DraftModel:
                     tokens.append(token)
                     parents.append(parent)
                     if q is not None:
-                        probs.append(q)
+                        qs.append(q)
             if d == k:
                 break
             # Nodes below an end-of-sequence token too: the loop drops them and tells the verdict in our numbering.
             frontier, frontier_logits = children, self._score(children, tokens, parents, sees, start, d)
-        return Proposal(tokens, torch.stack(probs) if probs else None, parents)
+        return Proposal(tokens, torch.stack(qs) if qs else None, parents)
 
     def _score(self, frontier: list[int], tokens: list[int], parents: list[int], sees: dict[int, list[int]],
                start: int, d: int) -> torch.Tensor:

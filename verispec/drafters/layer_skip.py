@@ -2,7 +2,7 @@
 
 No second model is held in memory, and the draft reuses the target's own KV cache: the committed prefix's
 entries in the layers it runs are the full model's (as in Draft & Verify and SWIFT). Which layers to skip is
-chosen by `verispec.drafters.layer_skip_search` and saved as `layerskip.json` beside the checkpoint.
+chosen by `verispec.bench.layer_skip_search` and saved as `layerskip.json` beside the checkpoint.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal, Verdict
-from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.native import NativeModel
-from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams, draw
+from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
+from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
+from verispec.models.protocol import CausalLM
+from verispec.sampling import draw
 
 PLAN_FILE = "layerskip.json"
 
@@ -44,7 +43,7 @@ class LayerSkip:
             raise InvalidArgumentError("layer skip needs at least one layer to skip (skipping none drafts with "
                                        "the full target, which is never faster)")
         self.skip, self.k, self.width = sorted(int(i) for i in skip), k, k
-        self.layers: list[int] = []
+        self.needs = Needs(layer_subsets=True)
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, k: int | None = None) -> LayerSkip:
@@ -60,35 +59,40 @@ class LayerSkip:
             raise CheckpointError(f"{file}: not a layer-skip plan ({err})") from None
         return cls(skip, saved_k if k is None else k)
 
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache: Cache) -> None:
-        if not isinstance(target, NativeModel):
-            raise InvalidArgumentError(f"layer skip runs the target with layers left out, which only the native "
-                                       f"runtime can do; {target.name} is loaded through transformers")
-        layers = target.config.num_hidden_layers
-        if self.skip[-1] >= layers:
-            raise InvalidArgumentError(f"cannot skip layer {self.skip[-1]}: {target.name} has layers 0..{layers - 1}")
-        if len(self.skip) == layers:
-            raise InvalidArgumentError(f"cannot skip all {layers} layers of {target.name}")
-        self.layers = [i for i in range(layers) if i not in self.skip]
-        self.target, self.cache, self.sampling, self.generator = target, cache, sampling, generator
+    def check(self, target: CausalLM) -> None:
+        if self.skip[-1] >= target.num_layers:
+            raise IncompatibleTargetError(f"cannot skip layer {self.skip[-1]}: {target.name} has layers "
+                                          f"0..{target.num_layers - 1}")
+        if len(self.skip) == target.num_layers:
+            raise IncompatibleTargetError(f"cannot skip all {target.num_layers} layers of {target.name}")
+
+    def begin(self, context: DraftContext) -> LayerSkipSession:
+        return LayerSkipSession([i for i in range(context.target.num_layers) if i not in self.skip], context)
+
+
+class LayerSkipSession:
+    """Keeps nothing of its own past the committed tokens: every proposal leaves the target's cache as it found it."""
+
+    def __init__(self, layers: list[int], context: DraftContext) -> None:
+        self.layers, self.target, self.cache = layers, context.target, context.cache
+        self.sampling, self.generator = context.sampling, context.generator
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         start, vocab = self.cache.length, self.target.vocab_size
         unseen = list(context[start:])  # the last committed token, which the cache does not hold yet
         k = min(k, self.cache.max_len - start - len(unseen) + 1)  # the last draft is never fed
-        tokens, probs = [], []
+        tokens, q = [], []
         try:
             for _ in range(k):
                 x = torch.tensor([unseen], device=self.target.device)
                 logits = self.target(x, self.cache, layers=self.layers)[0, -1, :vocab]
-                token, q = draw(logits, self.sampling, self.generator)
+                token, q_i = draw(logits, self.sampling, self.generator)
                 tokens.append(token)
-                probs += [] if q is None else [q]
+                q += [] if q_i is None else [q_i]
                 unseen = [token]
         finally:  # the loop expects the cache where it left it; the verification rewrites these slots
             self.cache.truncate(start)
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens, torch.stack(q) if q else None)
 
     def accepted(self, verdict: Verdict) -> None:
-        """Nothing to roll back: the drafter keeps no state of its own past the committed tokens."""
+        """Nothing to roll back."""

@@ -15,11 +15,9 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal, SideBranch, Verdict
+from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
 from verispec.errors import InvalidArgumentError
-from verispec.models.native import NativeModel
-from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams
+from verispec.models.protocol import CausalLM
 
 
 class NgramPool:
@@ -89,6 +87,7 @@ class Lookahead:
     """
 
     name = "lookahead"
+    needs = Needs(tree_masks=True)  # the window and the candidate trie share one forward through a custom mask
 
     def __init__(self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True,
                  seed: int = 0) -> None:
@@ -99,19 +98,23 @@ class Lookahead:
         self.text_ngrams = text_ngrams
         self.k = ngram - 1
         self.width = (candidates + window) * (ngram - 1)
-        self.pool = NgramPool(candidates)
-        self.levels: list[list[int]] = []
-        self._seen = 0  # committed tokens whose n-grams are in the pool
 
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache: Cache) -> None:
-        if not isinstance(target, NativeModel):
-            raise InvalidArgumentError(
-                "lookahead decoding needs a target on the native runtime (custom attention masks)")
-        rng = random.Random(self.seed)
+    def check(self, target: CausalLM) -> None:
+        """Any target that takes tree masks."""
+
+    def begin(self, context: DraftContext) -> LookaheadSession:
+        return LookaheadSession(self, context.prompt)
+
+
+class LookaheadSession:
+    """The Jacobi window (a list of levels, oldest first) and the n-gram pool of one generation."""
+
+    def __init__(self, drafter: Lookahead, prompt: Sequence[int]) -> None:
+        self.window, self.ngram, self.text_ngrams = drafter.window, drafter.ngram, drafter.text_ngrams
+        rng = random.Random(drafter.seed)
         self.levels = [[rng.choice(prompt) for _ in range(self.window)]]
-        self.pool = NgramPool(self.candidates)
-        self._seen = 0
+        self.pool = NgramPool(drafter.candidates)
+        self._seen = 0  # committed tokens whose n-grams are in the pool
         self._add_text(prompt)
 
     def _add_text(self, context: Sequence[int]) -> None:

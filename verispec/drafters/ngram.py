@@ -9,20 +9,16 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal, Verdict
+from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import InvalidArgumentError
-from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams
+from verispec.models.protocol import CausalLM
 
 
 class PromptLookup:
-    """An index from each n-gram (min_ngram <= n <= max_ngram) to where its latest continuation starts.
-
-    The index grows with the committed tokens only (never a rescan); proposals carry no probabilities,
-    so the sampling rule treats them as one-hot q.
-    """
+    """Proposes up to k tokens that followed the longest n-gram (min_ngram <= n <= max_ngram) ending the text."""
 
     name = "ngram"
+    needs = Needs()  # nothing of the target: it reads only the committed tokens
 
     def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if k < 1:
@@ -31,12 +27,25 @@ class PromptLookup:
             raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.k = self.width = k
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def check(self, target: CausalLM) -> None:
+        """Any target will do."""
+
+    def begin(self, context: DraftContext) -> NgramIndex:
+        return NgramIndex(self.max_ngram, self.min_ngram, context.prompt)
+
+
+class NgramIndex:
+    """An index from each n-gram to where its latest continuation starts.
+
+    The index grows with the committed tokens only (never a rescan); proposals carry no probabilities,
+    so the sampling rule treats them as one-hot q.
+    """
+
+    def __init__(self, max_ngram: int, min_ngram: int, prompt: Sequence[int]) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
-
-    def begin(self, target: CausalLM, prompt: Sequence[int], sampling: SamplingParams,
-              generator: torch.Generator, cache: Cache) -> None:
-        self.tokens, self.index = [], {}
         self._extend(prompt)
 
     def _extend(self, new: Sequence[int]) -> None:

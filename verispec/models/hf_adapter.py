@@ -6,11 +6,13 @@ The cache is transformers' own `DynamicCache`, rolled back with `crop(-n)` (tran
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.native import parse_dtype
+from verispec.models.protocol import Capabilities
 from verispec.tokenizer import as_id_set
 
 
@@ -33,9 +35,20 @@ class TransformersCache:
         self.length = length
         return removed
 
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """A chain's accepted prefix only: token trees need tree masks, which this adapter does not take."""
+        if offsets != list(range(len(offsets))):
+            raise InvalidArgumentError("keeping a token tree's branch needs the native runtime's cache")
+        self.truncate(start + len(offsets))
+
 
 class TransformersModel:
-    """`model(tokens, cache) -> logits` over a `transformers` PreTrainedModel and its fast tokenizer."""
+    """`model(tokens, cache) -> logits` over a `transformers` PreTrainedModel and its fast tokenizer.
+
+    A causal chain only: no tree masks, hidden states or layer subsets (drafters that need them refuse it).
+    """
+
+    capabilities = Capabilities()
 
     def __init__(self, model, tokenizer, name: str) -> None:
         self.model, self.name = model.eval(), name
@@ -44,6 +57,7 @@ class TransformersModel:
         self.eos_token_ids = as_id_set(model.generation_config.eos_token_id) | as_id_set(config.eos_token_id)
         self.vocab_size = min(model.get_output_embeddings().weight.shape[0], len(tokenizer))
         self.context_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        self.hidden_size, self.num_layers = config.hidden_size, config.num_hidden_layers
         self.device = model.device
 
     def new_cache(self, max_len: int | None = None) -> TransformersCache:
@@ -53,9 +67,10 @@ class TransformersModel:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: TransformersCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is not None or positions is not None:
-            raise InvalidArgumentError("token trees (custom masks and positions) need the native runtime")
+                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None) -> torch.Tensor:
+        if mask is not None or positions is not None or hidden is not None:
+            raise InvalidArgumentError("token trees (custom masks and positions) and hidden states need the "
+                                       "native runtime")
         T = tokens.shape[1]
         cache.reserve(T)
         positions = torch.arange(cache.length, cache.length + T, device=tokens.device)[None]

@@ -109,7 +109,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, layers: Sequence[int] | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
@@ -120,6 +121,8 @@ class LlamaForCausalLM(nn.Module):
         tokens are a whole sequence from position 0. `layers` (indices, ascending) are the blocks to run,
         all by default: a skipped block neither computes nor writes its cache entries for the new tokens, so
         they hold stale values, and only a caller that truncates them away (layer-skip drafting) may skip.
+        `hidden` (block indices, or -1 for the final-normed state) asks for (logits, hidden (B, T, len(hidden), D)):
+        the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
         """
         B, T = tokens.shape
         start = 0
@@ -137,8 +140,15 @@ class LlamaForCausalLM(nn.Module):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
-        for block in self.model.layers if layers is None else [self.model.layers[i] for i in layers]:
-            x = block(x, cos, sin, cache, attn_mask)
+        run = range(len(self.model.layers)) if layers is None else layers
+        if hidden is not None and not set(hidden) <= {-1, *run}:
+            raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
+        states = {}
+        for i in run:
+            x = self.model.layers[i](x, cos, sin, cache, attn_mask)
+            states[i] = x
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(self.model.norm(x))
+        states[-1] = self.model.norm(x)
+        logits = self.lm_head(states[-1])
+        return logits if hidden is None else (logits, torch.stack([states[i] for i in hidden], dim=2))

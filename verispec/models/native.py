@@ -13,6 +13,7 @@ from verispec.models.cache import KVCache
 from verispec.models.checkpoint import load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.llama import LlamaForCausalLM
+from verispec.models.protocol import Capabilities
 from verispec.tokenizer import eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -29,10 +30,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`."""
 
+    capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True)
+
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str) -> None:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
+        self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -43,8 +47,9 @@ class NativeModel:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None) -> torch.Tensor:
-        return self.module(tokens, cache, mask, positions, layers)
+                 positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None,
+                 hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.module(tokens, cache, mask, positions, layers, hidden)
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",

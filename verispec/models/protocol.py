@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 from tokenizers import Tokenizer
+
+FINAL = -1  # in `hidden`: the final-normed state that the LM head reads (Medusa's and EAGLE-1/2's feature)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model's forward can do beyond a causal chain of new tokens; drafters declare what they need of it."""
+
+    tree_masks: bool = False  # custom attention masks and rotary positions (token trees, side branches)
+    hidden_states: bool = False  # `hidden=` returns the residual stream after chosen blocks, or FINAL
+    layer_subsets: bool = False  # `layers=` runs only some blocks (self-speculative layer skip)
 
 
 class Cache(Protocol):
@@ -15,8 +27,9 @@ class Cache(Protocol):
     def truncate(self, length: int) -> int:
         """Roll back to `length` positions; returns how many were removed."""
 
-    # Token trees also need `keep(start, offsets)` (move a verified branch into place); the native
-    # runtime's KVCache has it, and only it takes tree masks.
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Move the entries at start + offsets[j] to start + j and truncate after them (a verified branch of a
+        token tree); a chain's accepted prefix (offsets 0, 1, ..., n - 1) is a plain truncate."""
 
 
 class CausalLM(Protocol):
@@ -25,14 +38,21 @@ class CausalLM(Protocol):
     eos_token_ids: frozenset[int]  # generation stops at any of them
     vocab_size: int  # real vocabulary: logits past it (embedding padding) are never used
     context_length: int
+    hidden_size: int
+    num_layers: int
+    capabilities: Capabilities
     device: torch.device
 
     def new_cache(self, max_len: int | None = None) -> Cache:
         """An empty cache for one sequence, `max_len` defaulting to the context length."""
 
     def __call__(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T.
 
-        `mask` (T, T) and `positions` (T,) lay out a token tree; by default the tokens form a chain.
+        `mask` (T, T) and `positions` (T,) lay out a token tree (`capabilities.tree_masks`); by default the tokens
+        form a chain. With `hidden` (`capabilities.hidden_states`; block indices, or FINAL) the call returns
+        (logits, hidden states (1, T, len(hidden), hidden_size)) instead.
         """
+

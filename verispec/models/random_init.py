@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from verispec.models.checkpoint import save_checkpoint
+from verispec.models.checkpoint import param_shapes, save_checkpoint
 from verispec.models.config import ModelConfig
-from verispec.reference import init_params
 from verispec.tokenizer import byte_level_tokenizer
 
 BYTE_VOCAB = 257  # 256 bytes and <|endoftext|>
@@ -22,14 +22,31 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**(base | overrides))
 
 
-def _weights(config: ModelConfig, seed: int) -> dict:
-    return {name: value for name, value in init_params(config, seed).items() if name != "config"}
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float64 weights for every parameter of `config`, deterministic for `seed`.
+
+    Norm weights are 1 + small noise, embeddings are standard normal, projections have std 1/sqrt(fan_in) so that
+    a tiny random model gives logits of order 1, and biases are small.
+    """
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in param_shapes(config).items():
+        noise = rng.standard_normal(shape)
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * noise
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * noise
+        elif name == "model.embed_tokens.weight":
+            weights[name] = noise
+        else:
+            weights[name] = noise / np.sqrt(shape[1])
+    return weights
 
 
 def random_checkpoint(folder: str | Path, config: ModelConfig, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> Path:
-    """Write a checkpoint folder with `init_params(config, seed)` weights and the byte-level tokenizer."""
-    return save_checkpoint(folder, config, _weights(config, seed), byte_level_tokenizer(), dtype)
+    """Write a checkpoint folder with `random_weights(config, seed)` and the byte-level tokenizer."""
+    return save_checkpoint(folder, config, random_weights(config, seed), byte_level_tokenizer(), dtype)
 
 
 def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0,
@@ -39,7 +56,7 @@ def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, 
     The target's deeper layers write `deep_scale` times less into the residual stream, so they correct the
     shallow ones rather than replace them and the draft agrees with the target often enough to show speculation.
     """
-    weights, tokenizer = _weights(config, seed), byte_level_tokenizer()
+    weights, tokenizer = random_weights(config, seed), byte_level_tokenizer()
     deep = {name for name in weights if name.startswith("model.layers.") and int(name.split(".")[2]) >= draft_layers}
     for name in deep:
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -102,12 +102,12 @@ def search_skip(target: NativeModel, data: Sequence[str] | torch.Tensor | None =
     default the corpus's validation split. Each run continues a prompt by `new_tokens` tokens. `r` and
     `fixed_share` are measured unless given (giving both makes the search independent of timing).
     """
-    if not isinstance(target, NativeModel):
+    if not target.capabilities.layer_subsets:
         raise InvalidArgumentError("the layer-skip search runs the target with layers left out, which only the "
                                    "native runtime can do")
     if k < 1 or new_tokens < 1:
         raise InvalidArgumentError(f"k and new_tokens must be >= 1, got {k} and {new_tokens}")
-    layers = target.config.num_hidden_layers
+    layers = target.num_layers
     if layers < 2:
         raise InvalidArgumentError(f"{target.name} has one layer: there is none to skip")
     if isinstance(data, torch.Tensor):

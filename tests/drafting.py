@@ -1,0 +1,35 @@
+"""A base for the tests' own drafters: each is its own session, started by `start`."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import DraftContext, Needs, check_target
+from verispec.models.protocol import CausalLM
+from verispec.sampling import SamplingParams
+
+
+class OwnSession:
+    """A drafter that is its own (single) session: fine for a test that runs one generation at a time."""
+
+    needs = Needs()
+
+    def check(self, target: CausalLM) -> None:
+        """Any target."""
+
+    def begin(self, context: DraftContext) -> OwnSession:
+        self.start(context)
+        return self
+
+    def start(self, context: DraftContext) -> None:
+        """Reset per-generation state."""
+
+
+def start_session(drafter, target: CausalLM, prompt, sampling: SamplingParams | None = None,
+                  generator: torch.Generator | None = None, cache=None):
+    """A drafter's session for `prompt`, begun the way the loop begins one (checks first, then a prefilled cache)."""
+    check_target(drafter, target)
+    cache = target.new_cache() if cache is None else cache
+    if cache.length == 0 and len(prompt) > 1:
+        target(torch.tensor([list(prompt)[:-1]]), cache)
+    return drafter.begin(DraftContext(target, list(prompt), sampling or SamplingParams(), generator, cache))
