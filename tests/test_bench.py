@@ -24,10 +24,13 @@ def test_report_files_and_structure(quick) -> None:
     assert {p.name for p in out.iterdir()} >= {"report.md", "results.json", "speedup_vs_k.png",
                                                 "acceptance_by_position.png", "tokens_per_second.png"}
     summary = results["summary"]
-    expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead W=5 N=4 G=5", "transformers greedy",
-                "transformers assisted", "transformers assisted k=4",
-                "transformers prompt lookup", "draft tree b=2 k=4"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+    expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead window=5 ngram=4 candidates=5",
+                "transformers greedy", "transformers assisted", "transformers assisted k=4",
+                "transformers prompt lookup", "draft k=4 branch=2"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
+    methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
+    assert methods["draft k=4 branch=2"] == {"family": "draft", "k": 4, "options": {"branch": 2}}
+    assert methods["lookahead window=5 ngram=4 candidates=5"]["k"] is None and methods["transformers greedy"] is None
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
     assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
     report = (out / "report.md").read_text()

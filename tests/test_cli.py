@@ -71,7 +71,7 @@ def _other_tokenizer_dir(tmp_path: Path) -> Path:
     ("corrupt", "corrupt safetensors"),
     ("gpt2", "unsupported architecture GPT2LMHeadModel"),
     ("tokenizers", "different tokenizers"),
-    ("k0", "-k must be >= 1"),
+    ("k0", "k (tokens drafted per step) must be an integer >= 1"),
     ("negative_temperature", "temperature"),
     ("top_p_zero", "top_p"),
     ("top_p_big", "top_p"),

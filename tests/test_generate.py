@@ -126,6 +126,18 @@ def test_stop_string_truncates_text_and_stream(target, draft, greedy_truth) -> N
     assert result.tokens == greedy_truth[: len(result.tokens)] and len(result.tokens) < N
 
 
+@pytest.mark.parametrize("start", [5, 12])
+def test_stats_count_only_the_drafts_a_stop_string_kept(target, start) -> None:
+    """With the target as its own draft every proposal is right, so a stop string inside a step cuts accepted
+    drafts: the stats count what was kept, as the per-token `drafted` flags do."""
+    full = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).text
+    result = generate(target, PROMPT, DraftModel(target, 8), max_new_tokens=N, ignore_eos=True,
+                      stop=[full[start: start + 2]])
+    assert result.stop_reason == "stop_string"
+    assert result.stats.accepted == sum(result.drafted) < result.stats.proposed
+    assert sum(result.stats.accepted_by_position) == result.stats.accepted
+
+
 @pytest.mark.parametrize("start", [3, 9, 16, 25, 33])
 def test_stop_strings_keep_greedy_identity(target, draft, start) -> None:
     """The tokens end with the one that completed the stop string, whatever the drafter and step boundaries."""

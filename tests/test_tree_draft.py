@@ -73,10 +73,10 @@ def test_cli_generate_with_branch(capsys, pair_dirs) -> None:
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--branch", "0"], "--branch and --branch-depth must be >= 1"),
-    (["--branch-depth", "-1"], "--branch and --branch-depth must be >= 1"),
-    (["--branch", "2", "--method", "ngram"], "use them with --method draft and --draft"),
-    (["--branch", "2", "--no-draft"], "use them with --method draft and --draft"),
+    (["--branch", "0"], "branch (candidates per tree node) must be >= 1"),
+    (["--branch-depth", "-1"], "branch_depth (depths that branch) must be >= 1"),
+    (["--branch", "2", "--method", "ngram"], "method ngram takes no option branch"),
+    (["--branch", "2", "--no-draft"], "method draft needs a draft model (--draft DIR)"),
     (["--branch", "2", "--backend", "transformers"], "native runtime"),
 ])
 def test_cli_rejects_bad_branch_options(capsys, pair_dirs, extra, message) -> None:

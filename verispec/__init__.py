@@ -1,6 +1,7 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
-from verispec.drafters import DraftModel, Drafter, LayerSkip, Lookahead, PromptLookup, Proposal, SideBranch, Verdict
+from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
+                               PromptLookup, Proposal, Resources, SideBranch, Verdict, build_drafter)
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
                              InvalidArgumentError, TokenizerMismatchError, UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
@@ -12,9 +13,10 @@ from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 
 __all__ = [
-    "CheckpointError", "ContextLengthError", "DraftModel", "Drafter", "DrafterError", "Generation",
-    "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip", "Lookahead", "NativeModel", "PromptLookup", "Proposal",
-    "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel",
-    "UnsupportedArchitectureError", "Verdict", "VerispecError", "generate", "load", "load_default", "load_model",
+    "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
+    "DrafterError", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
+    "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Resources", "SamplingParams",
+    "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel", "UnsupportedArchitectureError",
+    "Verdict", "VerispecError", "build_drafter", "generate", "load", "load_default", "load_model",
     "load_transformers_model", "stream",
 ]

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
+from verispec.drafters.base import Needs
+from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import Generation, generate, stream
 from verispec.models.auto import BACKENDS, load
@@ -33,22 +34,22 @@ def _parser() -> argparse.ArgumentParser:
                                       "models/stdlib-target, with models/stdlib-draft as the draft")
     gen.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
                                      "plain decoding")
-    gen.add_argument("--method", choices=("draft", "ngram", "layerskip", "lookahead"), default="draft",
-                     help="draft: a smaller model proposes; ngram: prompt lookup proposes from the text itself; "
-                          "layerskip: the target drafts for itself with some layers skipped; "
-                          "lookahead: Jacobi iteration in the target's own forward guesses n-grams")
-    gen.add_argument("--max-ngram", type=int, default=3, help="ngram: longest n-gram matched")
-    gen.add_argument("--min-ngram", type=int, default=1, help="ngram: shortest n-gram matched")
-    gen.add_argument("--window", type=int, default=5, help="lookahead: columns of the Jacobi window (W)")
-    gen.add_argument("--ngram-size", type=int, default=4, help="lookahead: n-gram size N (N - 1 tokens drafted)")
-    gen.add_argument("--candidates", type=int, default=5, help="lookahead: most n-grams verified per step (G)")
+    gen.add_argument("--method", choices=list(FAMILIES), default="draft",
+                     help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
+    # Each method's options default to None here, so that only what was given reaches the method record (the
+    # defaults live in the drafters) and an option given to a method that does not take it is refused.
+    gen.add_argument("--max-ngram", type=int, help="ngram: longest n-gram matched (default 3)")
+    gen.add_argument("--min-ngram", type=int, help="ngram: shortest n-gram matched (default 1)")
+    gen.add_argument("--window", type=int, help="lookahead: columns of the Jacobi window (W, default 5)")
+    gen.add_argument("--ngram-size", type=int, help="lookahead: n-gram size N, N - 1 tokens drafted (default 4)")
+    gen.add_argument("--candidates", type=int, help="lookahead: most n-grams verified per step (G, default 5)")
     gen.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
     gen.add_argument("-k", type=int, help="tokens drafted per step (default 4; layerskip: the k in layerskip.json; "
                                           "lookahead drafts N - 1, set by --ngram-size)")
-    gen.add_argument("--branch", type=int, default=1,
+    gen.add_argument("--branch", type=int,
                      help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
                           "tree (native runtime; default 1, a chain)")
-    gen.add_argument("--branch-depth", type=int, default=1, help="draft: how many depths branch (default 1)")
+    gen.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
@@ -118,35 +119,36 @@ def _stats_lines(result: Generation) -> list[str]:
     return lines
 
 
+OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
+                "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth"}
+
+
+def _method(args: argparse.Namespace) -> Method:
+    """The method record from the command line: only the options that were given."""
+    options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
+    if "skip" in options:
+        options["skip"] = _layer_list(options["skip"])
+    if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
+        return Method("autoregressive", args.k)
+    return Method(args.method, args.k, options)
+
+
 def _generate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.k is not None and args.k < 1:
-        raise InvalidArgumentError(f"-k must be >= 1, got {args.k}")
-    if args.k is not None and args.method == "lookahead":
-        raise InvalidArgumentError("lookahead drafts N - 1 tokens per step: set N with --ngram-size, not -k")
     if not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     if args.target is None:  # the shipped default pair
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
-    if args.branch < 1 or args.branch_depth < 1:
-        raise InvalidArgumentError(f"--branch and --branch-depth must be >= 1, got {args.branch} and {args.branch_depth}")
-    if (args.branch, args.branch_depth) != (1, 1) and (args.method != "draft" or not args.draft):
-        raise InvalidArgumentError("--branch and --branch-depth shape a draft model's tree: use them with "
-                                   "--method draft and --draft")
+    method = _method(args)
+    needs = check_method(method)  # before loading anything
+    if args.backend == "transformers" and needs != Needs():
+        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks or layer subsets); "
+                                   f"--backend transformers offers neither")
     target = load(args.target, args.backend, args.device, args.dtype)
-    drafter = None
-    if args.method == "ngram":
-        drafter = PromptLookup(args.k or 4, args.max_ngram, args.min_ngram)
-    elif args.method == "lookahead":
-        drafter = Lookahead(args.window, args.ngram_size, args.candidates)
-    elif args.method == "layerskip":
-        skip = _layer_list(args.skip) if args.skip else None
-        drafter = LayerSkip(skip, args.k or 4) if skip else LayerSkip.from_checkpoint(args.target, args.k)
-    elif args.draft:
-        drafter = DraftModel(load(args.draft, args.backend, args.device, args.dtype), args.k or 4, args.branch,
-                             args.branch_depth)
+    draft = load(args.draft, args.backend, args.device, args.dtype) if method.family == "draft" and args.draft else None
+    drafter = build_drafter(method, Resources(draft, Path(args.target)))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs

@@ -111,8 +111,11 @@ def _begin(run: _Run) -> DraftSession | None:
     layers = () if run.drafter is None else run.drafter.needs.hidden_states
     hidden = torch.empty(0, len(layers), target.hidden_size) if layers else None
     if len(tokens) > 1:
-        out = target(torch.tensor([tokens[:-1]], device=target.device), run.cache, hidden=layers or None)
-        hidden = out[1][0] if layers else None
+        x = torch.tensor([tokens[:-1]], device=target.device)
+        if layers:
+            hidden = target(x, run.cache, hidden=layers)[1][0]
+        else:
+            target(x, run.cache)
     if run.drafter is None:
         return None
     return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden))

@@ -33,8 +33,10 @@ def speculative_step(target: CausalLM, cache: Cache, last: int, proposal: Propos
     side = [] if proposal.side is None else proposal.side.tokens
     mask, positions = layout(proposal, start, target.device)
     x = torch.tensor([[last, *proposal.tokens, *side]], device=target.device)
-    out = target(x, cache, mask, positions, hidden=hidden or None)
-    logits, states = out if hidden else (out, None)
+    if hidden:  # only where asked: it is a capability, and a causal-only model need not take the keyword
+        logits, states = target(x, cache, mask, positions, hidden=hidden)
+    else:
+        logits, states = target(x, cache, mask, positions), None
     p_logits = logits[0, :, :V]  # rows: the root, the proposal's tokens, the side branch
     nodes = 1 + len(proposal.tokens)
     if proposal.parents is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+from dataclasses import asdict
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -11,14 +12,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from verispec.bench.methods import DRAFT_KS, our_methods, transformers_methods
+from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
+from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
-from verispec.bench.layer_skip_search import search_skip, write_plan
+from verispec.drafters.registry import Resources
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
@@ -37,17 +39,20 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def timing(target: NativeModel, draft: NativeModel | None, methods: list[str], skip: Sequence[int] | None = None) -> dict:
-    """c per method (draft step / target step; prompt lookup runs no model; layer skip runs the target without
-    the layers `skip`) and r(n) for n = 1 .. max k + 1."""
+def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod],
+           skip: Sequence[int] | None = None) -> dict:
+    """c per chain method (draft step / target step; prompt lookup runs no model; layer skip runs the target
+    without the layers `skip`) and r(n) for n = 1 .. max k + 1. A tree's or a lookahead window's step is not
+    w c + r(w + 1), so they get no c."""
     seconds = {n: forward_seconds(target, n) for n in range(1, max(DRAFT_KS) + 2)}
     one = seconds[1]
     r = {n: t / one for n, t in seconds.items()}
     c_draft = forward_seconds(draft, 1) / one if draft is not None else None
     kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
     c_skip = forward_seconds(target, 1, layers=kept) / one if skip else None
-    c = {m: (c_draft if m.startswith("draft") else c_skip if m.startswith("layerskip") else 0.0)
-         for m in methods if m.startswith(("draft k=", "ngram ", "layerskip "))}  # a tree's step is not w c + r(w + 1)
+    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0}
+    c = {m.label: per_family[m.method.family] for m in methods
+         if m.method is not None and m.method.family in per_family and "branch" not in m.method.options}
     return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
 
 
@@ -89,24 +94,27 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
-    methods = our_methods(target, draft, skip)
+    resources = Resources(draft, target_dir)
+    methods = [ours(target, method, resources) for method in our_methods(draft, layerskip=skip is not None)]
     if peers:
-        methods |= transformers_methods(target_dir, draft_dir, dtype=dtype)
+        methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
+    labels = [m.label for m in methods]
     if only is not None:
-        unknown = sorted(set(only) - set(methods))
+        unknown = sorted(set(only) - set(labels))
         if unknown or "autoregressive" not in only:
             raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
-                                       f"{', '.join(methods)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-        methods = {name: method for name, method in methods.items() if name in only}
-    times = timing(target, draft, list(methods), skip)
+                                       f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        methods = [m for m in methods if m.label in only]
+    times = timing(target, draft, methods, skip)
     prompts = prompts_for(target, suite)
-    records = run_suite(methods, prompts, repeats, progress)
+    records = run_suite({m.label: m.run for m in methods}, prompts, repeats, progress)
     summary = summarize(records, times["c"], times["r"])
-    summary = {name: summary[name] for name in methods}  # the methods' own order, not the runs' random one
+    summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
             "prompts": len(suite), "dtype": dtype, "float64_check": float64_check(target_dir, draft_dir, prompts),
-            "target": str(target_dir), "draft": str(draft_dir)}
+            "target": str(target_dir), "draft": str(draft_dir),
+            "methods": {m.label: None if m.method is None else asdict(m.method) for m in methods}}
     write_report(out, summary, records, times, info)
     return summary
 

@@ -6,11 +6,11 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
+from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.models.native import NativeModel, parse_dtype
 
@@ -31,37 +31,46 @@ class Run:
     accepted_by_position: list[int] = field(default_factory=list)
 
 
-Method = Callable[[list[int], int], Run]
+Runner = Callable[[list[int], int], Run]
 
 
-def ours(target: NativeModel, make_drafter: Callable[[], object] | None) -> Method:
+@dataclass(frozen=True)
+class BenchMethod:
+    """A row of the report: our loop with a method record, or a transformers peer (`method` None)."""
+
+    label: str
+    run: Runner
+    method: Method | None = None
+
+
+def ours(target: NativeModel, method: Method, resources: Resources) -> BenchMethod:
+    drafter = build_drafter(method, resources)  # a recipe: each generate() starts its own session
+
     def run(prompt: list[int], max_new_tokens: int) -> Run:
         start = time.perf_counter()
-        result = generate(target, prompt, make_drafter() if make_drafter else None,
-                          max_new_tokens=max_new_tokens, ignore_eos=True)
+        result = generate(target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=True)
         s = result.stats
         return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.draft_time, s.verify_time,
                    s.target_calls, s.proposed_by_position, s.accepted_by_position)
 
-    return run
+    return BenchMethod(method.label, run, method)
 
 
-def our_methods(target: NativeModel, draft: NativeModel | None, skip: Sequence[int] | None = None) -> dict[str, Method]:
-    """The autoregressive baseline, DraftModel at every k and as a tree (two candidates for the first token, each
-    continued to depth 4), and every other registered drafter at k = 4; layer skip when `skip` (the layers it
-    leaves out, from the target's layerskip.json) is given."""
-    methods = {"autoregressive": ours(target, None)}
+def our_methods(draft: NativeModel | None, layerskip: bool = False) -> list[Method]:
+    """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
+    each continued to depth 4), and every other family at k = 4; layer skip (with the skip set of the target's
+    layerskip.json) when asked."""
+    methods = [Method("autoregressive")]
     if draft is not None:
-        methods |= {f"draft k={k}": ours(target, lambda k=k: DraftModel(draft, k)) for k in DRAFT_KS}
-        methods["draft tree b=2 k=4"] = ours(target, lambda: DraftModel(draft, 4, branch=2))
-    methods["ngram k=4"] = ours(target, lambda: PromptLookup(4))
-    if skip:
-        methods["layerskip k=4"] = ours(target, lambda: LayerSkip(skip, 4))
-    methods["lookahead W=5 N=4 G=5"] = ours(target, lambda: Lookahead(5, 4, 5))
+        methods += [Method("draft", k) for k in DRAFT_KS] + [Method("draft", 4, {"branch": 2})]
+    methods.append(Method("ngram", 4))
+    if layerskip:
+        methods.append(Method("layerskip", 4))
+    methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     return methods
 
 
-def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32") -> dict[str, Method]:
+def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32") -> list[BenchMethod]:
     """transformers' greedy generate, its assisted generation (its defaults, and at our k) and its prompt lookup
     (our n-gram sizes), on the same checkpoints. EOS is switched off as in our runs, so every method produces
     exactly max_new_tokens tokens of the same greedy continuation."""
@@ -76,7 +85,7 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
     config = copy.deepcopy(target.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False
 
-    def peer(**options) -> Method:
+    def peer(label: str, **options) -> BenchMethod:
         @torch.inference_mode()
         def run(prompt: list[int], max_new_tokens: int) -> Run:
             ids = torch.tensor([prompt])
@@ -85,14 +94,13 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
                                   max_new_tokens=max_new_tokens, **options)
             return Run(out[0, len(prompt):].tolist(), time.perf_counter() - start)
 
-        return run
+        return BenchMethod(label, run)
 
-    methods = {"transformers greedy": peer()}
+    methods = [peer("transformers greedy")]
     if assistant is not None:
         assistant.generation_config.eos_token_id = None
-        methods["transformers assisted"] = peer(assistant_model=assistant)  # its own defaults (adaptive length)
-        methods[f"transformers assisted k={k}"] = peer(
-            assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-            assistant_confidence_threshold=0.0)
-    methods["transformers prompt lookup"] = peer(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
+        methods.append(peer("transformers assisted", assistant_model=assistant))  # its defaults (adaptive length)
+        methods.append(peer(f"transformers assisted k={k}", assistant_model=assistant, num_assistant_tokens=k,
+                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+    methods.append(peer("transformers prompt lookup", prompt_lookup_num_tokens=k, max_matching_ngram_size=3))
     return methods

@@ -39,8 +39,15 @@ def format_summary(summary: dict) -> str:
     return "\n".join(_table(summary, "all"))
 
 
-def _goals(summary: dict, dtype: str) -> list[str]:
-    drafts = {m: e for m, e in summary.items() if m.startswith("draft")}
+def _family(info: dict, label: str) -> str | None:
+    """The method family of a report row (None for a transformers peer)."""
+    method = info["methods"].get(label)
+    return None if method is None else method["family"]
+
+
+def _goals(summary: dict, info: dict) -> list[str]:
+    dtype = info["dtype"]
+    drafts = {m: e for m, e in summary.items() if _family(info, m) == "draft"}
     if not drafts:
         return ["No draft model in this run: the draft-model goals are not measured."]
     best = max(drafts, key=lambda m: drafts[m]["all"]["speedup_total"])
@@ -76,7 +83,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     (out / "results.json").write_text(f'{head},\n "records": [\n{rows}\n]}}\n')
     categories = [c for c in next(iter(summary.values())) if c != "all"]
     m = info["machine"]
-    c_draft = next((v for k, v in timing["c"].items() if k.startswith("draft")), None)
+    c_draft = next((v for label, v in timing["c"].items() if _family(info, label) == "draft"), None)
     md = [f"# verispec bench\n", f"Command: `{info['command']}`  ",
           f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
@@ -98,22 +105,23 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     md += ["\n## Where the time goes (all prompts)\n", "| method | prefill | draft | verify | other |", "|---|---|---|---|---|"]
     md += [f"| {m} | " + " | ".join(f"{e['all']['time_split'][p]:.0%}" for p in ("prefill", "draft", "verify", "other")) + " |"
            for m, e in summary.items() if "time_split" in e["all"]]
-    md += ["\n## Goals\n", *_goals(summary, info["dtype"]), _float64_line(info.get("float64_check")), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
+    md += ["\n## Goals\n", *_goals(summary, info), _float64_line(info.get("float64_check")), "", "![speedup](speedup_vs_k.png) ![acceptance](acceptance_by_position.png) "
            "![tokens per second](tokens_per_second.png)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    _plots(out, summary, categories)
+    _plots(out, summary, categories, info["methods"])
 
 
-def _plots(out: Path, summary: dict, categories: list[str]) -> None:
+def _plots(out: Path, summary: dict, categories: list[str], methods: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    drafts = [m for m in summary if m.startswith("draft k=")]  # the chains; a tree is no point on this curve
+    # the draft model's chains; a tree is no point on this curve
+    drafts = [m for m in summary if methods.get(m) and methods[m]["family"] == "draft" and not methods[m]["options"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     for category in ["all", *categories]:
-        ax.plot([int(m.split("k=")[1]) for m in drafts], [summary[m][category]["speedup_total"] for m in drafts],
+        ax.plot([methods[m]["k"] for m in drafts], [summary[m][category]["speedup_total"] for m in drafts],
                 marker="o", label=category)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xlabel="k (tokens drafted per step)", ylabel="speedup over autoregressive", title="Draft-model speculation")

@@ -8,10 +8,10 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from verispec.bench.methods import Method
+from verispec.bench.methods import Runner
 
 
-def run_suite(methods: dict[str, Method], prompts: list[tuple[dict, list[int]]], repeats: int = 3,
+def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]], repeats: int = 3,
               progress: bool = True, seed: int = 0) -> list[dict]:
     """A record per (repeat, prompt, method). The methods run in a fresh seeded random order for each prompt,
     so that drift in the machine's speed, and whatever one run leaves behind for the next, fall on all alike."""

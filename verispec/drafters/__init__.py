@@ -1,9 +1,12 @@
-"""Drafters: each proposes tokens for the target to verify, behind the `Drafter` protocol."""
+"""Drafters: each proposes tokens for the target to verify, behind the `Drafter` protocol (base.py); the registry
+builds one from a method record."""
 
-from verispec.drafters.base import Drafter, Proposal, SideBranch, Verdict
+from verispec.drafters.base import DraftContext, Drafter, DraftSession, Needs, Proposal, SideBranch, Verdict
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
+from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter
 
-__all__ = ["Drafter", "DraftModel", "LayerSkip", "Lookahead", "PromptLookup", "Proposal", "SideBranch", "Verdict"]
+__all__ = ["DraftContext", "DraftModel", "DraftSession", "Drafter", "FAMILIES", "LayerSkip", "Lookahead", "Method",
+           "Needs", "PromptLookup", "Proposal", "Resources", "SideBranch", "Verdict", "build_drafter"]

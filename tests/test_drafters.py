@@ -1,0 +1,188 @@
+"""Every registered drafter through the same checks: greedy identity with plain decoding, consistency after an
+abandoned stream, one drafter shared by interleaved generations, and a clear refusal of a target that lacks
+what it needs. Also the registry's own refusals, and the target's hidden states as the loop hands them over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
+from verispec.drafters.base import Needs, Proposal, Verdict
+from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
+from verispec.models.protocol import FINAL, Capabilities
+
+from drafting import OwnSession
+
+PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]  # "def(x):\n  def" as byte ids
+N = 24
+
+EXAMPLES = {
+    "autoregressive": Method("autoregressive"),
+    "draft": Method("draft", 3),
+    "draft tree": Method("draft", 3, {"branch": 2, "branch_depth": 2}),
+    "ngram": Method("ngram", 3, {"max_ngram": 2}),
+    "layerskip": Method("layerskip", 3, {"skip": [1]}),
+    "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
+}
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_every_family_has_an_example() -> None:
+    assert {method.family for method in EXAMPLES.values()} == set(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def truth(target) -> list[int]:
+    return generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
+
+
+def built(name: str, draft):
+    return build_drafter(EXAMPLES[name], Resources(draft=draft))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_greedy_identity(target, draft, truth, name) -> None:
+    assert generate(target, PROMPT, built(name, draft), max_new_tokens=N, ignore_eos=True).tokens == truth
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_abandoned_streams_leave_target_and_drafter_consistent(target, draft, truth, name) -> None:
+    drafter = built(name, draft)
+    closed = stream(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
+    assert len([piece for piece, _ in zip(closed, range(3))]) == 3
+    closed.close()  # abandoned mid-generation
+
+    class Failing:  # the target fails in the third verification
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def __call__(self, *args, **options):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("interrupted")
+            return target(*args, **options)
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        for _ in stream(Failing(), PROMPT, drafter, max_new_tokens=N, ignore_eos=True):
+            pass
+    assert generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True).tokens == truth
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_one_drafter_serves_interleaved_generations(target, draft, name) -> None:
+    """Two live streams of one drafter, stepped in turn, each give what they give alone (greedy and seeded)."""
+    drafter = built(name, draft)
+    runs = [(PROMPT, {}), (PROMPT[3:], dict(temperature=1.0, seed=7))]
+    alone = [generate(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options).tokens
+             for prompt, options in runs]
+    streams = [stream(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options)
+               for prompt, options in runs]
+    iterators, live = [iter(s) for s in streams], [True, True]
+    while any(live):
+        for i, it in enumerate(iterators):
+            live[i] = live[i] and next(it, None) is not None
+    assert [s.result.tokens for s in streams] == alone
+
+
+class CausalOnly:
+    """The target behind a protocol that offers no capability beyond a causal chain."""
+
+    capabilities = Capabilities()
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, tokens, cache, mask=None, positions=None, **options):
+        assert mask is None and positions is None and not options
+        return self.target(tokens, cache)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_a_target_without_what_the_drafter_needs_is_refused(target, draft, truth, name) -> None:
+    drafter = built(name, draft)
+    if drafter is None or drafter.needs == Needs():
+        assert generate(CausalOnly(target), PROMPT, drafter, max_new_tokens=N, ignore_eos=True).tokens == truth
+    else:
+        with pytest.raises(IncompatibleTargetError, match="needs .* of the target"):
+            stream(CausalOnly(target), PROMPT, drafter, max_new_tokens=N)
+
+
+@pytest.mark.parametrize("method, message", [
+    (Method("medusa"), "unknown method 'medusa'"),
+    (Method("ngram", 3, {"window": 2}), "method ngram takes no option window"),
+    (Method("autoregressive", 2), "method autoregressive takes no k"),
+    (Method("lookahead", 3), "--ngram-size"),
+    (Method("draft", 0), "must be an integer >= 1"),
+    (Method("draft", True), "must be an integer >= 1"),
+])
+def test_registry_refuses_bad_methods_before_loading(method, message) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        check_method(method)
+
+
+def test_registry_needs_its_resources() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        build_drafter(Method("draft", 2))
+    with pytest.raises(InvalidArgumentError, match="layerskip.json"):
+        build_drafter(Method("layerskip", 2))
+    assert check_method(Method("draft", 2, {"branch": 2})) == Needs(tree_masks=True)
+    assert Method("draft", 4, {"branch": 2}).label == "draft k=4 branch=2"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hidden states
+
+
+def test_forward_returns_the_hidden_states_asked_for(target) -> None:
+    x = torch.tensor([PROMPT])
+    logits, hidden = target(x, target.new_cache(), hidden=[0, 2, FINAL])
+    assert hidden.shape == (1, len(PROMPT), 3, target.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(target.module.lm_head(hidden[:, :, 2]), logits)  # FINAL is what the LM head reads
+    _, first = target(x, target.new_cache(), layers=[0], hidden=[0])
+    assert torch.equal(first[:, :, 0], hidden[:, :, 0])  # block 0's output does not depend on later blocks
+    with pytest.raises(ValueError, match="do not run"):
+        target(x, target.new_cache(), layers=[0, 1], hidden=[2])
+
+
+class HiddenSpy(OwnSession):
+    """Proposes the target's greedy continuation with an error every third step, and keeps the hidden states."""
+
+    name, k, width = "hidden-spy", 3, 3
+    needs = Needs(hidden_states=(1, FINAL))
+
+    def __init__(self, truth: list[int]) -> None:
+        self.truth = truth
+
+    def start(self, context) -> None:
+        self.prompt_len, self.steps, self.seen = len(context.prompt), 0, [context.hidden]
+
+    def propose(self, context, k: int) -> Proposal:
+        at, self.steps = len(context) - self.prompt_len, self.steps + 1
+        tokens = self.truth[at: at + k]
+        if self.steps % 3 == 0:
+            tokens[-1] = (tokens[-1] + 1) % 256
+        return Proposal(tokens)
+
+    def accepted(self, verdict: Verdict) -> None:
+        assert verdict.hidden.shape[0] == 1 + len(verdict.path)
+        self.seen.append(verdict.hidden)
+
+
+def test_the_loop_hands_the_drafter_hidden_states_of_every_committed_token(target, truth) -> None:
+    """The prompt's (but its last token's) at begin, then at each step the last committed token's and the accepted
+    ones': joined, they are the hidden states of one forward over the whole text but its last token."""
+    spy = HiddenSpy(truth)
+    result = generate(target, PROMPT, spy, max_new_tokens=N, ignore_eos=True)
+    assert result.tokens == truth and spy.seen[0].shape == (len(PROMPT) - 1, 2, target.hidden_size)
+    text = PROMPT + truth
+    _, full = target(torch.tensor([text[:-1]]), target.new_cache(), hidden=[1, FINAL])
+    torch.testing.assert_close(torch.cat(spy.seen), full[0], atol=1e-5, rtol=1e-4)
+

@@ -1,0 +1,109 @@
+"""The one place that builds a drafter from a method record: the CLI, the bench and the server all use it.
+
+A `Method` is a family name, a draft length k (None: the family's default) and the family's options. Adding a
+drafter means adding its family here, with the options it takes and what it needs of the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from verispec.drafters.base import Drafter, Needs
+from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.layer_skip import LayerSkip
+from verispec.drafters.lookahead import Lookahead
+from verispec.drafters.ngram import PromptLookup
+from verispec.errors import InvalidArgumentError
+from verispec.models.protocol import CausalLM
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method as a record, e.g. Method("draft", 4, {"branch": 2})."""
+
+    family: str
+    k: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """What reports and logs call it: "draft k=4 branch=2"."""
+        parts = [self.family] + ([] if self.k is None else [f"k={self.k}"])
+        return " ".join(parts + [f"{name}={_show(value)}" for name, value in self.options.items()])
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What some families build from besides their options."""
+
+    draft: CausalLM | None = None  # the draft model ("draft")
+    target_dir: Path | None = None  # the target's folder, where layerskip.json lies ("layerskip" without "skip")
+
+
+@dataclass(frozen=True)
+class Family:
+    summary: str
+    options: tuple[str, ...]
+    build: Callable[[Method, Resources], Drafter | None]
+    needs: Callable[[Method], Needs] = lambda method: Needs()  # known before anything is loaded
+    takes_k: bool = True
+
+
+def _draft(method: Method, res: Resources) -> DraftModel:
+    if res.draft is None:
+        raise InvalidArgumentError("method draft needs a draft model (--draft DIR)")
+    return DraftModel(res.draft, method.k or 4, **method.options)
+
+
+def _layerskip(method: Method, res: Resources) -> LayerSkip:
+    if "skip" in method.options:
+        return LayerSkip(method.options["skip"], method.k or 4)
+    if res.target_dir is None:
+        raise InvalidArgumentError("method layerskip needs the layers to skip (skip) or the target's folder, "
+                                   "where `verispec search-layerskip` wrote layerskip.json")
+    return LayerSkip.from_checkpoint(res.target_dir, method.k)
+
+
+FAMILIES: dict[str, Family] = {
+    "autoregressive": Family("plain decoding: one target forward per token", (), lambda m, r: None, takes_k=False),
+    "draft": Family("a smaller model with the target's tokenizer proposes (a chain, or a tree with branch > 1)",
+                    ("branch", "branch_depth"), _draft,
+                    lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1)),
+    "ngram": Family("prompt lookup: what followed the text's last n-gram earlier", ("max_ngram", "min_ngram"),
+                    lambda m, r: PromptLookup(m.k or 4, **m.options)),
+    "layerskip": Family("the target drafts for itself with some layers skipped", ("skip",), _layerskip,
+                        lambda m: Needs(layer_subsets=True)),
+    "lookahead": Family("Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
+                        ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
+                        lambda m: Needs(tree_masks=True), takes_k=False),
+}
+
+
+def check_method(method: Method) -> Needs:
+    """Refuse an unknown family, an option it does not take, or a bad k, before anything is loaded; returns what
+    the method needs of the target (so that an unsuitable backend is refused before loading, too)."""
+    family = FAMILIES.get(method.family)
+    if family is None:
+        raise InvalidArgumentError(f"unknown method {method.family!r}; choose one of {', '.join(FAMILIES)}")
+    unknown = sorted(set(method.options) - set(family.options))
+    if unknown:
+        takes = f"it takes {', '.join(family.options)}" if family.options else "it takes none"
+        raise InvalidArgumentError(f"method {method.family} takes no option {', '.join(unknown)} ({takes})")
+    if method.k is not None and not family.takes_k:
+        extra = ": set ngram (N, --ngram-size) instead; it drafts N - 1" if method.family == "lookahead" else ""
+        raise InvalidArgumentError(f"method {method.family} takes no k{extra}")
+    if method.k is not None and (isinstance(method.k, bool) or not isinstance(method.k, int) or method.k < 1):
+        raise InvalidArgumentError(f"k (tokens drafted per step) must be an integer >= 1, got {method.k!r}")
+    return family.needs(method)
+
+
+def build_drafter(method: Method, resources: Resources = Resources()) -> Drafter | None:
+    """The drafter for `method` (None for autoregressive decoding)."""
+    check_method(method)
+    return FAMILIES[method.family].build(method, resources)
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
