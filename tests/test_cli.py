@@ -59,7 +59,7 @@ def _corrupt_dir(tmp_path: Path) -> Path:
 
 
 def _other_tokenizer_dir(tmp_path: Path) -> Path:
-    folder = random_checkpoint(tmp_path / "other", tiny_config(num_hidden_layers=1))
+    folder = random_checkpoint(tmp_path / "other", tiny_config(num_hidden_layers=1, vocab_size=258))
     other = byte_level_tokenizer()
     other.add_special_tokens(["<|pad|>"])
     other.save(str(folder / "tokenizer.json"))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Generator, Iterator, Sequence
 
 import torch
 
+from verispec.arguments import generation_args
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
-from verispec.errors import ContextLengthError, DrafterError, InvalidArgumentError
+from verispec.errors import DrafterError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
@@ -50,20 +50,8 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
            seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False) -> Stream:
     """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed."""
     sampling = SamplingParams(temperature, top_k, top_p)
-    # add_special_tokens lets the tokenizer's own post-processor add BOS where the model expects one.
-    ids = target.tokenizer.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else list(prompt)
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    if not ids:
-        raise InvalidArgumentError("the prompt is empty")
-    if len(ids) >= target.context_length:
-        raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context holds {target.context_length}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not all(isinstance(t, Integral) and 0 <= t < target.vocab_size for t in ids):
-        raise InvalidArgumentError(f"prompt token ids must be integers in [0, {target.vocab_size})")
-    ids = [int(t) for t in ids]
-    if seed is not None and not (isinstance(seed, Integral) and 0 <= seed < 2**63):
-        raise InvalidArgumentError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    ids, max_new_tokens, seed, stop = generation_args(target, prompt, max_new_tokens=max_new_tokens, seed=seed,
+                                                      stop=stop)
     generator = torch.Generator(target.device)
     if seed is None:
         generator.seed()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.arguments import real_number, whole_number
 from verispec.errors import InvalidArgumentError
 
 
@@ -19,10 +20,12 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        # Stored as plain float/int, so numpy scalars in and strings out are settled here and nowhere else.
+        object.__setattr__(self, "temperature", real_number(self.temperature, "temperature"))
+        object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k (0 disables it)"))
+        object.__setattr__(self, "top_p", real_number(self.top_p, "top_p"))
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -14,14 +14,17 @@ EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
 
-def byte_level_tokenizer() -> Tokenizer:
-    """A byte-level BPE tokenizer with 256 byte tokens and `<|endoftext|>`: enough for tests and random models."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+def byte_level_tokenizer(size: int = 257) -> Tokenizer:
+    """A byte-level BPE tokenizer with 256 byte tokens and `<|endoftext|>`: enough for tests and random models.
+
+    A smaller `size` keeps the first `size` tokens only: a toy vocabulary for a model with a table that small.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet[:size])}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOT])
+    if size > len(alphabet):
+        tok.add_special_tokens([EOT])
     return tok
 
 
@@ -61,12 +64,22 @@ def eos_token_ids(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: 
     if gen.is_file():
         try:
             ids |= as_id_set(json.loads(gen.read_text()).get("eos_token_id"))
-        except (ValueError, AttributeError, TypeError) as err:
+        except (OSError, ValueError, AttributeError, TypeError) as err:
             raise CheckpointError(f"{gen}: unreadable ({err})") from None
     if not ids:
         found = (tid for name in EOS_NAMES if (tid := tokenizer.token_to_id(name)) is not None)
         ids = as_id_set(next(found, None))
     return ids
+
+
+def check_tokenizer_fits(tokens: int, rows: int, name: str | Path) -> None:
+    """The model scores `rows` tokens; a tokenizer with more could never have the extra ones generated.
+
+    A table padded larger than the tokenizer is common and fine: the loop scores only the tokenizer's ids.
+    """
+    if tokens > rows:
+        raise CheckpointError(f"{name}: the tokenizer has {tokens} tokens but the model's embedding table only "
+                              f"{rows} rows; ids {rows} and up could never be generated")
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
 from verispec.models.protocol import CausalLM
@@ -31,12 +32,9 @@ class DraftModel:
     name = "draft"
 
     def __init__(self, model: CausalLM, k: int = 4, branch: int = 1, branch_depth: int = 1) -> None:
-        if k < 1:
-            raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
-        if branch < 1:
-            raise InvalidArgumentError(f"branch (candidates per tree node) must be >= 1, got {branch}")
-        if branch_depth < 1:
-            raise InvalidArgumentError(f"branch_depth (depths that branch) must be >= 1, got {branch_depth}")
+        k = whole_number(k, "k (tokens drafted per step)", 1)
+        branch = whole_number(branch, "branch (candidates per tree node)", 1)
+        branch_depth = whole_number(branch_depth, "branch_depth (depths that branch)", 1)
         if branch > 1 and not model.capabilities.tree_masks:
             raise InvalidArgumentError(f"branch > 1 drafts a token tree, which needs a draft model that takes tree "
                                        f"masks (the native runtime); {model.name} does not")

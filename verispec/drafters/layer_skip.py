@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
@@ -33,8 +34,7 @@ class LayerSkip:
     name = "layerskip"
 
     def __init__(self, skip: Sequence[int], k: int = 4) -> None:
-        if k < 1:
-            raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
+        k = whole_number(k, "k (tokens drafted per step)", 1)
         if not all(isinstance(i, Integral) and not isinstance(i, bool) and i >= 0 for i in skip):
             raise InvalidArgumentError(f"layers to skip must be non-negative integers, got {list(skip)}")
         if len(set(skip)) != len(skip):

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
-from verispec.errors import InvalidArgumentError
 from verispec.models.protocol import CausalLM
 
 
@@ -91,9 +91,9 @@ class Lookahead:
 
     def __init__(self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True,
                  seed: int = 0) -> None:
-        for label, value, least in (("window", window, 1), ("ngram", ngram, 2), ("candidates", candidates, 1)):
-            if not isinstance(value, int) or value < least:
-                raise InvalidArgumentError(f"lookahead {label} must be an integer >= {least}, got {value!r}")
+        window = whole_number(window, "lookahead window", 1)
+        ngram = whole_number(ngram, "lookahead ngram", 2)
+        candidates = whole_number(candidates, "lookahead candidates", 1)
         self.window, self.ngram, self.candidates, self.seed = window, ngram, candidates, seed
         self.text_ngrams = text_ngrams
         self.k = ngram - 1

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import InvalidArgumentError
 from verispec.models.protocol import CausalLM
@@ -21,9 +22,9 @@ class PromptLookup:
     needs = Needs()  # nothing of the target: it reads only the committed tokens
 
     def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if k < 1:
-            raise InvalidArgumentError(f"k (tokens drafted per step) must be >= 1, got {k}")
-        if not 1 <= min_ngram <= max_ngram:
+        k = whole_number(k, "k (tokens drafted per step)", 1)
+        max_ngram, min_ngram = whole_number(max_ngram, "max_ngram", 1), whole_number(min_ngram, "min_ngram", 1)
+        if min_ngram > max_ngram:
             raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.k = self.width = k
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

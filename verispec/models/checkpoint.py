@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -45,6 +46,45 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def unreadable(path: str | Path, err: OSError) -> CheckpointError:
+    """A file or folder the OS will not let us read: named as such, never as a missing or corrupt one."""
+    why = "permission denied" if isinstance(err, PermissionError) else f"cannot read it ({err.strerror or err})"
+    return CheckpointError(f"{path}: {why}")
+
+
+def check_folder(checkpoint_dir: str | Path) -> Path:
+    """The folder, after opening it and each file in it once.
+
+    A permission problem is named here, at the entry point: further down, pathlib and safetensors report an
+    unreadable file as a missing one, and a bare PermissionError would escape `Path.is_file`.
+    """
+    folder = Path(checkpoint_dir)
+    try:
+        with os.scandir(folder) as entries:
+            files = [entry.path for entry in entries if entry.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{checkpoint_dir}: no such checkpoint folder") from None
+    except OSError as err:
+        raise unreadable(folder, err) from None
+    for file in files:
+        try:
+            os.close(os.open(file, os.O_RDONLY))
+        except OSError as err:
+            raise unreadable(file, err) from None
+    return folder
+
+
+def check_finite(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> None:
+    """Refuse NaN or inf in any floating-point weight: such a model generates garbage or crashes the sampler.
+
+    Checked after any cast, since a large float32 weight overflows to inf in float16.
+    """
+    for name, tensor in weights:
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{source}: weight {name} holds NaN or infinite values (in {tensor.dtype}); "
+                                  f"the checkpoint is broken")
+
+
 def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Read `model.safetensors` (or its shards) and check every expected weight is there with its shape."""
     folder = Path(checkpoint_dir)
@@ -62,14 +102,22 @@ def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, t
             raise CheckpointError(f"{folder}: missing {file.name}")
         try:
             weights |= load_file(file)
-        except (SafetensorError, OSError, ValueError) as err:
+        except OSError as err:
+            raise unreadable(file, err) from None
+        except (SafetensorError, ValueError) as err:
             raise CheckpointError(f"{file}: corrupt safetensors file ({err})") from None
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     expected = param_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:
-        raise CheckpointError(f"{folder}: weights missing from checkpoint: {', '.join(missing[:3])}")
+        raise CheckpointError(f"{folder}: {len(missing)} weights missing from checkpoint: {', '.join(missing[:3])}")
+    # Extra weights mean the config describes another model (fewer layers, no biases); rotary frequencies are
+    # recomputed from the config, so the buffers older exports saved are no such sign.
+    unexpected = sorted(name for name in set(weights) - set(expected) if not name.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise CheckpointError(f"{folder}: {len(unexpected)} weights the config does not describe: "
+                              f"{', '.join(unexpected[:3])}")
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{folder}: {name} has shape {tuple(weights[name].shape)}, config says {shape}")

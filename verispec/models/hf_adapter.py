@@ -5,15 +5,19 @@ The cache is transformers' own `DynamicCache`, rolled back with `crop(-n)` (tran
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from verispec.arguments import usable_device
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
+from verispec.models.checkpoint import check_finite, check_folder
 from verispec.models.native import parse_dtype
 from verispec.models.protocol import Capabilities
-from verispec.tokenizer import as_id_set
+from verispec.tokenizer import as_id_set, check_tokenizer_fits
 
 
 class TransformersCache:
@@ -81,14 +85,55 @@ class TransformersModel:
 
 def load_transformers_model(name_or_path: str | Path, device: str | torch.device = "cpu",
                             dtype: str | torch.dtype = "float32") -> TransformersModel:
-    """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder, or a hub id where a network exists)."""
+    """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder, or a hub id where a network exists).
+
+    Refuses what transformers would run anyway: weights missing (it fills them at random), unexpected or of the
+    wrong shape (the config describes another model), NaN or inf, a tokenizer larger than the model's vocabulary.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype, device = parse_dtype(dtype), usable_device(device)
+    if os.path.lexists(name_or_path):  # a local folder, not a hub id
+        check_folder(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=parse_dtype(dtype)).to(device)
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"{name_or_path}: transformers cannot load it ({str(err).splitlines()[0]})") from None
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            # Mismatched shapes come back in the loading info like missing keys, instead of as a RuntimeError
+            # that points at a report the quiet logger dropped.
+            model, info = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as err:  # transformers' loaders raise anything from OSError to ZeroDivisionError on a bad folder
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{name_or_path}: transformers cannot load it ({type(err).__name__}: {reason})") from None
+    _check_loading_info(info, name_or_path, type(model).__name__)
+    check_finite(model.named_parameters(), name_or_path)
     if not tokenizer.is_fast:
         raise CheckpointError(f"{name_or_path}: needs a fast (tokenizers-backed) tokenizer")
-    return TransformersModel(model, tokenizer, Path(str(name_or_path)).name)
+    check_tokenizer_fits(len(tokenizer), model.get_output_embeddings().weight.shape[0], name_or_path)
+    return TransformersModel(model.to(device), tokenizer, Path(str(name_or_path)).name)
+
+
+def _check_loading_info(info: dict, name: str | Path, model_class: str) -> None:
+    """transformers loads a checkpoint that does not fit the config and only logs it; here it is an error."""
+    problems = [f"{len(keys)} {what} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
+                for what, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"])) if keys]
+    problems += [f"{key} has shape {tuple(found)}, {model_class} expects {tuple(expected)}"
+                 for key, found, expected in sorted(info["mismatched_keys"])[:3]]
+    if problems:
+        raise CheckpointError(f"{name}: the weights do not fit the config's {model_class}: {'; '.join(problems)}")
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bar or load report on stderr: what would matter in the report becomes a CheckpointError."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()

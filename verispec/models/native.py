@@ -8,13 +8,14 @@ from typing import Sequence
 import torch
 from tokenizers import Tokenizer
 
-from verispec.errors import CheckpointError, InvalidArgumentError
+from verispec.arguments import usable_device
+from verispec.errors import InvalidArgumentError
 from verispec.models.cache import KVCache
-from verispec.models.checkpoint import load_weights
+from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.protocol import Capabilities
-from verispec.tokenizer import eos_token_ids, load_tokenizer
+from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -22,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
@@ -55,19 +56,11 @@ class NativeModel:
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32") -> NativeModel:
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`."""
-    folder = Path(checkpoint_dir)
-    if not folder.is_dir():
-        raise CheckpointError(f"{checkpoint_dir}: no such checkpoint folder")
+    folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
-    torch_dtype = parse_dtype(dtype)
-    try:
-        torch.empty(0, device=device)
-        usable = torch.device(device).type != "meta"  # meta tensors hold no data to compute with
-    except (RuntimeError, AssertionError) as err:  # torch asserts when CUDA is asked of a CPU-only build
-        raise InvalidArgumentError(f"device {device!r} is not usable here ({err})") from None
-    if not usable:
-        raise InvalidArgumentError(f"device {device!r} is not usable here (it holds no data)")
+    torch_dtype, device = parse_dtype(dtype), usable_device(device)
     tokenizer = load_tokenizer(folder)
+    check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
     weights = load_weights(folder, config)
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
@@ -75,6 +68,7 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
         module = LlamaForCausalLM(config)
     # Cast one tensor at a time, dropping each original as we go, so loading never holds two full copies.
     state = {name: weights.pop(name).to(device=device, dtype=torch_dtype) for name in list(weights)}
+    check_finite(state.items(), folder)
     module.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight

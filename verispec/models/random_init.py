@@ -45,8 +45,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 def random_checkpoint(folder: str | Path, config: ModelConfig, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> Path:
-    """Write a checkpoint folder with `random_weights(config, seed)` and the byte-level tokenizer."""
-    return save_checkpoint(folder, config, random_weights(config, seed), byte_level_tokenizer(), dtype)
+    """Write a checkpoint folder with `random_weights(config, seed)` and the byte-level tokenizer (its first
+    `vocab_size` tokens, for a toy vocabulary)."""
+    tokenizer = byte_level_tokenizer(min(config.vocab_size, BYTE_VOCAB))  # never more tokens than the table has
+    return save_checkpoint(folder, config, random_weights(config, seed), tokenizer, dtype)
 
 
 def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0,
@@ -56,7 +58,7 @@ def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, 
     The target's deeper layers write `deep_scale` times less into the residual stream, so they correct the
     shallow ones rather than replace them and the draft agrees with the target often enough to show speculation.
     """
-    weights, tokenizer = random_weights(config, seed), byte_level_tokenizer()
+    weights, tokenizer = random_weights(config, seed), byte_level_tokenizer(min(config.vocab_size, BYTE_VOCAB))
     deep = {name for name in weights if name.startswith("model.layers.") and int(name.split(".")[2]) >= draft_layers}
     for name in deep:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
