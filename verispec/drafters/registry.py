@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.layer_skip import LayerSkip
@@ -94,8 +95,8 @@ def check_method(method: Method) -> Needs:
     if method.k is not None and not family.takes_k:
         extra = ": set ngram (N, --ngram-size) instead; it drafts N - 1" if method.family == "lookahead" else ""
         raise InvalidArgumentError(f"method {method.family} takes no k{extra}")
-    if method.k is not None and (isinstance(method.k, bool) or not isinstance(method.k, int) or method.k < 1):
-        raise InvalidArgumentError(f"k (tokens drafted per step) must be an integer >= 1, got {method.k!r}")
+    if method.k is not None:
+        whole_number(method.k, "k (tokens drafted per step)", 1)
     return family.needs(method)
 
 
