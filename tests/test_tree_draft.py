@@ -73,8 +73,8 @@ def test_cli_generate_with_branch(capsys, pair_dirs) -> None:
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--branch", "0"], "branch (candidates per tree node) must be >= 1"),
-    (["--branch-depth", "-1"], "branch_depth (depths that branch) must be >= 1"),
+    (["--branch", "0"], "branch (candidates per tree node) must be an integer >= 1"),
+    (["--branch-depth", "-1"], "branch_depth (depths that branch) must be an integer >= 1"),
     (["--branch", "2", "--method", "ngram"], "method ngram takes no option branch"),
     (["--branch", "2", "--no-draft"], "method draft needs a draft model (--draft DIR)"),
     (["--branch", "2", "--backend", "transformers"], "native runtime"),
