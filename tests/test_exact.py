@@ -206,3 +206,11 @@ def test_shipped_pair_greedy_identity_in_bfloat16() -> None:
     plain = generate(target, prompt, max_new_tokens=8, ignore_eos=True)
     for drafter in (DraftModel(draft, 4), DraftModel(draft, 2, branch=2)):
         assert generate(target, prompt, drafter, max_new_tokens=8, ignore_eos=True).tokens == plain.tokens
+
+
+def test_hidden_states_come_back_through_the_chunks(exact: NativeModel, seq_alone: torch.Tensor) -> None:
+    logits, hidden = exact(SEQ, exact.new_cache(), hidden=[0, -1])
+    assert torch.equal(logits[0], seq_alone) and hidden.shape == (1, SEQ.shape[1], 2, exact.hidden_size)
+    cache = exact.new_cache()
+    exact(SEQ[:, :PREFIX], cache)
+    assert torch.equal(exact(SEQ[:, PREFIX: PREFIX + 1], cache, hidden=[0, -1])[1][0, 0], hidden[0, PREFIX])
