@@ -124,6 +124,14 @@ def test_a_mask_covering_the_cache_as_a_draft_tree_passes_it(exact: NativeModel)
     assert torch.equal(second[0], alone(exact, torch.cat((SEQ[:, :PREFIX], torch.tensor([[6, 7]])), 1))[-1])
 
 
+def test_two_threads_are_exact_too(exact: NativeModel) -> None:
+    """Which thread takes a row must not matter (it does in torch's fused float32 attention, which exact mode avoids)."""
+    with torch_threads(2):
+        whole, cache = exact(SEQ[:, :18], exact.new_cache())[0], exact.new_cache()
+        halves = torch.cat((exact(SEQ[:, :9], cache)[0], exact(SEQ[:, 9:18], cache)[0]))  # rows 9..15 become 0..6
+    assert torch.equal(whole, halves)
+
+
 def test_the_ordinary_path_differs_where_exact_mode_does_not(pair_dirs: tuple[Path, Path]) -> None:
     """Without exact mode bfloat16 logits change with the forward's width: the tests above can fail."""
     ordinary = load_model(pair_dirs[0], dtype=torch.bfloat16)

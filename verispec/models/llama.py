@@ -51,7 +51,7 @@ class Rows:
     positions) or in a prefill chunk; every reduction over keys adds the same numbers in the same order.
     """
 
-    order: torch.Tensor | None  # (R, A) the cache slot gathered into each key index of each row; None: the slot itself
+    order: torch.Tensor  # (R, A) the cache slot gathered into each key index of each row
     mask: torch.Tensor  # (1, R, 1, A) key index < the row's count
 
     @staticmethod
@@ -61,18 +61,10 @@ class Rows:
         if int(count.max()) > width:
             raise ContextLengthError(f"exact mode attends over at most {width} keys; a token here sees "
                                      f"{int(count.max())}")
-        slots = torch.arange(visible.shape[-1], device=visible.device)
-        order = None  # every row sees slots 0..count-1 (a chain): the gather is a plain copy
-        if not torch.equal(visible, slots < count[:, None]):
-            # the seen slots first, in slot order (which is position order), then the rest
-            order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)[:, :width]
-        return Rows(order, (slots[:width] < count[:, None])[None, :, None, :])
-
-    def gather(self, x: torch.Tensor, R: int) -> torch.Tensor:
-        """(Hkv, P, D) cache entries -> (Hkv, R, A, D) each row's keys, contiguous however they were gathered."""
-        if self.order is None:
-            return x[:, None, : self.mask.shape[-1]].expand(-1, R, -1, -1).contiguous()
-        return x[:, self.order]
+        # The seen slots first, in slot order (which is position order), then the rest: a chain's rows keep theirs.
+        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)[:, :width]
+        keys = torch.arange(width, device=visible.device)
+        return Rows(order, (keys < count[:, None])[None, :, None, :])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
@@ -81,9 +73,11 @@ class Rows:
         on another thread, and which thread takes a row depends on the row's index.
         """
         _, H, R, D = q.shape
-        Hkv = k.shape[1]
+        Hkv, A = k.shape[1], self.order.shape[-1]
         q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2)  # (Hkv, R, G, D): a row's query heads of one kv head
-        k, v = self.gather(k[0].float(), R), self.gather(v[0], R)  # (Hkv, R, A, D), the same layout for every row
+        slots = self.order.flatten()
+        k = k[0].float().index_select(1, slots).view(Hkv, R, A, D)  # each row's keys, in position order
+        v = v[0].index_select(1, slots).view(Hkv, R, A, D)
         scores = (q.float() * D ** -0.5) @ k.transpose(-1, -2)  # (Hkv, R, G, A), in float32 as in the fused kernel
         p = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)
         y = p.to(v.dtype) @ v  # (Hkv, R, G, D)
