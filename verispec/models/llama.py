@@ -70,16 +70,18 @@ class Rows:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
 
         Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
-        on another thread, and which thread takes a row depends on the row's index.
+        on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
+        the same wherever its key sits (measured), so the scores are taken against every slot and then gathered;
+        the softmax and the sum over values are reductions over keys, so they run on each row's own copy of its
+        values in position order.
         """
         _, H, R, D = q.shape
         Hkv, A = k.shape[1], self.order.shape[-1]
-        q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2)  # (Hkv, R, G, D): a row's query heads of one kv head
-        slots = self.order.flatten()
-        k = k[0].float().index_select(1, slots).view(Hkv, R, A, D)  # each row's keys, in position order
-        v = v[0].index_select(1, slots).view(Hkv, R, A, D)
-        scores = (q.float() * D ** -0.5) @ k.transpose(-1, -2)  # (Hkv, R, G, A), in float32 as in the fused kernel
-        p = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)
+        q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
+        scores = ((q.float() * D ** -0.5) @ k[0].float().transpose(-1, -2)).view(Hkv, R, -1, k.shape[2])  # (.., P)
+        scores = scores.gather(-1, self.order[None, :, None].expand(Hkv, R, scores.shape[2], A))  # (Hkv, R, G, A)
+        p = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)  # in float32, as in the fused kernel
+        v = v[0].index_select(1, self.order.flatten()).view(Hkv, R, A, D)  # each row's values, in position order
         y = p.to(v.dtype) @ v  # (Hkv, R, G, D)
         return y.transpose(1, 2).reshape(1, H, R, D)
 
