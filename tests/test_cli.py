@@ -31,6 +31,15 @@ def test_generate_prints_continuation_and_stats(capsys, pair_dirs) -> None:
     assert "speedup" in out and "identical to autoregressive: yes" in out
 
 
+def test_generate_exact_in_bfloat16_is_identical(capsys, pair_dirs) -> None:
+    target, draft = map(str, pair_dirs)
+    code, out, err = run(capsys, "generate", "def f(x):", "--target", target, "--draft", draft, "--dtype", "bfloat16",
+                         "--exact", "--max-new-tokens", "12", "--ignore-eos", "--compare")
+    assert code == 0 and err == "" and "identical to autoregressive: yes" in out
+    code, _, err = run(capsys, "generate", "x", "--target", target, "--exact", "--backend", "transformers")
+    assert code == 2 and "exact mode is a mode of the native runtime" in err
+
+
 def test_generate_without_draft_is_autoregressive(capsys, pair_dirs) -> None:
     code, out, _ = run(capsys, "generate", "x", "--target", str(pair_dirs[0]), "--max-new-tokens", "5",
                        "--ignore-eos", "--color", "never")

@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    gen.add_argument("--exact", action="store_true",
+                     help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
     gen.add_argument("--backend", default="auto", choices=BACKENDS,
                      help="native runtime, transformers, or auto: native where it covers the architecture")
     gen.add_argument("--threads", type=int, default=0,
@@ -146,8 +148,10 @@ def _generate(args: argparse.Namespace) -> None:
     if args.backend == "transformers" and needs != Needs():
         raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks or layer subsets); "
                                    f"--backend transformers offers neither")
-    target = load(args.target, args.backend, args.device, args.dtype)
-    draft = load(args.draft, args.backend, args.device, args.dtype) if method.family == "draft" and args.draft else None
+    target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
+    draft = None
+    if method.family == "draft" and args.draft:
+        draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
     drafter = build_drafter(method, Resources(draft, Path(args.target)))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)

@@ -16,13 +16,22 @@ class KVCache:
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (layers, batch, kv_heads, max_len, head_dim)
-        # Uninitialised: attention only ever reads positions below `length`, which were written first.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 rows: int | None = None, width: int | None = None) -> None:
+        self.max_len, self.length, self.rows = max_len, 0, rows
+        # A static cache (exact mode, `rows` set) holds `rows` slots more than max_len for a forward's padding rows,
+        # and `width` (default max_len + rows) at least: the keys every row attends over, whatever the cache's use.
+        self.width = max_len + rows if rows is not None and width is None else width
+        self.slots = max_len if rows is None else max(max_len + rows, self.width)
+        shape = (layers, batch, kv_heads, self.slots, head_dim)
+        if rows is None:
+            # Uninitialised: attention only ever reads positions below `length`, which were written first.
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            # Zeros: a static cache's attention reads every slot, masked or not, and 0 * NaN would leak through.
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def reserve(self, n: int) -> None:
         """Check that `n` more positions fit, before any layer writes them."""
@@ -30,10 +39,13 @@ class KVCache:
             raise ContextLengthError(f"KV cache holds {self.max_len} positions; {self.length} used, {n} more asked")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far."""
+        """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far (in a static
+        cache, all its slots)."""
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
+        if self.rows is not None:  # static: every slot, for a fixed key width
+            return self.k[layer], self.v[layer]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n: int) -> None:

@@ -23,7 +23,8 @@ def default_paths() -> tuple[Path, Path]:
     return DEFAULT_TARGET, DEFAULT_DRAFT
 
 
-def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> tuple[NativeModel, NativeModel]:
+def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *,
+                 exact: bool = False) -> tuple[NativeModel, NativeModel]:
     """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default."""
     target_dir, draft_dir = default_paths()
-    return load_model(target_dir, device, dtype), load_model(draft_dir, device, dtype)
+    return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype, exact=exact)

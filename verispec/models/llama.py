@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.errors import ContextLengthError
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 
@@ -39,6 +41,51 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@dataclass
+class Rows:
+    """Exact mode's attention layout for one forward of R rows (a static cache: `cache.rows` is set).
+
+    Every row attends on its own over the same A = `cache.width` keys: the cache slots it sees, gathered in slot
+    order to key indices 0..count-1, the rest masked. A token's keys thus sit at the same indices, and go through
+    the same matmuls, whether it is decoded alone, in a chain, in a tree (whose nodes sit in slots past their
+    positions) or in a prefill chunk; every reduction over keys adds the same numbers in the same order.
+    """
+
+    order: torch.Tensor  # (R, A) the cache slot gathered into each key index of each row
+    mask: torch.Tensor  # (1, R, 1, A) key index < the row's count
+
+    @staticmethod
+    def of(visible: torch.Tensor, width: int) -> Rows:
+        """The layout of rows that see the cache slots `visible` (R, P), True where seen."""
+        count = visible.sum(-1)  # (R,)
+        if int(count.max()) > width:
+            raise ContextLengthError(f"exact mode attends over at most {width} keys; a token here sees "
+                                     f"{int(count.max())}")
+        # The seen slots first, in slot order (which is position order), then the rest: a chain's rows keep theirs.
+        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)[:, :width]
+        keys = torch.arange(width, device=visible.device)
+        return Rows(order, (keys < count[:, None])[None, :, None, :])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
+
+        Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
+        on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
+        the same wherever its key sits (measured), so the scores are taken against every slot and then gathered;
+        the softmax and the sum over values are reductions over keys, so they run on each row's own copy of its
+        values in position order.
+        """
+        _, H, R, D = q.shape
+        Hkv, A = k.shape[1], self.order.shape[-1]
+        q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
+        scores = ((q.float() * D ** -0.5) @ k[0].float().transpose(-1, -2)).view(Hkv, R, -1, k.shape[2])  # (.., P)
+        scores = scores.gather(-1, self.order[None, :, None].expand(Hkv, R, scores.shape[2], A))  # (Hkv, R, G, A)
+        p = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)  # in float32, as in the fused kernel
+        v = v[0].index_select(1, self.order.flatten()).view(Hkv, R, A, D)  # each row's values, in position order
+        y = p.to(v.dtype) @ v  # (Hkv, R, G, D)
+        return y.transpose(1, 2).reshape(1, H, R, D)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -51,16 +98,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | Rows | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
-                                           enable_gqa=self.heads != self.kv_heads)
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
+        if isinstance(mask, Rows):
+            y = mask.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
+                                               enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -84,7 +134,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | Rows | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -123,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
         they hold stale values, and only a caller that truncates them away (layer-skip drafting) may skip.
         `hidden` (block indices, or -1 for the final-normed state) asks for (logits, hidden (B, T, len(hidden), D)):
         the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
+
+        Into a static cache (`cache.rows` set: exact mode) every forward runs `cache.rows` rows, padded or in
+        chunks, laid out by `Rows`, so that a position's logits are bitwise the same however many tokens share
+        the forward; a chunk sees earlier chunks through the cache, so no token may see a later chunk's.
         """
         B, T = tokens.shape
         start = 0
@@ -131,8 +185,8 @@ class LlamaForCausalLM(nn.Module):
             start = cache.length
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
-        x = self.model.embed_tokens(tokens)  # (B, T, D)
-        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+        if cache is not None and cache.rows is not None:
+            return self._exact(tokens, cache, mask, positions, layers, hidden)
         attn_mask = mask
         if mask is not None and cache is not None and mask.shape[-1] == start + T:
             attn_mask = mask.to(tokens.device)  # it already says which cached positions each token sees
@@ -140,6 +194,16 @@ class LlamaForCausalLM(nn.Module):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
+        out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
+        if cache is not None:
+            cache.advance(T)
+        return out
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+             attn_mask: torch.Tensor | Rows | None, layers: Sequence[int] | None,
+             hidden: Sequence[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = self.model.embed_tokens(tokens)  # (B, T, D)
+        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
@@ -147,8 +211,42 @@ class LlamaForCausalLM(nn.Module):
         for i in run:
             x = self.model.layers[i](x, cos, sin, cache, attn_mask)
             states[i] = x
-        if cache is not None:
-            cache.advance(T)
         states[-1] = self.model.norm(x)
         logits = self.lm_head(states[-1])
         return logits if hidden is None else (logits, torch.stack([states[i] for i in hidden], dim=2))
+
+    def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
+               layers: Sequence[int] | None, hidden: Sequence[int] | None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward into a static cache: chunks of R rows, the last padded, each laid out by `Rows`."""
+        B, T = tokens.shape
+        if B != 1:
+            raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
+        R, start, slots, device = cache.rows, cache.length, cache.slots, tokens.device
+        visible = torch.zeros(T, slots, dtype=torch.bool, device=device)  # (T, P) the cache slots each token sees
+        if mask is not None and mask.shape[-1] == start + T:
+            visible[:, : start + T] = mask.to(device)
+        else:
+            visible[:, :start] = True
+            visible[:, start: start + T] = torch.ones(T, T, dtype=torch.bool, device=device).tril() if mask is None \
+                else mask.to(device)
+        if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
+            raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
+        outs, every = [], torch.arange(slots, device=device)
+        try:
+            for c in range(0, T, R):
+                n, length = min(R, T - c), cache.length
+                # Padding rows continue the chain causally: finite, and in slots that no real row sees.
+                seen = (length + torch.arange(R, device=device) + 1).clamp(max=cache.width)
+                rows = every < seen[:, None]  # (R, P)
+                rows[:n] = visible[c: c + n]
+                pad = (0, R - n)  # padding token 0 at position 0
+                x, where = F.pad(tokens[:, c: c + n], pad), F.pad(positions[c: c + n], pad)
+                out = self._run(x, where, cache, Rows.of(rows, cache.width), layers, hidden)
+                outs.append([o[:, :n] for o in ((out,) if hidden is None else out)])
+                cache.advance(n)
+        except BaseException:
+            cache.truncate(start)  # as if the forward never ran
+            raise
+        logits, *states = (torch.cat(parts, dim=1) for parts in zip(*outs))
+        return logits if hidden is None else (logits, states[0])

@@ -28,13 +28,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+EXACT_ROWS = 16  # rows of every forward in exact mode: one count, since the row count picks the matmul kernel
+
+
 class NativeModel:
-    """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`."""
+    """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`.
+
+    `exact`: its caches are static (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`), so every
+    forward runs 16 rows over the same key width and a position's logits are bitwise the same however many
+    tokens share the forward (plain decoding, a chain, a tree, a prefill chunk): greedy speculative output is
+    then identical to plain greedy decoding in any dtype. It costs padding to 16 rows and attention over the
+    whole context each forward.
+    """
 
     capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True)
 
-    def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str) -> None:
+    def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
+                 exact: bool = False) -> None:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
+        self.exact = exact
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
@@ -43,8 +55,10 @@ class NativeModel:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
+        width = -(-(self.context_length + EXACT_ROWS) // 16) * 16  # a multiple of 16, for the kernels' alignment
+        static = dict(rows=EXACT_ROWS, width=width) if self.exact else {}
         return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
-                       c.dim_per_head, self.dtype, self.device)
+                       c.dim_per_head, self.dtype, self.device, **static)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
@@ -54,8 +68,9 @@ class NativeModel:
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32") -> NativeModel:
-    """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`."""
+               dtype: str | torch.dtype = "float32", *, exact: bool = False) -> NativeModel:
+    """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
+    `exact`: batch-invariant forwards (see `NativeModel`)."""
     folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
@@ -73,4 +88,4 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
-    return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name)
+    return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)
