@@ -30,6 +30,8 @@ def start_session(drafter, target: CausalLM, prompt, sampling: SamplingParams | 
     """A drafter's session for `prompt`, begun the way the loop begins one (checks first, then a prefilled cache)."""
     check_target(drafter, target)
     cache = target.new_cache() if cache is None else cache
+    layers, hidden = drafter.needs.hidden_states, None
     if cache.length == 0 and len(prompt) > 1:
-        target(torch.tensor([list(prompt)[:-1]]), cache)
-    return drafter.begin(DraftContext(target, list(prompt), sampling or SamplingParams(), generator, cache))
+        out = target(torch.tensor([list(prompt)[:-1]]), cache, **({"hidden": layers} if layers else {}))
+        hidden = out[1][0] if layers else None
+    return drafter.begin(DraftContext(target, list(prompt), sampling or SamplingParams(), generator, cache, hidden))

@@ -10,7 +10,9 @@ import torch
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
+from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.protocol import FINAL, Capabilities
+from verispec.train.loop import init_weights
 
 from drafting import OwnSession
 
@@ -24,6 +26,7 @@ EXAMPLES = {
     "ngram": Method("ngram", 3, {"max_ngram": 2}),
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
+    "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
 }
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -38,18 +41,31 @@ def truth(target) -> list[int]:
     return generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
 
 
-def built(name: str, draft):
-    return build_drafter(EXAMPLES[name], Resources(draft=draft))
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, target, draft):
+    """name -> that example's drafter, built by the registry (an EAGLE example gets a random head's folder)."""
+    torch.manual_seed(0)
+    head = EagleHead(head_config(target.config))
+    init_weights(head)
+    head_dir = save_head(head, tmp_path_factory.mktemp("eagle"), "random")
+
+    def build(name: str):
+        method = EXAMPLES[name]
+        if method.family == "eagle":
+            method = Method("eagle", method.k, {"head": head_dir})
+        return build_drafter(method, Resources(draft=draft, target=target))
+
+    return build
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_greedy_identity(target, draft, truth, name) -> None:
-    assert generate(target, PROMPT, built(name, draft), max_new_tokens=N, ignore_eos=True).tokens == truth
+def test_greedy_identity(target, built, truth, name) -> None:
+    assert generate(target, PROMPT, built(name), max_new_tokens=N, ignore_eos=True).tokens == truth
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_abandoned_streams_leave_target_and_drafter_consistent(target, draft, truth, name) -> None:
-    drafter = built(name, draft)
+def test_abandoned_streams_leave_target_and_drafter_consistent(target, built, truth, name) -> None:
+    drafter = built(name)
     closed = stream(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
     assert len([piece for piece, _ in zip(closed, range(3))]) == 3
     closed.close()  # abandoned mid-generation
@@ -73,9 +89,9 @@ def test_abandoned_streams_leave_target_and_drafter_consistent(target, draft, tr
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_one_drafter_serves_interleaved_generations(target, draft, name) -> None:
+def test_one_drafter_serves_interleaved_generations(target, built, name) -> None:
     """Two live streams of one drafter, stepped in turn, each give what they give alone (greedy and seeded)."""
-    drafter = built(name, draft)
+    drafter = built(name)
     runs = [(PROMPT, {}), (PROMPT[3:], dict(temperature=1.0, seed=7))]
     alone = [generate(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options).tokens
              for prompt, options in runs]
@@ -105,8 +121,8 @@ class CausalOnly:
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_a_target_without_what_the_drafter_needs_is_refused(target, draft, truth, name) -> None:
-    drafter = built(name, draft)
+def test_a_target_without_what_the_drafter_needs_is_refused(target, built, truth, name) -> None:
+    drafter = built(name)
     if drafter is None or drafter.needs == Needs():
         assert generate(CausalOnly(target), PROMPT, drafter, max_new_tokens=N, ignore_eos=True).tokens == truth
     else:

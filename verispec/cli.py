@@ -100,9 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft", "card"),
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), or the cards")
-    trn.add_argument("--runs", default="runs", help="RUNS/target and RUNS/draft hold checkpoints, logs and exports")
+    trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
+                                                    "and exports")
+    trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -259,6 +261,10 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)
+    elif args.what == "eagle":
+        from verispec.train.eagle import train_eagle
+
+        folder = train_eagle(runs / "eagle", Path(args.target) if args.target else default_paths()[0], cfg)
     else:
         folder = train_draft(runs / "draft", runs / "target" / "model", cfg)
     print(f"exported {folder}")

@@ -13,10 +13,13 @@ from typing import Any, Callable
 from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.eagle import Eagle
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
-from verispec.errors import InvalidArgumentError
+from verispec.errors import IncompatibleTargetError, InvalidArgumentError
+from verispec.models.default import default_head
+from verispec.models.eagle import load_head
 from verispec.models.protocol import CausalLM
 
 
@@ -41,6 +44,7 @@ class Resources:
 
     draft: CausalLM | None = None  # the draft model ("draft")
     target_dir: Path | None = None  # the target's folder, where layerskip.json lies ("layerskip" without "skip")
+    target: CausalLM | None = None  # the target itself, whose shapes and dtype a head is loaded for ("eagle")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,17 @@ def _layerskip(method: Method, res: Resources) -> LayerSkip:
     return LayerSkip.from_checkpoint(res.target_dir, method.k)
 
 
+def _eagle(method: Method, res: Resources) -> Eagle:
+    if res.target is None:
+        raise InvalidArgumentError("method eagle needs the target to load its head for")
+    if not res.target.capabilities.hidden_states:
+        raise IncompatibleTargetError(f"method eagle reads the target's hidden states; {res.target.name} does not "
+                                      "offer them (the native runtime does)")
+    folder = method.options.get("head") or default_head(res.target_dir)
+    head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
+    return Eagle(head, method.k or 4)
+
+
 FAMILIES: dict[str, Family] = {
     "autoregressive": Family("plain decoding: one target forward per token", (), lambda m, r: None, takes_k=False),
     "draft": Family("a smaller model with the target's tokenizer proposes (a chain, or a tree with branch > 1)",
@@ -79,6 +94,8 @@ FAMILIES: dict[str, Family] = {
     "lookahead": Family("Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
+    "eagle": Family("a one-layer head drafts from the target's own features (EAGLE); head: its folder",
+                    ("head",), _eagle, lambda m: Eagle.needs),
 }
 
 

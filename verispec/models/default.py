@@ -12,6 +12,7 @@ from verispec.models.native import NativeModel, load_model
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
 DEFAULT_TARGET = MODELS / "stdlib-target"
 DEFAULT_DRAFT = MODELS / "stdlib-draft"
+DEFAULT_EAGLE = MODELS / "stdlib-eagle"
 
 
 def default_paths() -> tuple[Path, Path]:
@@ -28,3 +29,14 @@ def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = 
     """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default."""
     target_dir, draft_dir = default_paths()
     return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype, exact=exact)
+
+
+def default_head(target_dir: Path | None) -> Path:
+    """The EAGLE head shipped for the shipped target; other targets name their head's folder."""
+    if target_dir is None or Path(target_dir).resolve() != DEFAULT_TARGET.resolve():
+        raise CheckpointError("method eagle needs its head's folder (--head DIR) for a target other than the "
+                              f"shipped {DEFAULT_TARGET.name}")
+    if not (DEFAULT_EAGLE / "config.json").is_file():
+        raise CheckpointError(f"no EAGLE head ships in {DEFAULT_EAGLE} yet: train one with `verispec train eagle` "
+                              "and pass its folder with --head")
+    return DEFAULT_EAGLE

@@ -66,6 +66,16 @@ class NativeModel:
                  hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.module(tokens, cache, mask, positions, layers, hidden)
 
+    @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's token embeddings (..., D): what feature-level drafters (EAGLE) pair with its features."""
+        return self.module.model.embed_tokens(tokens)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """(vocab, D): the LM head that turns a final-normed feature into logits (read by EAGLE and Medusa heads)."""
+        return self.module.lm_head.weight
+
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32", *, exact: bool = False) -> NativeModel:

@@ -16,7 +16,9 @@ class Capabilities:
     """What a model's forward can do beyond a causal chain of new tokens; drafters declare what they need of it."""
 
     tree_masks: bool = False  # custom attention masks and rotary positions (token trees, side branches)
-    hidden_states: bool = False  # `hidden=` returns the residual stream after chosen blocks, or FINAL
+    # `hidden=` returns the residual stream after chosen blocks, or FINAL; `embed(tokens)` and `lm_head_weight` reach
+    # the two ends of the model, which feature-level drafters (EAGLE, Medusa) share
+    hidden_states: bool = False
     layer_subsets: bool = False  # `layers=` runs only some blocks (self-speculative layer skip)
 
 

@@ -1,0 +1,147 @@
+"""EAGLE: the head's drafting through the loop (greedy identity, the target's distribution under sampling), its
+cache kept to the committed positions, saving and loading, and the training plumbing on a tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import IncompatibleTargetError, generate
+from verispec.drafters.base import Verdict
+from verispec.drafters.eagle import Eagle
+from verispec.drafters.registry import Method, Resources, build_drafter
+from verispec.errors import CheckpointError
+from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.models.native import load_model
+from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.sampling import SamplingParams
+from verispec.train.eagle import agreement_evaluator, eagle_loss
+from verispec.train.loop import TrainConfig, init_weights, train
+
+from drafting import start_session
+
+PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
+N = 30
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def random_head(target, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(target.config))
+    init_weights(head)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def head(target) -> EagleHead:
+    return random_head(target)
+
+
+@pytest.mark.parametrize("k", range(1, 7))
+def test_greedy_identity(target, head, k) -> None:
+    truth = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
+    assert generate(target, PROMPT, Eagle(head, k), max_new_tokens=N, ignore_eos=True).tokens == truth
+
+
+def test_a_one_token_prompt_and_a_reduced_vocabulary(target, head) -> None:
+    truth = generate(target, PROMPT[:1], max_new_tokens=N, ignore_eos=True).tokens
+    assert generate(target, PROMPT[:1], Eagle(head, 3), max_new_tokens=N, ignore_eos=True).tokens == truth
+    subset = torch.arange(0, 257, 2)  # the even ids only: odd tokens are never proposed
+    result = generate(target, PROMPT, Eagle(head, 3, subset), max_new_tokens=N, ignore_eos=True)
+    assert result.tokens == generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
+    assert all(t % 2 == 0 for t, drafted in zip(result.tokens, result.drafted) if drafted)
+
+
+def test_the_head_drafts_from_its_own_features_and_keeps_only_true_entries(target, head) -> None:
+    """The first draft is the head's prediction from the prompt's features; after a verdict the head's cache holds
+    the committed positions but the last, built from the target's true features only."""
+    session = start_session(Eagle(head, 3), target, PROMPT)
+    proposal = session.propose(PROMPT, 3)
+    _, hidden = target(torch.tensor([PROMPT]), target.new_cache(), hidden=[-1])
+    with torch.inference_mode():
+        predicted = head(hidden[:, :-1, 0], target.embed(torch.tensor([PROMPT[1:]])), None)
+        first = int(torch.nn.functional.linear(predicted[0, -1], target.lm_head_weight)[:257].argmax())
+    assert proposal.tokens[0] == first and session.cache.length == len(PROMPT) - 1 + 2
+    session.accepted(Verdict([0], None, torch.zeros(2, 1, target.hidden_size)))
+    assert session.cache.length == len(PROMPT) - 1 and session.features.shape == (2, target.hidden_size)
+
+
+def test_sampling_is_reproducible_and_q_is_the_heads_distribution(target, head) -> None:
+    sampling = SamplingParams(1.0, top_k=20)
+    proposal = start_session(Eagle(head, 3), target, PROMPT, sampling, torch.Generator().manual_seed(0)).propose(PROMPT, 3)
+    assert proposal.q.shape == (3, target.vocab_size) and int((proposal.q[0] > 0).sum()) == 20
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(3))
+
+    def run(seed: int) -> list[int]:
+        return generate(target, PROMPT, Eagle(head, 3), max_new_tokens=16, temperature=1.0, seed=seed,
+                        ignore_eos=True).tokens
+
+    assert run(3) == run(3) and len({tuple(run(s)) for s in range(4)}) > 1
+
+
+E2E_VOCAB, E2E_PROMPT, DRAWS = 6, [1, 4, 2], 3000
+
+
+def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs) -> None:
+    """Two tokens generated with EAGLE drafting the first are distributed as under the target (exact, from the
+    numpy reference); a rule that kept every draft would fail this (see test_verify)."""
+    from test_verify import compare  # chi-square and TV against exact probabilities
+
+    config = tiny_config(vocab_size=E2E_VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    target_dir = random_checkpoint(tmp_path / "target", config, seed=1)
+    target = load_model(target_dir)
+    contexts = np.array([E2E_PROMPT + [x] for x in range(E2E_VOCAB)])
+    p = reference_probs(target_dir, contexts, 1.0)
+    joint = p[0, -2][:, None] * p[:, -1]
+    drafter, counts, accepted = Eagle(random_head(target, seed=3), 2), np.zeros((E2E_VOCAB, E2E_VOCAB)), 0
+    for seed in range(DRAWS):
+        out = generate(target, E2E_PROMPT, drafter, max_new_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
+        counts[out.tokens[0], out.tokens[1]] += 1
+        accepted += out.drafted[0]
+    pvalue, tv = compare(counts.ravel(), joint.ravel())
+    assert pvalue > 1e-3 and tv < (joint.size / DRAWS) ** 0.5, (pvalue, tv)
+    assert 0 < accepted < DRAWS  # drafts were both kept and rejected
+
+
+def test_save_and_load_round_trip(tmp_path, target, head) -> None:
+    folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == target.hidden_size
+    loaded = load_head(folder, target.config, torch.float32)
+    drafts = [generate(target, PROMPT, Eagle(h, 4), max_new_tokens=N, ignore_eos=True) for h in (head, loaded)]
+    assert drafts[0].tokens == drafts[1].tokens and drafts[0].drafted == drafts[1].drafted
+    via_registry = build_drafter(Method("eagle", 4, {"head": folder}), Resources(target=target))
+    assert generate(target, PROMPT, via_registry, max_new_tokens=N, ignore_eos=True).drafted == drafts[0].drafted
+
+
+def test_heads_for_other_targets_are_refused(tmp_path, target, unrelated) -> None:
+    wide = load_model(random_checkpoint(tmp_path / "wide", tiny_config(hidden_size=96, num_attention_heads=4)))
+    folder = save_head(random_head(wide), tmp_path / "head", "wide")
+    with pytest.raises(CheckpointError, match="not made for this target"):
+        load_head(folder, target.config, torch.float32)
+    with pytest.raises(IncompatibleTargetError, match="features of 96"):
+        generate(target, PROMPT, Eagle(random_head(wide), 2), max_new_tokens=4)
+    with pytest.raises(CheckpointError, match="not an EAGLE head"):
+        load_head(tmp_path, target.config, torch.float32)
+
+
+def test_training_lowers_the_loss_and_resumes(tmp_path, target) -> None:
+    frozen = target.module.eval().requires_grad_(False)
+    tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16)
+    head = random_head(target).train().requires_grad_(True)
+    cfg = TrainConfig(hours=8 / 3600, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_every_minutes=4 / 60)
+    loss, evaluate = eagle_loss(frozen), agreement_evaluator(frozen, tokens, 32, windows=4)
+    batch = torch.from_numpy(tokens[:4 * 33].astype(np.int64)).view(4, 33)
+    with torch.no_grad():
+        before = float(loss(head, batch))
+    first = train(head, cfg, tmp_path, tokens, loss, evaluate)
+    with torch.no_grad():
+        assert float(loss(head, batch)) < before and (tmp_path / "state.pt").is_file()
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert {"val_top1_depth1", "val_top1_depth2"} <= log[-1].keys()
+    again = train(random_head(target).train().requires_grad_(True), cfg, tmp_path, tokens, loss, evaluate)
+    assert again["step"] == first["step"]  # the budget was spent: resumed, nothing more to do

@@ -1,0 +1,108 @@
+"""EAGLE's draft network (Li et al. 2024): it autoregresses on the target's features, not on tokens alone.
+
+At position i it reads the target's final-normed feature f_i and the embedding of the next token x_{i+1}, mixes
+them with `fc`, runs one Llama decoder layer (without its input norm, as in EAGLE-1) over its own KV cache, and
+predicts f_{i+1}; the target's own LM head turns a predicted feature into the draft's logits. The target's embedding
+and LM head are read, never copied: the head owns only `fc` and the layer. Key names follow the EAGLE checkpoints
+that serving engines load (`fc.weight`, `layers.0.*`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from verispec.errors import CheckpointError
+from verispec.models.cache import KVCache
+from verispec.models.config import ModelConfig
+from verispec.models.llama import Block, rotary
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's layer has the target's shapes; one layer."""
+    return replace(target, num_hidden_layers=1)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.layers = nn.ModuleList([Block(config, 0)])
+        self.layers[0].input_layernorm = nn.Identity()  # the target's features arrive normed already
+
+    def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+        c = self.config
+        return KVCache(1, 1, c.num_key_value_heads, max_len, c.dim_per_head, dtype, device)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache | None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted features (B, T, D) from features f_i (B, T, D) and the next tokens' embeddings (B, T, D).
+
+        With a cache, the T inputs follow its `length` entries (a chain, or a tree with `mask` (T, length + T) and
+        `positions`); without one (training) they are a whole sequence from position 0.
+        """
+        B, T, _ = features.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.reserve(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=features.device)
+        x = self.fc(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
+        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+        if cache is not None and mask is None and T > 1:
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+        x = self.layers[0](x, cos, sin, cache, mask)
+        if cache is not None:
+            cache.advance(T)
+        return x
+
+
+
+def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The head as a Hugging Face folder in EAGLE's layout: model.safetensors (`fc.weight`, `layers.0.*`) and a
+    config.json of a one-layer Llama; the target's embedding and LM head are not stored."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()},
+              str(folder / "model.safetensors"))
+    c = head.config
+    config = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "num_hidden_layers": 1,
+              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+              "head_dim": c.dim_per_head, "max_position_embeddings": c.max_position_embeddings,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
+              "hidden_act": "silu", "bias": False, "tie_word_embeddings": False,
+              "torch_dtype": str(dtype).removeprefix("torch."), "verispec": {"drafter": "eagle", "target": target_name}}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+              ) -> EagleHead:
+    """A head saved by `save_head`, checked against the target it will draft for."""
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        weights = load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{folder}: not an EAGLE head folder ({err})") from None
+    sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
+    if wrong:
+        raise CheckpointError(f"{folder}: this EAGLE head was not made for this target ({', '.join(wrong)})")
+    head = EagleHead(head_config(target))
+    try:
+        head.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{folder}: weights do not fit an EAGLE head ({str(err).splitlines()[0]})") from None
+    if not all(torch.isfinite(w).all() for w in weights.values()):
+        raise CheckpointError(f"{folder}: the head's weights hold NaN or inf")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
