@@ -27,6 +27,7 @@ EXAMPLES = {
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
     "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
+    "eagle tree": Method("eagle", 3, {"top_k": 2, "tokens": 6}),
 }
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -52,7 +53,7 @@ def built(tmp_path_factory, target, draft):
     def build(name: str):
         method = EXAMPLES[name]
         if method.family == "eagle":
-            method = Method("eagle", method.k, {"head": head_dir})
+            method = Method("eagle", method.k, method.options | {"head": head_dir})
         return build_drafter(method, Resources(draft=draft, target=target))
 
     return build

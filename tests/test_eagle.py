@@ -42,9 +42,23 @@ def head(target) -> EagleHead:
 
 
 @pytest.mark.parametrize("k", range(1, 7))
-def test_greedy_identity(target, head, k) -> None:
+@pytest.mark.parametrize("tree", [None, (2, 6), (3, 12)])
+def test_greedy_identity(target, head, k, tree) -> None:
     truth = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
-    assert generate(target, PROMPT, Eagle(head, k), max_new_tokens=N, ignore_eos=True).tokens == truth
+    assert generate(target, PROMPT, Eagle(head, k, tree=tree), max_new_tokens=N, ignore_eos=True).tokens == truth
+
+
+def test_the_dynamic_tree_keeps_the_most_probable_nodes(target, head) -> None:
+    """EAGLE-2's tree: `tokens` nodes, parents before children, at most top_k children per node; the head's cache
+    holds the expanded frontiers while the tree is out, and only the committed entries after the verdict."""
+    session = start_session(Eagle(head, 3, tree=(2, 5)), target, PROMPT)
+    proposal = session.propose(PROMPT, 3)
+    parents = proposal.parents
+    assert len(proposal.tokens) == 5 and all(p < i for i, p in enumerate(parents))
+    assert max(sum(1 for p in parents if p == node) for node in range(-1, 5)) <= 2
+    assert session.cache.length == len(PROMPT) - 1 + 2 + 2  # two expansions of two nodes each, cut at the verdict
+    session.accepted(Verdict([], None, torch.zeros(1, 1, target.hidden_size)))
+    assert session.cache.length == len(PROMPT) - 1
 
 
 def test_a_one_token_prompt_and_a_reduced_vocabulary(target, head) -> None:
@@ -83,12 +97,13 @@ def test_sampling_is_reproducible_and_q_is_the_heads_distribution(target, head) 
     assert run(3) == run(3) and len({tuple(run(s)) for s in range(4)}) > 1
 
 
-E2E_VOCAB, E2E_PROMPT, DRAWS = 6, [1, 4, 2], 3000
+E2E_VOCAB, E2E_PROMPT, DRAWS = 6, [1, 4, 2], 2500
 
 
-def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs) -> None:
-    """Two tokens generated with EAGLE drafting the first are distributed as under the target (exact, from the
-    numpy reference); a rule that kept every draft would fail this (see test_verify)."""
+@pytest.mark.parametrize("tree", [None, (3, 3)])
+def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs, tree) -> None:
+    """Two tokens generated with EAGLE drafting the first (one token, or three fixed candidates verified by
+    SpecInfer's rule) are distributed as under the target (exact, from the numpy reference)."""
     from test_verify import compare  # chi-square and TV against exact probabilities
 
     config = tiny_config(vocab_size=E2E_VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
@@ -97,7 +112,7 @@ def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs)
     contexts = np.array([E2E_PROMPT + [x] for x in range(E2E_VOCAB)])
     p = reference_probs(target_dir, contexts, 1.0)
     joint = p[0, -2][:, None] * p[:, -1]
-    drafter, counts, accepted = Eagle(random_head(target, seed=3), 2), np.zeros((E2E_VOCAB, E2E_VOCAB)), 0
+    drafter, counts, accepted = Eagle(random_head(target, seed=3), 2, tree=tree), np.zeros((E2E_VOCAB, E2E_VOCAB)), 0
     for seed in range(DRAWS):
         out = generate(target, E2E_PROMPT, drafter, max_new_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
         counts[out.tokens[0], out.tokens[1]] += 1

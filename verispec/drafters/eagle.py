@@ -6,6 +6,13 @@ draft token; drafting goes on from its own predicted features. The head keeps a 
 positions only: entries built from predicted features are cut after every verdict, and the true features that the
 verdict brings are fed at the next proposal.
 
+With `tree=(top_k, total)` it drafts EAGLE-2's dynamic tree instead of a chain: from the root, each of k depths
+expands the `top_k` frontier nodes with the highest product of draft probabilities (one head forward for the
+whole frontier, through a tree mask over the head's cache), each proposing its own `top_k` best children; then
+every node drawn is reranked by that product and the best `total` (ancestors rank above their descendants) go to
+the target as one tree. The candidates are fixed, not sampled, so under sampling they go with one-hot q, for which
+SpecInfer's rule (draws without replacement from p) stays lossless.
+
 `vocab` (optional) restricts the draft's LM head to a subset of frequent tokens (as FR-Spec and EAGLE-3 do): the
 8192-wide LM head is most of the head's cost on a small target, and verification stays exact because the target
 still scores the full vocabulary; a token outside the subset is simply never proposed.
@@ -30,10 +37,14 @@ class Eagle:
     name = "eagle"
     needs = Needs(hidden_states=(FINAL,))
 
-    def __init__(self, head: EagleHead, k: int = 4, vocab: torch.Tensor | None = None) -> None:
+    def __init__(self, head: EagleHead, k: int = 4, vocab: torch.Tensor | None = None,
+                 tree: tuple[int, int] | None = None) -> None:
         self.head, self.k = head, whole_number(k, "k (tokens drafted per step)", 1)
-        self.width = self.k
         self.vocab = None if vocab is None else vocab.to(torch.long)
+        self.tree = None if tree is None else (whole_number(tree[0], "tree top_k", 1),
+                                               whole_number(tree[1], "tree total tokens", 1))
+        self.width = self.k if tree is None else self.tree[1]
+        self.needs = Needs(hidden_states=(FINAL,), tree_masks=tree is not None)
 
     def check(self, target: CausalLM) -> None:
         c = self.head.config
@@ -53,7 +64,9 @@ class EagleSession:
         weight = self.target.lm_head_weight
         self.vocab = drafter.vocab
         self.lm_head = weight if self.vocab is None else weight[self.vocab]  # (V or |subset|, D), taken once
-        self.cache = self.head.new_cache(context.cache.max_len + drafter.k, weight.dtype, weight.device)
+        self.tree = drafter.tree
+        extra = drafter.k * (1 if self.tree is None else self.tree[0])  # the drafts' entries, cut after the verdict
+        self.cache = self.head.new_cache(context.cache.max_len + extra, weight.dtype, weight.device)
         self.features = context.hidden[:, 0]  # (n, D): committed features not yet fed to the head
         self._committed = len(context.prompt)
 
@@ -62,12 +75,14 @@ class EagleSession:
         """Feed the new true features with their next tokens, then draft k tokens from predicted features."""
         fed, n = self.cache.length, len(context)
         self._committed = n
-        k = min(k, self.cache.max_len - (n - 1))
+        k = min(k, self.cache.max_len - (n - 1) - (0 if self.tree is None else self.tree[0] * k) + 1)
         if k < 1 or fed + len(self.features) == 0:  # nothing to predict from yet (a one-token prompt)
             return Proposal([])
         nxt = torch.tensor(context[fed + 1: n], device=self.features.device)  # x_{i+1} for each fed feature
         predicted = self.head(self.features[None], self.target.embed(nxt)[None], self.cache)[0, -1]
         self.features = self.features[:0]
+        if self.tree is not None:
+            return self._propose_tree(predicted, n, k)
         tokens, q = [], []
         for i in range(k):
             token, q_i = self._draw(predicted)
@@ -77,6 +92,59 @@ class EagleSession:
                 embedding = self.target.embed(torch.tensor([[token]], device=predicted.device))
                 predicted = self.head(predicted[None, None], embedding, self.cache)[0, -1]
         return Proposal(tokens, torch.stack(q) if q else None)
+
+    def _propose_tree(self, root: torch.Tensor, n: int, k: int) -> Proposal:
+        """EAGLE-2: grow k depths from the root's predicted feature, expanding the best `top_k` nodes each time."""
+        top_k, total = self.tree
+        committed = self.cache.length  # n - 1 entries, all from true features
+        tokens, parents, scores = [], [], []  # every node drawn, its parent, its log product of draft probabilities
+        predicted = {-1: root}  # expanded node -> the feature its children follow
+        slots: dict[int, int] = {}  # expanded node -> its entry in the head's cache
+        frontier = [-1]
+        for depth in range(1, k + 1):
+            log_q = self._log_q(torch.stack([predicted[node] for node in frontier]))  # (F, draft vocabulary)
+            best, ids = log_q.topk(min(top_k, log_q.shape[-1]), dim=-1)  # each node's own top_k children
+            children = []
+            for row, node in enumerate(frontier):
+                for lp, i in zip(best[row].tolist(), ids[row].tolist()):
+                    children.append(len(tokens))
+                    tokens.append(i if self.vocab is None else int(self.vocab[i]))
+                    parents.append(node)
+                    scores.append((0.0 if node < 0 else scores[node]) + lp)
+            if depth == k:
+                break
+            frontier = sorted(children, key=lambda c: -scores[c])[:top_k]  # stable: a parent beats a tied child
+            for node, feature in zip(frontier, self._expand(frontier, tokens, parents, predicted, slots, committed, n)):
+                predicted[node] = feature
+        # Log probabilities are <= 0, so a node never outranks its parent: the best `total` form a tree.
+        keep = sorted(sorted(range(len(tokens)), key=lambda c: -scores[c])[:total])
+        index = {old: new for new, old in enumerate(keep)} | {-1: -1}
+        return Proposal([tokens[c] for c in keep], None, [index[parents[c]] for c in keep])
+
+    def _expand(self, frontier: list[int], tokens: list[int], parents: list[int], predicted: dict,
+                slots: dict[int, int], committed: int, n: int) -> torch.Tensor:
+        """The head over the frontier's nodes in one forward: each reads its parent's predicted feature and its own
+        token, at position n - 2 + its depth, and sees the committed entries, its ancestors' and its own."""
+        T, length, device = len(frontier), self.cache.length, predicted[-1].device
+        mask = torch.zeros(T, length + T, dtype=torch.bool)
+        mask[:, :committed] = True
+        depths = []
+        for row, node in enumerate(frontier):
+            ancestor, depth = parents[node], 1
+            while ancestor >= 0:
+                mask[row, slots[ancestor]], ancestor, depth = True, parents[ancestor], depth + 1
+            mask[row, length + row] = True
+            slots[node] = length + row
+            depths.append(depth)
+        features = torch.stack([predicted[parents[node]] for node in frontier])[None]
+        ids = torch.tensor([[tokens[node] for node in frontier]], device=device)
+        positions = torch.tensor(depths, device=device) + n - 2
+        return self.head(features, self.target.embed(ids), self.cache, positions, mask.to(device))[0]
+
+    def _log_q(self, features: torch.Tensor) -> torch.Tensor:
+        """(F, draft vocabulary) log-probabilities of the head's next token after each feature."""
+        logits = F.linear(features, self.lm_head)
+        return torch.log_softmax((logits if self.vocab is not None else logits[:, : self.target.vocab_size]).float(), -1)
 
     def _draw(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """A draft token (in the target's ids) and its q over the full vocabulary when sampling."""

@@ -20,7 +20,7 @@ from verispec.drafters.ngram import PromptLookup
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
 from verispec.models.eagle import load_head
-from verispec.models.protocol import CausalLM
+from verispec.models.protocol import FINAL, CausalLM
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,11 @@ def _eagle(method: Method, res: Resources) -> Eagle:
                                       "offer them (the native runtime does)")
     folder = method.options.get("head") or default_head(res.target_dir)
     head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
-    return Eagle(head, method.k or 4)
+    tree = method.options.get("top_k"), method.options.get("tokens")
+    if (tree[0] is None) != (tree[1] is None):
+        raise InvalidArgumentError("an EAGLE tree takes both top_k (children per expanded node) and tokens (nodes "
+                                   "verified)")
+    return Eagle(head, method.k or 4, tree=None if tree[0] is None else tree)
 
 
 FAMILIES: dict[str, Family] = {
@@ -94,8 +98,9 @@ FAMILIES: dict[str, Family] = {
     "lookahead": Family("Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
-    "eagle": Family("a one-layer head drafts from the target's own features (EAGLE); head: its folder",
-                    ("head",), _eagle, lambda m: Eagle.needs),
+    "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
+                    "with top_k and tokens); head: its folder", ("head", "top_k", "tokens"), _eagle,
+                    lambda m: Needs(hidden_states=(FINAL,), tree_masks="top_k" in m.options)),
 }
 
 
