@@ -20,15 +20,19 @@ class GenerationStats:
     total_time: float = 0.0
 
     def record_step(self, proposed: int, accepted: int) -> None:
-        grow = proposed - len(self.proposed_by_position)
+        for i in range(proposed):
+            self.record_position(i, 1, i < accepted)
+        self.proposed += proposed
+        self.accepted += accepted
+
+    def record_position(self, i: int, proposed: int, accepted: int) -> None:
+        """Add to the counts of draft position i (0-based) only."""
+        grow = i + 1 - len(self.proposed_by_position)
         if grow > 0:
             self.proposed_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
-        for i in range(proposed):
-            self.proposed_by_position[i] += 1
-            self.accepted_by_position[i] += i < accepted
-        self.proposed += proposed
-        self.accepted += accepted
+        self.proposed_by_position[i] += proposed
+        self.accepted_by_position[i] += accepted
 
     @property
     def acceptance_rate(self) -> float:

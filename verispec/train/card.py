@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters import DraftModel
+from verispec.drafters import DraftModel, Drafter
 from verispec.generate import generate
 from verispec.models.native import NativeModel
+from verispec.stats import GenerationStats
 from verispec.train.corpus import load_split
 
 SAMPLE_PROMPTS = ("def parse_header(line):", "class LRUCache:\n    def __init__(self, capacity):", "import os\n\ndef walk(")
@@ -38,18 +39,28 @@ def decode_step_time(model: NativeModel, tokens: int = 32, repeats: int = 5) -> 
     return statistics.median(times)
 
 
-def measure_pair(target: NativeModel, draft: NativeModel, prompts: list[list[int]], k: int = 4,
-                 max_new_tokens: int = 64) -> dict:
-    """Greedy speculative decoding at k on each prompt: acceptance, tau, and identity with plain decoding."""
-    proposed = accepted = calls = new = identical = 0
+def measure(target: NativeModel, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int = 64) -> dict:
+    """Greedy speculative decoding on each prompt: acceptance (overall and by position), tau, and identity with
+    plain decoding."""
+    total, identical = GenerationStats(), 0
     for prompt in prompts:
-        spec = generate(target, prompt, DraftModel(draft, k), max_new_tokens=max_new_tokens, ignore_eos=True)
+        spec = generate(target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=True)
         plain = generate(target, prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
         s = spec.stats
-        proposed, accepted, calls, new = proposed + s.proposed, accepted + s.accepted, calls + s.target_calls, new + s.new_tokens
+        total.new_tokens, total.target_calls = total.new_tokens + s.new_tokens, total.target_calls + s.target_calls
+        total.proposed, total.accepted = total.proposed + s.proposed, total.accepted + s.accepted
+        for i, (p, a) in enumerate(zip(s.proposed_by_position, s.accepted_by_position)):
+            total.record_position(i, p, a)
         identical += spec.tokens == plain.tokens
-    return {"k": k, "prompts": len(prompts), "acceptance_rate": accepted / proposed, "tau": new / calls,
+    return {"k": drafter.k, "prompts": len(prompts), "acceptance_rate": total.acceptance_rate, "tau": total.tau,
+            "acceptance_by_position": total.acceptance_by_position,
             "identical_to_autoregressive": identical / len(prompts)}
+
+
+def measure_pair(target: NativeModel, draft: NativeModel, prompts: list[list[int]], k: int = 4,
+                 max_new_tokens: int = 64) -> dict:
+    """The draft model at k (see `measure`)."""
+    return measure(target, DraftModel(draft, k), prompts, max_new_tokens)
 
 
 def last_log(run_dir: Path) -> dict:
