@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from verispec import cli
 from verispec.cli import GREEN, main
 from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.threads import torch_threads
 from verispec.tokenizer import byte_level_tokenizer
 
 
@@ -18,6 +21,13 @@ def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """`generate` sets torch's thread count for the process; give the next test the count it had."""
+    with torch_threads(torch.get_num_threads()):
+        yield
 
 
 def test_generate_prints_continuation_and_stats(capsys, pair_dirs) -> None:
@@ -119,3 +129,33 @@ def test_init_random_writes_a_usable_pair(capsys, tmp_path) -> None:
     code, out, _ = run(capsys, "generate", "hi", "--target", str(tmp_path / "demo/target"),
                        "--draft", str(tmp_path / "demo/draft"), "--max-new-tokens", "8", "--ignore-eos")
     assert code == 0 and "8 tokens" in out
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model load fails the test: the checks under test must come first."""
+    def load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the options")
+    monkeypatch.setattr(cli, "load", load)
+
+
+def _one_error_line(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("verispec: error:") and message in err
+
+
+@pytest.mark.parametrize("command", [["generate", "p"], ["bench"], ["bench", "--quick"],
+                                     ["search-layerskip", "--target", "t"], ["train", "target"]])
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_below_one_is_one_line(capsys, no_loading, command, threads) -> None:
+    code, out, err = run(capsys, *command, "--threads", threads)
+    _one_error_line(code, out, err, f"--threads must be >= 1, got {threads}")
+
+
+def test_threads_option_and_environment_set_torch(capsys, monkeypatch, pair_dirs) -> None:
+    args = ["generate", "p", "--target", str(pair_dirs[0]), "--max-new-tokens", "2"]
+    assert run(capsys, *args, "--threads", "1")[0] == 0 and torch.get_num_threads() == 1
+    monkeypatch.setenv("VERISPEC_THREADS", "2")
+    assert run(capsys, *args)[0] == 0 and torch.get_num_threads() == 2
+    monkeypatch.setenv("VERISPEC_THREADS", "many")
+    _one_error_line(*run(capsys, *args), "$VERISPEC_THREADS must be an integer >= 1")

@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from verispec.drafters.base import Needs
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
@@ -21,6 +19,7 @@ from verispec.models.auto import BACKENDS, load
 from verispec.models.default import default_paths
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
+from verispec.threads import set_threads
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
@@ -64,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
     gen.add_argument("--backend", default="auto", choices=BACKENDS,
                      help="native runtime, transformers, or auto: native where it covers the architecture")
-    gen.add_argument("--threads", type=int, default=0,
-                     help="torch threads (0: torch's default); 1 is often fastest for small models at batch 1")
+    gen.add_argument("--threads", type=int,
+                     help="torch threads (default: $VERISPEC_THREADS, else $OMP_NUM_THREADS, else the cores less "
+                          "one, at least 1: more threads than free cores stalls torch at every op)")
     gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                      help="show accepted draft tokens in green (auto: when printing to a terminal)")
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
-    trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
+                                                 "compute-bound)")
     return parser
 
 
@@ -138,8 +139,7 @@ def _method(args: argparse.Namespace) -> Method:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     if args.target is None:  # the shipped default pair
@@ -191,9 +191,7 @@ def _layer_list(text: str) -> list[int]:
 def _search_layerskip(args: argparse.Namespace) -> None:
     from verispec.bench.layer_skip_search import search_skip, write_plan
 
-    if args.threads < 1:
-        raise InvalidArgumentError("--threads must be >= 1")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_model(args.target)
     texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
     plan = search_skip(target, texts, k=args.k, prompts=args.prompts, prompt_len=args.prompt_len,
@@ -224,8 +222,8 @@ def _bench(args: argparse.Namespace) -> None:
     from verispec.bench.report import format_summary
     from verispec.bench.suite import SUITE, read_suite
 
-    if args.repeats < 1 or args.threads < 1:
-        raise InvalidArgumentError("--repeats and --threads must be >= 1")
+    if args.repeats < 1:
+        raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     out = Path(args.out)
     if args.quick:
         summary = run_quick(out, threads=args.threads)
@@ -251,8 +249,8 @@ def _train(args: argparse.Namespace) -> None:
         write_manifest(build_manifest())
         print(f"wrote {MANIFEST}")
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        set_threads(args.threads)
     runs, cfg = Path(args.runs), TrainConfig(hours=args.hours, batch_size=args.batch_size)
     if args.what == "card":
         models = [runs / "target" / "model", runs / "draft" / "model"]
@@ -273,6 +271,8 @@ def _train(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
+            raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
          "search-layerskip": _search_layerskip}[args.command](args)
     except (VerispecError, OSError) as err:
