@@ -1,5 +1,5 @@
 """The command line: output, marks, --compare, and one-line errors with exit code 2 for bad input, checked before
-any model loads; prompt sources, stop-string escapes, threads and Ctrl-C."""
+any model loads; prompt sources, stop-string escapes, threads, bench defaults and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import io
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from verispec import cli
+from verispec.bench import harness, report
 from verispec.cli import GREEN, main
+from verispec.models.default import default_paths
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 from verispec.tokenizer import byte_level_tokenizer
@@ -231,6 +234,37 @@ def test_bad_prompt_source_is_one_line(capsys, monkeypatch, no_loading, tmp_path
 ])
 def test_options_are_checked_before_loading(capsys, no_loading, options, message) -> None:
     _one_error_line(*run(capsys, "generate", "p", *options), message)
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """run_bench and run_quick record their arguments instead of running: what the CLI passes is under test."""
+    calls = {}
+    monkeypatch.setattr(harness, "run_bench", lambda *args, **kw: calls.setdefault("bench", args) and {})
+    monkeypatch.setattr(harness, "run_quick", lambda *args, **kw: calls.setdefault("quick", args) and {})
+    monkeypatch.setattr(report, "format_summary", lambda summary: "")
+    return calls
+
+
+def test_bench_defaults_to_the_shipped_pair_and_a_temporary_folder(capsys, fake_bench) -> None:
+    code, out, _ = run(capsys, "bench")
+    target, draft, folder = fake_bench["bench"][:3]
+    assert code == 0 and (target, draft) == default_paths()
+    assert folder.is_dir() and folder.parent == Path(tempfile.gettempdir()) and f"report: {folder}" in out
+    folder.rmdir()
+
+
+def test_bench_with_a_target_and_no_draft_runs_without_one(capsys, fake_bench, tmp_path) -> None:
+    code, _, _ = run(capsys, "bench", "--target", "t", "--out", str(tmp_path))
+    assert code == 0 and fake_bench["bench"][:3] == (Path("t"), None, tmp_path)
+
+
+def test_bench_quick_writes_outside_the_current_folder(capsys, fake_bench, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "bench", "--quick")
+    folder = fake_bench["quick"][0]
+    assert code == 0 and not list(tmp_path.iterdir()) and f"report: {folder}" in out
+    folder.rmdir()
 
 
 def test_ctrl_c_prints_the_partial_stats(capsys, monkeypatch, pair_dirs) -> None:

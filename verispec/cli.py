@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -91,11 +92,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="a text file to measure on (repeatable); default: the corpus's validation split")
     lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
-    bench.add_argument("--target", help="target checkpoint folder")
-    bench.add_argument("--draft", help="draft checkpoint folder")
+    bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
+                                        "models/stdlib-draft as the draft")
+    bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
     bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--out", default="bench-report", help="folder for report.md, results.json and plots")
+    bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
+                                     "the system's temporary folder; printed at the end)")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
     bench.add_argument("--quick", action="store_true",
                        help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
@@ -290,12 +293,14 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.repeats < 1:
         raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
-    out = Path(args.out)
+    if args.target is None and not args.quick:  # the shipped default pair, as for generate
+        args.target, default_draft = default_paths()
+        args.draft = args.draft or default_draft
+    # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
-        if not args.target:
-            raise InvalidArgumentError("bench needs --target (and --draft for draft-model speculation), or --quick")
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
