@@ -96,10 +96,6 @@ def test_summary_of_a_hand_made_log() -> None:
     assert entry["predicted_speedup"] == pytest.approx(2.0 / (2 * 0.5 + 2.0))
 
 
-def test_bench_needs_a_target(capsys) -> None:
-    assert main(["bench"]) == 2 and "--target" in capsys.readouterr().err
-
-
 def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
     target_dir, draft_dir = pair_dirs
     summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8), repeats=1,

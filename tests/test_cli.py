@@ -1,23 +1,41 @@
-"""The command line: output, marks, --compare, and one-line errors with exit code 2 for bad input."""
+"""The command line: output, marks, --compare, and one-line errors with exit code 2 for bad input, checked before
+any model loads; prompt sources, stop-string escapes, threads, bench defaults and Ctrl-C."""
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from verispec import cli
+from verispec.bench import harness, report
 from verispec.cli import GREEN, main
+from verispec.models.default import default_paths
 from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.threads import torch_threads
 from verispec.tokenizer import byte_level_tokenizer
+
+generate_module = importlib.import_module("verispec.generate")  # `verispec.generate` the attribute is the function
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """`generate` sets torch's thread count for the process; give the next test the count it had."""
+    with torch_threads(torch.get_num_threads()):
+        yield
 
 
 def test_generate_prints_continuation_and_stats(capsys, pair_dirs) -> None:
@@ -119,3 +137,158 @@ def test_init_random_writes_a_usable_pair(capsys, tmp_path) -> None:
     code, out, _ = run(capsys, "generate", "hi", "--target", str(tmp_path / "demo/target"),
                        "--draft", str(tmp_path / "demo/draft"), "--max-new-tokens", "8", "--ignore-eos")
     assert code == 0 and "8 tokens" in out
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model load fails the test: the checks under test must come first."""
+    def load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the options")
+    monkeypatch.setattr(cli, "load", load)
+
+
+def _one_error_line(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("verispec: error:") and message in err
+
+
+@pytest.mark.parametrize("raw, decoded", [
+    (r"\n\n", "\n\n"), (r"\t", "\t"), (r"a\\b", "a\\b"), (r"\"", '"'), (r"\x41\u00e9\U0001F600", "Aé😀"),
+    (r"\N{BULLET}", "•"), (r"\0", "\0"), ("é\\n日本", "é\n日本"),  # non-ASCII text around an escape stays as it is
+    ("plain", "plain"),
+])
+def test_stop_escapes(raw, decoded) -> None:
+    assert cli._unescape(raw, "--stop") == decoded
+
+
+@pytest.mark.parametrize("raw", [r"\q", "ends\\", r"\x4", r"\u12", r"\N{NO SUCH NAME}", r"\U00110000", r"\ud800"])
+def test_bad_stop_escape_is_one_line(capsys, no_loading, raw) -> None:
+    code, out, err = run(capsys, "generate", "p", "--stop", raw)
+    _one_error_line(code, out, err, "bad escape")
+    assert raw in err
+
+
+def test_escaped_stop_string_stops(capsys, pair_dirs) -> None:
+    target = str(pair_dirs[0])
+    args = ["generate", "a", "--target", target, "--max-new-tokens", "24", "--ignore-eos", "--color", "never"]
+    code, out, _ = run(capsys, *args)
+    text = out.split("\n\n")[0][1:]  # the continuation, after the prompt "a"
+    char = next(c for c in text if c.isprintable() and c != "\ufffd")
+    code, out, _ = run(capsys, *args, "--stop", f"\\U{ord(char):08x}")  # the character, written as an escape
+    assert code == 0 and "stop: stop_string" in out and char not in out.split("\n\n")[0][1:]
+
+
+@pytest.mark.parametrize("command", [["generate", "p"], ["bench"], ["bench", "--quick"],
+                                     ["search-layerskip", "--target", "t"], ["train", "target"]])
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_below_one_is_one_line(capsys, no_loading, command, threads) -> None:
+    code, out, err = run(capsys, *command, "--threads", threads)
+    _one_error_line(code, out, err, f"--threads must be >= 1, got {threads}")
+
+
+def test_threads_option_and_environment_set_torch(capsys, monkeypatch, pair_dirs) -> None:
+    args = ["generate", "p", "--target", str(pair_dirs[0]), "--max-new-tokens", "2"]
+    assert run(capsys, *args, "--threads", "1")[0] == 0 and torch.get_num_threads() == 1
+    monkeypatch.setenv("VERISPEC_THREADS", "2")
+    assert run(capsys, *args)[0] == 0 and torch.get_num_threads() == 2
+    monkeypatch.setenv("VERISPEC_THREADS", "many")
+    _one_error_line(*run(capsys, *args), "$VERISPEC_THREADS must be an integer >= 1")
+
+
+def test_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path, pair_dirs) -> None:
+    args = ["--target", str(pair_dirs[0]), "--max-new-tokens", "4", "--ignore-eos", "--color", "never"]
+    (tmp_path / "prompt.txt").write_text("def g(y):\n    é", encoding="utf-8")
+    code, out, _ = run(capsys, "generate", "--prompt-file", str(tmp_path / "prompt.txt"), *args)
+    assert code == 0 and out.startswith("def g(y):\n    é") and "4 tokens" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    code, out, _ = run(capsys, "generate", "-", *args)
+    assert code == 0 and out.startswith("from stdin") and "4 tokens" in out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("none", "exactly one"), ("both", "exactly one"), ("missing", "no such file"),
+    ("empty_file", "the prompt is empty"), ("empty_stdin", "the prompt is empty (stdin)"), ("not_utf8", "not UTF-8"),
+])
+def test_bad_prompt_source_is_one_line(capsys, monkeypatch, no_loading, tmp_path, case, message) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    args = {"none": [], "both": ["p", "--prompt-file", str(tmp_path / "empty.txt")],
+            "missing": ["--prompt-file", str(tmp_path / "nope.txt")],
+            "empty_file": ["--prompt-file", str(tmp_path / "empty.txt")], "empty_stdin": ["-"],
+            "not_utf8": ["--prompt-file", str(tmp_path / "latin1.txt")]}[case]
+    _one_error_line(*run(capsys, "generate", *args), message)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--backend", "transformers", "--branch", "2"], "needs the native runtime"),
+    (["--backend", "transformers", "--method", "lookahead"], "needs the native runtime"),
+    (["--method", "ngram", "--branch", "2"], "method ngram takes no option branch"),
+    (["--method", "ngram", "--draft", "d"], "--draft is the draft model of --method draft"),
+    (["--method", "ngram", "--skip", "2"], "method ngram takes no option skip"),
+    (["--method", "lookahead", "-k", "3"], "method lookahead takes no k"),
+    (["-k", "0"], "must be an integer >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+])
+def test_options_are_checked_before_loading(capsys, no_loading, options, message) -> None:
+    _one_error_line(*run(capsys, "generate", "p", *options), message)
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """run_bench and run_quick record their arguments instead of running: what the CLI passes is under test."""
+    calls = {}
+    monkeypatch.setattr(harness, "run_bench", lambda *args, **kw: calls.setdefault("bench", args) and {})
+    monkeypatch.setattr(harness, "run_quick", lambda *args, **kw: calls.setdefault("quick", args) and {})
+    monkeypatch.setattr(report, "format_summary", lambda summary: "")
+    return calls
+
+
+def test_bench_defaults_to_the_shipped_pair_and_a_temporary_folder(capsys, fake_bench) -> None:
+    code, out, _ = run(capsys, "bench")
+    target, draft, folder = fake_bench["bench"][:3]
+    assert code == 0 and (target, draft) == default_paths()
+    assert folder.is_dir() and folder.parent == Path(tempfile.gettempdir()) and f"report: {folder}" in out
+    folder.rmdir()
+
+
+def test_bench_with_a_target_and_no_draft_runs_without_one(capsys, fake_bench, tmp_path) -> None:
+    code, _, _ = run(capsys, "bench", "--target", "t", "--out", str(tmp_path))
+    assert code == 0 and fake_bench["bench"][:3] == (Path("t"), None, tmp_path)
+
+
+def test_bench_quick_writes_outside_the_current_folder(capsys, fake_bench, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "bench", "--quick")
+    folder = fake_bench["quick"][0]
+    assert code == 0 and not list(tmp_path.iterdir()) and f"report: {folder}" in out
+    folder.rmdir()
+
+
+def test_ctrl_c_prints_the_partial_stats(capsys, monkeypatch, pair_dirs) -> None:
+    step, calls = generate_module.speculative_step, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C arrives during the third step's target forward
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "speculative_step", interrupted)
+    target, draft = map(str, pair_dirs)
+    code, out, err = run(capsys, "generate", "def f(x):", "--target", target, "--draft", draft,
+                         "--max-new-tokens", "40", "--ignore-eos", "--color", "never")
+    assert code == 130 and err == ""
+    text, stats = out.split("\n\n")
+    assert text.startswith("def f(x):") and "stop: interrupted" in stats and "target calls 2," in stats
+    assert stats.endswith("\n") and "drafted" in stats
+
+
+def test_ctrl_c_while_loading_exits_130_without_stats(capsys, monkeypatch) -> None:
+    def load(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "load", load)
+    code, out, err = run(capsys, "generate", "p")
+    assert code == 130 and out == "" and err == "\n"

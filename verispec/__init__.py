@@ -11,12 +11,13 @@ from verispec.models.hf_adapter import TransformersModel, load_transformers_mode
 from verispec.models.native import NativeModel, load_model
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
+from verispec.threads import default_threads, set_threads, torch_threads
 
 __all__ = [
     "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
     "DrafterError", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
     "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Resources", "SamplingParams",
     "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel", "UnsupportedArchitectureError",
-    "Verdict", "VerispecError", "build_drafter", "generate", "load", "load_default", "load_model",
-    "load_transformers_model", "stream",
+    "Verdict", "VerispecError", "build_drafter", "default_threads", "generate", "load", "load_default", "load_model",
+    "load_transformers_model", "set_threads", "stream", "torch_threads",
 ]

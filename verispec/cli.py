@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import itertools
 import json
 import os
+import re
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Sequence
-
-import torch
 
 from verispec.drafters.base import Needs
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
-from verispec.generate import Generation, generate, stream
+from verispec.generate import generate, stream
 from verispec.models.auto import BACKENDS, load
 from verispec.models.default import default_paths
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
+from verispec.sampling import SamplingParams
+from verispec.stats import GenerationStats
+from verispec.threads import set_threads
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
@@ -29,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
+    gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
     gen.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
                                       "models/stdlib-target, with models/stdlib-draft as the draft")
     gen.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
@@ -55,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[],
+                     help="stop string (repeatable); backslash escapes as in Python: '\\n\\n', '\\t', '\\\\', "
+                          "'\\x41', '\\u00e9'")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
     gen.add_argument("--device", default="cpu")
@@ -64,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
     gen.add_argument("--backend", default="auto", choices=BACKENDS,
                      help="native runtime, transformers, or auto: native where it covers the architecture")
-    gen.add_argument("--threads", type=int, default=0,
-                     help="torch threads (0: torch's default); 1 is often fastest for small models at batch 1")
+    gen.add_argument("--threads", type=int,
+                     help="torch threads (default: $VERISPEC_THREADS, else $OMP_NUM_THREADS, else the cores less "
+                          "one, at least 1: more threads than free cores stalls torch at every op)")
     gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                      help="show accepted draft tokens in green (auto: when printing to a terminal)")
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
@@ -85,11 +92,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="a text file to measure on (repeatable); default: the corpus's validation split")
     lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
-    bench.add_argument("--target", help="target checkpoint folder")
-    bench.add_argument("--draft", help="draft checkpoint folder")
+    bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
+                                        "models/stdlib-draft as the draft")
+    bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
     bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--out", default="bench-report", help="folder for report.md, results.json and plots")
+    bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
+                                     "the system's temporary folder; printed at the end)")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
     bench.add_argument("--quick", action="store_true",
                        help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
@@ -107,13 +116,13 @@ def _parser() -> argparse.ArgumentParser:
     trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
-    trn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
+                                                 "compute-bound)")
     return parser
 
 
-def _stats_lines(result: Generation) -> list[str]:
-    s = result.stats
-    lines = [f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {result.stop_reason}",
+def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
+    lines = [f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {stop_reason}",
              f"target calls {s.target_calls}, tau {s.tau:.2f} tokens/call"]
     if s.drafter_calls:
         by_pos = " ".join(f"{rate:.2f}" for rate in s.acceptance_by_position)
@@ -137,16 +146,20 @@ def _method(args: argparse.Namespace) -> Method:
     return Method(args.method, args.k, options)
 
 
-def _generate(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.prompt:
-        raise InvalidArgumentError("the prompt is empty")
+def _generate(args: argparse.Namespace) -> int:
+    args.prompt = _read_prompt(args)
+    args.stop = [_unescape(stop, "--stop") for stop in args.stop]
+    _check_options(args)
+    set_threads(args.threads)
+    given_draft = args.draft
     if args.target is None:  # the shipped default pair
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
     method = _method(args)
     needs = check_method(method)  # before loading anything
+    if given_draft and method.family != "draft":  # only --method draft loads it
+        raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
+                                   "ignore it")
     if args.backend == "transformers" and needs != Needs():
         raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks or layer subsets); "
                                    f"--backend transformers offers neither")
@@ -162,16 +175,22 @@ def _generate(args: argparse.Namespace) -> None:
             generate(target, args.prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
     steps = stream(target, args.prompt, drafter, **options)  # validates every option
-    pieces = iter(steps)
-    first = next(pieces, None)  # prefill and the first step run before anything is printed
-    print(args.prompt, end="", flush=True)
-    for piece in itertools.chain([first] if first else [], pieces):
-        print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)
+    try:
+        pieces = iter(steps)
+        first = next(pieces, None)  # prefill and the first step run before anything is printed
+        print(args.prompt, end="", flush=True)
+        for piece in itertools.chain([first] if first else [], pieces):
+            print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the counts so far, on a line of their own
+        steps.close()  # rolls the caches back and stops the clock; steps.stats keeps the partial counts
+        print("\n")
+        print("\n".join(_stats_lines(steps.stats, "interrupted")), flush=True)
+        return 130
     result = steps.result
     print("\n")
     if color and drafter:
         print(f"({GREEN}green{RESET}: accepted draft tokens; plain: the target's own)")
-    print("\n".join(_stats_lines(result)))
+    print("\n".join(_stats_lines(result.stats, result.stop_reason)))
     if args.compare:  # both timed the same way, without printing, one after the other
         spec_time = generate(target, args.prompt, drafter, **options).stats.total_time
         plain = generate(target, args.prompt, None, **options)
@@ -179,6 +198,56 @@ def _generate(args: argparse.Namespace) -> None:
               f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
         note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt argument, stdin for `-`, or --prompt-file: exactly one of them, and not empty."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise InvalidArgumentError("give the prompt as an argument, as - to read stdin, or with --prompt-file FILE "
+                                   "(exactly one)")
+    source = "stdin" if args.prompt == "-" else args.prompt_file
+    try:
+        if args.prompt_file is not None:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        else:
+            text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: no such file") from None
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"the prompt from {source} is not UTF-8 text") from None
+    if not text:
+        raise InvalidArgumentError("the prompt is empty" + (f" ({source})" if source else ""))
+    return text
+
+
+# The escapes of a Python string literal (group 1); any other backslash (group 2) is refused rather than guessed.
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{1,3}|[\\'\"abfnrtv])"
+                     r"|\\(.?)", re.DOTALL)
+
+
+def _unescape(text: str, option: str) -> str:
+    """Decode backslash escapes (\\n, \\t, \\\\, \\xNN, \\uNNNN, \\N{name} ...) one at a time: "unicode_escape" over the
+    whole string would read its non-ASCII characters as Latin-1 bytes (é would come back as Ã©)."""
+
+    def one(match: re.Match) -> str:
+        try:
+            char = codecs.decode(match.group(0), "unicode_escape") if match.group(1) else None
+        except UnicodeDecodeError:  # \\N{no such name}, \\U beyond U+10FFFF
+            char = None
+        if char is None or 0xD800 <= ord(char) <= 0xDFFF:  # a lone surrogate cannot be in any decoded text
+            raise InvalidArgumentError(f"{option} '{text}': bad escape '{match.group(0)}' (known: \\n \\t \\r \\\\ "
+                                       f"\\' \\\" \\a \\b \\f \\v \\0-\\777 \\xNN \\uNNNN \\UNNNNNNNN \\N{{name}})")
+        return char
+
+    return _ESCAPE.sub(one, text)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Options outside the method record that need no model to judge: checked before seconds of loading."""
+    if args.max_new_tokens < 1:
+        raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature, top-k or top-p
 
 
 def _layer_list(text: str) -> list[int]:
@@ -191,9 +260,7 @@ def _layer_list(text: str) -> list[int]:
 def _search_layerskip(args: argparse.Namespace) -> None:
     from verispec.bench.layer_skip_search import search_skip, write_plan
 
-    if args.threads < 1:
-        raise InvalidArgumentError("--threads must be >= 1")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_model(args.target)
     texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
     plan = search_skip(target, texts, k=args.k, prompts=args.prompts, prompt_len=args.prompt_len,
@@ -224,14 +291,16 @@ def _bench(args: argparse.Namespace) -> None:
     from verispec.bench.report import format_summary
     from verispec.bench.suite import SUITE, read_suite
 
-    if args.repeats < 1 or args.threads < 1:
-        raise InvalidArgumentError("--repeats and --threads must be >= 1")
-    out = Path(args.out)
+    if args.repeats < 1:
+        raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.target is None and not args.quick:  # the shipped default pair, as for generate
+        args.target, default_draft = default_paths()
+        args.draft = args.draft or default_draft
+    # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
-        if not args.target:
-            raise InvalidArgumentError("bench needs --target (and --draft for draft-model speculation), or --quick")
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
@@ -251,8 +320,8 @@ def _train(args: argparse.Namespace) -> None:
         write_manifest(build_manifest())
         print(f"wrote {MANIFEST}")
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        set_threads(args.threads)
     runs, cfg = Path(args.runs), TrainConfig(hours=args.hours, batch_size=args.batch_size)
     if args.what == "card":
         models = [runs / "target" / "model", runs / "draft" / "model"]
@@ -273,22 +342,25 @@ def _train(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
-         "search-layerskip": _search_layerskip}[args.command](args)
+        if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
+            raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+        code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
+                "search-layerskip": _search_layerskip}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         print(f"verispec: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before or after generate's streaming, which prints its own partial stats
+        print(file=sys.stderr)  # so that the shell's prompt does not follow ^C on the same line
         return 130
     except Exception as err:  # a bug, not bad input: still one line; VERISPEC_DEBUG=1 shows the traceback
         if os.environ.get("VERISPEC_DEBUG"):
             raise
         print(f"verispec: internal error: {type(err).__name__}: {err} (VERISPEC_DEBUG=1 for details)", file=sys.stderr)
         return 1
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

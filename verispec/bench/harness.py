@@ -6,11 +6,8 @@ import resource
 from dataclasses import asdict
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
-
-import torch
+from typing import Sequence
 
 from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods
 from verispec.bench.metrics import summarize
@@ -26,17 +23,7 @@ from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.models.timing import forward_seconds
-
-
-@contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """torch's intra-op thread count fixed for a block, restored after it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+from verispec.threads import torch_threads
 
 
 def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod],
