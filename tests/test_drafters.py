@@ -27,7 +27,7 @@ EXAMPLES = {
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
     "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
-    "eagle tree": Method("eagle", 3, {"top_k": 2, "tokens": 6}),
+    "eagle tree": Method("eagle", 3, {"tree_top_k": 2, "tree_tokens": 6}),
 }
 
 pytestmark = pytest.mark.usefixtures("single_thread")

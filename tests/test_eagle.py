@@ -160,3 +160,20 @@ def test_training_lowers_the_loss_and_resumes(tmp_path, target) -> None:
     assert {"val_top1_depth1", "val_top1_depth2"} <= log[-1].keys()
     again = train(random_head(target).train().requires_grad_(True), cfg, tmp_path, tokens, loss, evaluate)
     assert again["step"] == first["step"]  # the budget was spent: resumed, nothing more to do
+
+
+def test_cli_eagle_chain_and_tree_match_autoregressive(capsys, tmp_path, pair_dirs, target, head) -> None:
+    from verispec.cli import main
+
+    folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
+    for tree in ([], ["--tree-top-k", "2", "--tree-tokens", "6"]):
+        code = main(["generate", "def f(x):", "--target", str(pair_dirs[0]), "--method", "eagle", "--head",
+                     str(folder), *tree, "--max-new-tokens", "16", "--ignore-eos", "--compare", "--threads", "1"])
+        out, err = capsys.readouterr()
+        assert code == 0 and err == "" and "identical to autoregressive: yes" in out
+    code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "eagle"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("verispec: error: ") and "--head DIR" in err and err.count("\n") == 1
+    code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "eagle", "--head", str(folder),
+                 "--tree-top-k", "2"])
+    assert code == 2 and "tree_tokens" in capsys.readouterr().err

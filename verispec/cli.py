@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
                           "tree (native runtime; default 1, a chain)")
     gen.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
+    gen.add_argument("--head", help="eagle: the head's folder (default: models/stdlib-eagle for the shipped target)")
+    gen.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
+                                                    "per depth with this many children each (with --tree-tokens)")
+    gen.add_argument("--tree-tokens", type=int, help="eagle: nodes of the dynamic tree the target verifies")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
@@ -133,7 +137,8 @@ def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
 
 
 OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
-                "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth"}
+                "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
+                "head": "head", "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens"}
 
 
 def _method(args: argparse.Namespace) -> Method:
@@ -167,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
     draft = None
     if method.family == "draft" and args.draft:
         draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
-    drafter = build_drafter(method, Resources(draft, Path(args.target)))
+    drafter = build_drafter(method, Resources(draft, Path(args.target), target))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs

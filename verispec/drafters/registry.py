@@ -79,10 +79,10 @@ def _eagle(method: Method, res: Resources) -> Eagle:
                                       "offer them (the native runtime does)")
     folder = method.options.get("head") or default_head(res.target_dir)
     head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
-    tree = method.options.get("top_k"), method.options.get("tokens")
+    tree = method.options.get("tree_top_k"), method.options.get("tree_tokens")
     if (tree[0] is None) != (tree[1] is None):
-        raise InvalidArgumentError("an EAGLE tree takes both top_k (children per expanded node) and tokens (nodes "
-                                   "verified)")
+        raise InvalidArgumentError("an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
+                                   "node) and tree_tokens (nodes verified)")
     return Eagle(head, method.k or 4, tree=None if tree[0] is None else tree)
 
 
@@ -99,8 +99,8 @@ FAMILIES: dict[str, Family] = {
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
     "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
-                    "with top_k and tokens); head: its folder", ("head", "top_k", "tokens"), _eagle,
-                    lambda m: Needs(hidden_states=(FINAL,), tree_masks="top_k" in m.options)),
+                    "with tree_top_k and tree_tokens); head: its folder", ("head", "tree_top_k", "tree_tokens"),
+                    _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
 }
 
 
