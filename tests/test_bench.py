@@ -26,7 +26,8 @@ def test_report_files_and_structure(quick) -> None:
     summary = results["summary"]
     expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead window=5 ngram=4 candidates=5",
                 "transformers greedy", "transformers assisted", "transformers assisted k=4",
-                "transformers prompt lookup", "draft k=4 branch=2"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+                "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
+                "eagle k=5 tree_top_k=4 tree_tokens=16"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
     assert methods["draft k=4 branch=2"] == {"family": "draft", "k": 4, "options": {"branch": 2}}
@@ -45,7 +46,7 @@ def test_report_files_and_structure(quick) -> None:
 def test_formulas_agree_with_logged_counts(quick) -> None:
     _, results = quick
     records, summary, timing = results["records"], results["summary"], results["timing"]
-    for method in ("draft k=4", "ngram k=4", "layerskip k=4"):
+    for method in ("draft k=4", "ngram k=4", "layerskip k=4", "eagle k=4"):
         runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
         base = {r["id"]: r for r in records if r["method"] == "autoregressive" and r["repeat"] == 0}
         entry = summary[method]["all"]

@@ -51,10 +51,7 @@ def built(tmp_path_factory, target, draft):
     head_dir = save_head(head, tmp_path_factory.mktemp("eagle"), "random")
 
     def build(name: str):
-        method = EXAMPLES[name]
-        if method.family == "eagle":
-            method = Method("eagle", method.k, method.options | {"head": head_dir})
-        return build_drafter(method, Resources(draft=draft, target=target))
+        return build_drafter(EXAMPLES[name], Resources(draft=draft, target=target, head_dir=head_dir))
 
     return build
 

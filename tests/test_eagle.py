@@ -129,7 +129,7 @@ def test_save_and_load_round_trip(tmp_path, target, head) -> None:
     loaded = load_head(folder, target.config, torch.float32)
     drafts = [generate(target, PROMPT, Eagle(h, 4), max_new_tokens=N, ignore_eos=True) for h in (head, loaded)]
     assert drafts[0].tokens == drafts[1].tokens and drafts[0].drafted == drafts[1].drafted
-    via_registry = build_drafter(Method("eagle", 4, {"head": folder}), Resources(target=target))
+    via_registry = build_drafter(Method("eagle", 4), Resources(target=target, head_dir=folder))
     assert generate(target, PROMPT, via_registry, max_new_tokens=N, ignore_eos=True).drafted == drafts[0].drafted
 
 

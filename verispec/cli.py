@@ -18,7 +18,7 @@ from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafte
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
 from verispec.models.auto import BACKENDS, load
-from verispec.models.default import default_paths
+from verispec.models.default import DEFAULT_EAGLE, default_paths
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
                                         "models/stdlib-draft as the draft")
     bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
+    bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
+                                      "with the shipped target, where it exists)")
     bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
@@ -138,7 +140,7 @@ def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
 
 OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
                 "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
-                "head": "head", "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens"}
+                "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens"}
 
 
 def _method(args: argparse.Namespace) -> Method:
@@ -165,14 +167,17 @@ def _generate(args: argparse.Namespace) -> int:
     if given_draft and method.family != "draft":  # only --method draft loads it
         raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
                                    "ignore it")
+    if args.head and method.family != "eagle":
+        raise InvalidArgumentError(f"--head is the head of --method eagle; --method {args.method} would ignore it")
     if args.backend == "transformers" and needs != Needs():
-        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks or layer subsets); "
-                                   f"--backend transformers offers neither")
+        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
+                                   f"layer subsets); --backend transformers offers none of them")
     target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
     draft = None
     if method.family == "draft" and args.draft:
         draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
-    drafter = build_drafter(method, Resources(draft, Path(args.target), target))
+    head = Path(args.head) if args.head else None
+    drafter = build_drafter(method, Resources(draft, Path(args.target), target, head))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
@@ -301,6 +306,7 @@ def _bench(args: argparse.Namespace) -> None:
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
+        args.head = args.head or (DEFAULT_EAGLE if (DEFAULT_EAGLE / "config.json").is_file() else None)
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.quick:
@@ -309,7 +315,8 @@ def _bench(args: argparse.Namespace) -> None:
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
-                            args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype, only=only)
+                            args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype, only=only,
+                            head_dir=Path(args.head) if args.head else None)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import resource
-from dataclasses import asdict
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
+
+import torch
 
 from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
+import torch
+
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
@@ -22,12 +26,13 @@ from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
-from verispec.models.timing import forward_seconds
+from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.models.timing import forward_seconds, head_step_seconds
 from verispec.threads import torch_threads
 
 
 def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod],
-           skip: Sequence[int] | None = None) -> dict:
+           skip: Sequence[int] | None = None, head_dir: Path | None = None) -> dict:
     """c per chain method (draft step / target step; prompt lookup runs no model; layer skip runs the target
     without the layers `skip`) and r(n) for n = 1 .. max k + 1. A tree's or a lookahead window's step is not
     w c + r(w + 1), so they get no c."""
@@ -37,9 +42,10 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
     c_draft = forward_seconds(draft, 1) / one if draft is not None else None
     kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
     c_skip = forward_seconds(target, 1, layers=kept) / one if skip else None
-    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0}
-    c = {m.label: per_family[m.method.family] for m in methods
-         if m.method is not None and m.method.family in per_family and "branch" not in m.method.options}
+    c_eagle = head_step_seconds(target, load_head(head_dir, target.config, target.dtype)) / one if head_dir else None
+    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0, "eagle": c_eagle}
+    chains = [m for m in methods if m.method is not None and not {"branch", "tree_top_k"} & set(m.method.options)]
+    c = {m.label: per_family[m.method.family] for m in chains if m.method.family in per_family}
     return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
 
 
@@ -68,21 +74,22 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
 
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
               peers: bool = True, progress: bool = True, threads: int = 1, dtype: str = "float32",
-              only: Sequence[str] | None = None) -> dict:
+              only: Sequence[str] | None = None, head_dir: Path | None = None) -> dict:
     """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
-    thread mostly waits at barriers)."""
+    thread mostly waits at barriers). `head_dir`: an EAGLE head for the target, which adds the EAGLE rows."""
     with torch_threads(threads):
-        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only)
+        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only, head_dir)
 
 
 def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
-         progress: bool, dtype: str, only: Sequence[str] | None) -> dict:
+         progress: bool, dtype: str, only: Sequence[str] | None, head_dir: Path | None) -> dict:
     target = load_model(target_dir, dtype=dtype)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
-    resources = Resources(draft, target_dir)
-    methods = [ours(target, method, resources) for method in our_methods(draft, layerskip=skip is not None)]
+    resources = Resources(draft, target_dir, target, head_dir)
+    methods = [ours(target, method, resources)
+               for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None)]
     if peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
     labels = [m.label for m in methods]
@@ -92,7 +99,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
                                        f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         methods = [m for m in methods if m.label in only]
-    times = timing(target, draft, methods, skip)
+    times = timing(target, draft, methods, skip, head_dir)
     prompts = prompts_for(target, suite)
     records = run_suite({m.label: m.run for m in methods}, prompts, repeats, progress)
     summary = summarize(records, times["c"], times["r"])
@@ -123,8 +130,13 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         # thread count, since two threads on a busy 2-core machine make it thirty times slower.
         with torch_threads(threads):
             texts = [item["prompt"] for item in quick_suite()[:2]]
-            write_plan(search_skip(load_model(target_dir), texts, prompts=2, prompt_len=32, new_tokens=8), target_dir)
-        return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads)
+            target = load_model(target_dir)
+            write_plan(search_skip(target, texts, prompts=2, prompt_len=32, new_tokens=8), target_dir)
+        torch.manual_seed(0)
+        head = EagleHead(head_config(target.config))  # random: its rows check the machinery, not acceptance
+        head_dir = save_head(head, Path(tmp) / "eagle", target_dir.name)
+        return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads,
+                         head_dir=head_dir)
 
 
 

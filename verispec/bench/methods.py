@@ -56,10 +56,13 @@ def ours(target: NativeModel, method: Method, resources: Resources) -> BenchMeth
     return BenchMethod(method.label, run, method)
 
 
-def our_methods(draft: NativeModel | None, layerskip: bool = False) -> list[Method]:
+EAGLE_TREE = {"tree_top_k": 4, "tree_tokens": 16}  # EAGLE-2's tree at the bench: 4 expanded per depth, 16 verified
+
+
+def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4; layer skip (with the skip set of the target's
-    layerskip.json) when asked."""
+    layerskip.json) and EAGLE (a chain, and EAGLE-2's tree 5 deep) when asked."""
     methods = [Method("autoregressive")]
     if draft is not None:
         methods += [Method("draft", k) for k in DRAFT_KS] + [Method("draft", 4, {"branch": 2})]
@@ -67,6 +70,8 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False) -> list[Meth
     if layerskip:
         methods.append(Method("layerskip", 4))
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
+    if eagle:
+        methods += [Method("eagle", 4), Method("eagle", 5, EAGLE_TREE)]
     return methods
 
 

@@ -45,6 +45,7 @@ class Resources:
     draft: CausalLM | None = None  # the draft model ("draft")
     target_dir: Path | None = None  # the target's folder, where layerskip.json lies ("layerskip" without "skip")
     target: CausalLM | None = None  # the target itself, whose shapes and dtype a head is loaded for ("eagle")
+    head_dir: Path | None = None  # the EAGLE head's folder (default: the one shipped for the shipped target)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     if not res.target.capabilities.hidden_states:
         raise IncompatibleTargetError(f"method eagle reads the target's hidden states; {res.target.name} does not "
                                       "offer them (the native runtime does)")
-    folder = method.options.get("head") or default_head(res.target_dir)
+    folder = res.head_dir or default_head(res.target_dir)
     head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
     tree = method.options.get("tree_top_k"), method.options.get("tree_tokens")
     if (tree[0] is None) != (tree[1] is None):
@@ -99,7 +100,7 @@ FAMILIES: dict[str, Family] = {
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
     "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
-                    "with tree_top_k and tree_tokens); head: its folder", ("head", "tree_top_k", "tree_tokens"),
+                    "with tree_top_k and tree_tokens)", ("tree_top_k", "tree_tokens"),
                     _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
 }
 
