@@ -14,7 +14,7 @@ from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError
-from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.models.eagle import EagleHead, head_config, load_draft_vocab, load_head, save_draft_vocab, save_head
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
@@ -131,6 +131,20 @@ def test_save_and_load_round_trip(tmp_path, target, head) -> None:
     assert drafts[0].tokens == drafts[1].tokens and drafts[0].drafted == drafts[1].drafted
     via_registry = build_drafter(Method("eagle", 4), Resources(target=target, head_dir=folder))
     assert generate(target, PROMPT, via_registry, max_new_tokens=N, ignore_eos=True).drafted == drafts[0].drafted
+
+
+def test_a_reduced_draft_vocabulary_from_saved_frequencies(tmp_path, target, head) -> None:
+    folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
+    counts = torch.zeros(257, dtype=torch.long)
+    counts[PROMPT] = torch.arange(len(PROMPT), 0, -1)  # ten tokens occur, the prompt's first most often
+    save_draft_vocab(folder, counts)
+    assert load_draft_vocab(folder, 3).tolist() == PROMPT[:3] and len(load_draft_vocab(folder, 99)) == 9
+    drafter = build_drafter(Method("eagle", 3, {"draft_vocab": 5}), Resources(target=target, head_dir=folder))
+    result = generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
+    assert result.tokens == generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
+    assert {t for t, drafted in zip(result.tokens, result.drafted) if drafted} <= set(PROMPT[:5])
+    with pytest.raises(CheckpointError, match="no token frequencies"):
+        load_draft_vocab(tmp_path, 5)
 
 
 def test_heads_for_other_targets_are_refused(tmp_path, target, unrelated) -> None:

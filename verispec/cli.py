@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
                                                     "per depth with this many children each (with --tree-tokens)")
     gen.add_argument("--tree-tokens", type=int, help="eagle: nodes of the dynamic tree the target verifies")
+    gen.add_argument("--draft-vocab", type=int, help="eagle: draft over this many of the most frequent tokens only "
+                                                     "(a cheaper LM head; verification still scores them all)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
@@ -115,8 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle"),
-                     help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), or the cards")
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card"),
+                     help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
+                          "an EAGLE head for --target (RUNS/eagle), or its card")
     trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
                                                     "and exports")
     trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
@@ -140,7 +143,7 @@ def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
 
 OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
                 "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
-                "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens"}
+                "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens", "draft_vocab": "draft_vocab"}
 
 
 def _method(args: argparse.Namespace) -> Method:
@@ -339,6 +342,12 @@ def _train(args: argparse.Namespace) -> None:
         models = [runs / "target" / "model", runs / "draft" / "model"]
         numbers = write_cards(*(load_model(m) for m in models), *models, runs / "target", runs / "draft")
         print(json.dumps(numbers, indent=2))
+        return
+    if args.what == "eagle-card":
+        from verispec.train.card import write_head_card
+
+        target_dir = Path(args.target) if args.target else default_paths()[0]
+        print(json.dumps(write_head_card(load_model(target_dir), runs / "eagle" / "model", runs / "eagle"), indent=2))
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)

@@ -19,7 +19,7 @@ from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
-from verispec.models.eagle import load_head
+from verispec.models.eagle import load_draft_vocab, load_head
 from verispec.models.protocol import FINAL, CausalLM
 
 
@@ -84,7 +84,9 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     if (tree[0] is None) != (tree[1] is None):
         raise InvalidArgumentError("an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
                                    "node) and tree_tokens (nodes verified)")
-    return Eagle(head, method.k or 4, tree=None if tree[0] is None else tree)
+    size = method.options.get("draft_vocab")
+    vocab = None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
+    return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
 
 
 FAMILIES: dict[str, Family] = {
@@ -100,7 +102,8 @@ FAMILIES: dict[str, Family] = {
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
     "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
-                    "with tree_top_k and tree_tokens)", ("tree_top_k", "tree_tokens"),
+                    "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens)",
+                    ("tree_top_k", "tree_tokens", "draft_vocab"),
                     _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
 }
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.eagle import EagleHead, head_config, save_head
+from verispec.models.eagle import EagleHead, head_config, save_draft_vocab, save_head
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import load_model
 from verispec.models.protocol import FINAL
@@ -90,4 +90,6 @@ def train_eagle(run_dir: Path, target_dir: Path, cfg: TrainConfig) -> Path:
     init_weights(head)
     print(f"eagle head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters", flush=True)
     train(head, cfg, run_dir, train_tokens, eagle_loss(frozen), agreement_evaluator(frozen, val_tokens, cfg.seq_len))
-    return save_head(head, run_dir / "model", target_dir.name)
+    folder = save_head(head, run_dir / "model", target_dir.name)
+    save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
+    return folder
