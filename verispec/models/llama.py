@@ -59,6 +59,7 @@ class Rows:
 
     tail: torch.Tensor  # (R, TAIL) the cache slot gathered into each tail key of each row
     bias: torch.Tensor  # (R, 1, W + TAIL) over [prefix | tail] keys: 0 where the row sees the key, -inf elsewhere
+    span: int  # the slots that any row sees lie below this multiple of 64: only their scores are taken
 
     @staticmethod
     def of(visible: torch.Tensor, width: int) -> Rows:
@@ -78,24 +79,27 @@ class Rows:
         tail[row, position[row, seen] - first[row, 0]] = seen
         keys = torch.cat((slot[:width] < first, torch.arange(TAIL, device=device) < count[:, None] - first), -1)
         bias = torch.zeros(keys.shape, device=device).masked_fill_(~keys, float("-inf"))
-        return Rows(tail, bias[:, None])
+        last = int(visible.any(0).nonzero().max()) + 1
+        return Rows(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
 
         Explicit matmuls of fixed shapes, not scaled_dot_product_attention: its float32 CPU kernel gives a row a
         different result on another thread, and which thread takes a row depends on the row's index. A score is
-        one dot product, the same wherever its key sits (measured), so the scores are taken against every slot
-        and the tail's are gathered from them. The softmax runs jointly over [prefix | tail] in float32; the
-        prefix's values are used in place, in one matmul for all rows (an unseen slot adds an exact zero: the
-        cache is zeroed, so its values are finite), and each row's tail values are gathered.
+        one dot product, the same whatever the number of keys and wherever its key sits (measured), so the scores
+        are taken against the slots that some row sees, the tail's gathered from them, and the prefix's padded
+        to the fixed width W. The softmax runs jointly over [prefix | tail] in float32; the prefix's values are
+        used in place, in one matmul of width W for all rows (an unseen slot adds an exact zero: the cache is
+        zeroed, so its values are finite), and each row's tail values are gathered.
         """
         _, H, R, D = q.shape
-        Hkv, W = k.shape[1], self.bias.shape[-1] - TAIL
+        Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
         q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
-        scores = ((q.float() * D ** -0.5) @ k[0].float().transpose(-1, -2)).view(Hkv, R, -1, k.shape[2])  # (.., P)
+        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, -1, span)
         tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
-        p = (torch.cat((scores[..., :W], tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
+        prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
+        p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
         y = (p[..., :W].reshape(Hkv, -1, W) @ v[0, :, :W]).view(Hkv, R, -1, D)  # (Hkv, R, G, D)
         y = y + p[..., W:] @ v[0].index_select(1, self.tail.flatten()).view(Hkv, R, TAIL, D)
         return y.transpose(1, 2).reshape(1, H, R, D)
