@@ -113,8 +113,8 @@ def test_a_tree_wider_than_the_rows_runs_in_chunks(exact: NativeModel) -> None:
 
 
 def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: NativeModel) -> None:
-    """After 36 tokens a node's keys split between the cache slots in place (positions below its last TAIL) and
-    the gathered tail, which holds the root and the node's ancestors, out of place."""
+    """After 36 tokens a node's keys split between the cache slots used in place (positions below its last TAIL)
+    and the gathered tail: its last TAIL positions, committed tokens, the root and its ancestors (out of place)."""
     start = 36
     tokens = torch.tensor([[int(SEQ[0, start]), 70, 71, 80, 81, 90, 82, 83]])
     mask, depths = tree(PARENTS)
