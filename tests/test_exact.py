@@ -13,6 +13,7 @@ from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.errors import ContextLengthError
 from verispec.generate import generate
 from verispec.models.default import load_default
+from verispec.models.llama import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # prefills as 16 + 16 + 8 rows
@@ -109,6 +110,36 @@ def test_a_tree_wider_than_the_rows_runs_in_chunks(exact: NativeModel) -> None:
     for node in (0, 7, 19, 22, 24):
         plain = alone(exact, torch.cat((SEQ[:, :PREFIX], tokens[:, paths(parents)[node]]), dim=1))
         assert torch.equal(logits[node], plain[-1]), f"node {node}"
+
+
+def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: NativeModel) -> None:
+    """After 36 tokens a node's keys split between the cache slots used in place (positions below its last TAIL)
+    and the gathered tail: its last TAIL positions, committed tokens, the root and its ancestors (out of place)."""
+    start = 36
+    tokens = torch.tensor([[int(SEQ[0, start]), 70, 71, 80, 81, 90, 82, 83]])
+    mask, depths = tree(PARENTS)
+    cache = exact.new_cache()
+    exact(SEQ[:, :start], cache)
+    logits = exact(tokens, cache, mask, depths + start)[0]
+    for node, path in enumerate(paths(PARENTS)):
+        plain = alone(exact, torch.cat((SEQ[:, :start], tokens[:, path]), dim=1))
+        assert torch.equal(logits[node], plain[-1]), f"node {node}"
+
+
+def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper(exact: NativeModel) -> None:
+    """A branch under the root's second child sits one slot past its positions: its keys are out of place."""
+    parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
+    tokens = torch.randint(0, 256, (1, len(parents) + 1), generator=torch.Generator().manual_seed(4))
+    cache = exact.new_cache()
+    exact(SEQ[:, :PREFIX], cache)
+    mask, depths = tree(parents)
+    deepest = exact(tokens[:, :-1], cache, mask, depths + PREFIX)[0, -1]
+    assert torch.equal(deepest, alone(exact, torch.cat((SEQ[:, :PREFIX], tokens[:, paths(parents)[-1]]), 1))[-1])
+    cache.truncate(PREFIX)
+    mask, depths = tree(parents + [len(parents) - 1])
+    with pytest.raises(ValueError, match=f"more than {TAIL} deep"):
+        exact(tokens, cache, mask, depths + PREFIX)
+    assert cache.length == PREFIX
 
 
 def test_a_mask_covering_the_cache_as_a_draft_tree_passes_it(exact: NativeModel) -> None:

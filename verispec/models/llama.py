@@ -41,48 +41,67 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
+
+
 @dataclass
 class Rows:
     """Exact mode's attention layout for one forward of R rows (a static cache: `cache.rows` is set).
 
-    Every row attends on its own over the same A = `cache.width` keys: the cache slots it sees, gathered in slot
-    order to key indices 0..count-1, the rest masked. A token's keys thus sit at the same indices, and go through
-    the same matmuls, whether it is decoded alone, in a chain, in a tree (whose nodes sit in slots past their
-    positions) or in a prefill chunk; every reduction over keys adds the same numbers in the same order.
+    A row's result must not depend on the other rows, nor on where its keys sit (a token tree's nodes sit in
+    slots past their positions), so each row reduces over a key layout fixed by its own count C of visible keys
+    (its position + 1): the W = `cache.width` cache slots in place, of which it sees slots 0..C-TAIL-1 (positions
+    0..C-TAIL-1: committed tokens, or a chain's, which sit at slot == position), then TAIL tail keys, its last
+    positions C-TAIL..C-1 gathered from wherever they sit. Every reduction over keys then adds the same numbers
+    at the same indices whether the token is decoded alone, in a chain, in a tree or in a prefill chunk, and only
+    the short tail is copied. A tree deeper than TAIL would leave out-of-place keys in the prefix: it is refused.
     """
 
-    order: torch.Tensor  # (R, A) the cache slot gathered into each key index of each row
-    mask: torch.Tensor  # (1, R, 1, A) key index < the row's count
+    tail: torch.Tensor  # (R, TAIL) the cache slot gathered into each tail key of each row
+    bias: torch.Tensor  # (R, 1, W + TAIL) over [prefix | tail] keys: 0 where the row sees the key, -inf elsewhere
+    span: int  # the slots that any row sees lie below this multiple of 64: only their scores are taken
 
     @staticmethod
     def of(visible: torch.Tensor, width: int) -> Rows:
-        """The layout of rows that see the cache slots `visible` (R, P), True where seen."""
-        count = visible.sum(-1)  # (R,)
+        """The layout of rows that see the cache slots `visible` (R, P), True where seen, P >= width."""
+        count, device = visible.sum(-1), visible.device  # (R,)
         if int(count.max()) > width:
             raise ContextLengthError(f"exact mode attends over at most {width} keys; a token here sees "
                                      f"{int(count.max())}")
-        # The seen slots first, in slot order (which is position order), then the rest: a chain's rows keep theirs.
-        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)[:, :width]
-        keys = torch.arange(width, device=visible.device)
-        return Rows(order, (keys < count[:, None])[None, :, None, :])
+        first = (count - TAIL).clamp(min=0)[:, None]  # (R, 1) a row's first tail position
+        slot = torch.arange(visible.shape[-1], device=device)
+        if not (visible | (slot >= first)).all():
+            raise ValueError(f"exact mode: a token here sees keys out of position order more than {TAIL} positions "
+                             f"back (a token tree more than {TAIL} deep)")
+        position = visible.cumsum(-1) - 1  # (R, P) of each seen slot: a row's slots hold its positions in order
+        row, seen = (visible & (position >= first)).nonzero(as_tuple=True)
+        tail = torch.zeros(len(count), TAIL, dtype=torch.long, device=device)
+        tail[row, position[row, seen] - first[row, 0]] = seen
+        keys = torch.cat((slot[:width] < first, torch.arange(TAIL, device=device) < count[:, None] - first), -1)
+        bias = torch.zeros(keys.shape, device=device).masked_fill_(~keys, float("-inf"))
+        last = int(visible.any(0).nonzero().max()) + 1
+        return Rows(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
 
-        Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
-        on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
-        the same wherever its key sits (measured), so the scores are taken against every slot and then gathered;
-        the softmax and the sum over values are reductions over keys, so they run on each row's own copy of its
-        values in position order.
+        Explicit matmuls of fixed shapes, not scaled_dot_product_attention: its float32 CPU kernel gives a row a
+        different result on another thread, and which thread takes a row depends on the row's index. A score is
+        one dot product, the same whatever the number of keys and wherever its key sits (measured), so the scores
+        are taken against the slots that some row sees, the tail's gathered from them, and the prefix's padded
+        to the fixed width W. The softmax runs jointly over [prefix | tail] in float32; the prefix's values are
+        used in place, in one matmul of width W for all rows (an unseen slot adds an exact zero: the cache is
+        zeroed, so its values are finite), and each row's tail values are gathered.
         """
         _, H, R, D = q.shape
-        Hkv, A = k.shape[1], self.order.shape[-1]
+        Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
         q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
-        scores = ((q.float() * D ** -0.5) @ k[0].float().transpose(-1, -2)).view(Hkv, R, -1, k.shape[2])  # (.., P)
-        scores = scores.gather(-1, self.order[None, :, None].expand(Hkv, R, scores.shape[2], A))  # (Hkv, R, G, A)
-        p = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)  # in float32, as in the fused kernel
-        v = v[0].index_select(1, self.order.flatten()).view(Hkv, R, A, D)  # each row's values, in position order
-        y = p.to(v.dtype) @ v  # (Hkv, R, G, D)
+        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, -1, span)
+        tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
+        prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
+        p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
+        y = (p[..., :W].reshape(Hkv, -1, W) @ v[0, :, :W]).view(Hkv, R, -1, D)  # (Hkv, R, G, D)
+        y = y + p[..., W:] @ v[0].index_select(1, self.tail.flatten()).view(Hkv, R, TAIL, D)
         return y.transpose(1, 2).reshape(1, H, R, D)
 
 
@@ -232,13 +251,14 @@ class LlamaForCausalLM(nn.Module):
                 else mask.to(device)
         if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
-        outs, every = [], torch.arange(slots, device=device)
+        outs = []
         try:
             for c in range(0, T, R):
-                n, length = min(R, T - c), cache.length
-                # Padding rows continue the chain causally: finite, and in slots that no real row sees.
-                seen = (length + torch.arange(R, device=device) + 1).clamp(max=cache.width)
-                rows = every < seen[:, None]  # (R, P)
+                n = min(R, T - c)
+                # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
+                # written past the real rows, where no real row looks.
+                rows = torch.zeros(R, slots, dtype=torch.bool, device=device)  # (R, P)
+                rows[n:, 0] = True
                 rows[:n] = visible[c: c + n]
                 pad = (0, R - n)  # padding token 0 at position 0
                 x, where = F.pad(tokens[:, c: c + n], pad), F.pad(positions[c: c + n], pad)

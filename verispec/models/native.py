@@ -38,7 +38,7 @@ class NativeModel:
     forward runs 16 rows over the same key width and a position's logits are bitwise the same however many
     tokens share the forward (plain decoding, a chain, a tree, a prefill chunk): greedy speculative output is
     then identical to plain greedy decoding in any dtype. It costs padding to 16 rows and attention over the
-    whole context each forward.
+    whole context width each forward; a token tree may be at most 32 deep (see `Rows`).
     """
 
     capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True)
