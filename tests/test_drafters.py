@@ -11,6 +11,7 @@ from verispec import IncompatibleTargetError, InvalidArgumentError, generate, st
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.models.eagle import EagleHead, head_config, save_head
+from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.protocol import FINAL, Capabilities
 from verispec.train.loop import init_weights
 
@@ -28,6 +29,7 @@ EXAMPLES = {
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
     "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
     "eagle tree": Method("eagle", 3, {"tree_top_k": 2, "tree_tokens": 6}),
+    "medusa": Method("medusa", None, {"tree_tokens": 8}),  # random heads, saved by `built` too
 }
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -48,10 +50,13 @@ def built(tmp_path_factory, target, draft):
     torch.manual_seed(0)
     head = EagleHead(head_config(target.config))
     init_weights(head)
-    head_dir = save_head(head, tmp_path_factory.mktemp("eagle"), "random")
+    heads = {"eagle": save_head(head, tmp_path_factory.mktemp("eagle"), "random"),
+             "medusa": save_heads(MedusaHeads.from_target(target.lm_head_weight.detach(), 2),
+                                  tmp_path_factory.mktemp("medusa"), "random")}
 
     def build(name: str):
-        return build_drafter(EXAMPLES[name], Resources(draft=draft, target=target, head_dir=head_dir))
+        method = EXAMPLES[name]
+        return build_drafter(method, Resources(draft=draft, target=target, head_dir=heads.get(method.family)))
 
     return build
 
@@ -129,7 +134,7 @@ def test_a_target_without_what_the_drafter_needs_is_refused(target, built, truth
 
 
 @pytest.mark.parametrize("method, message", [
-    (Method("medusa"), "unknown method 'medusa'"),
+    (Method("hydra"), "unknown method 'hydra'"),
     (Method("ngram", 3, {"window": 2}), "method ngram takes no option window"),
     (Method("autoregressive", 2), "method autoregressive takes no k"),
     (Method("lookahead", 3), "--ngram-size"),

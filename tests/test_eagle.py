@@ -14,7 +14,8 @@ from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError
-from verispec.models.eagle import EagleHead, head_config, load_draft_vocab, load_head, save_draft_vocab, save_head
+from verispec.models.draft_vocab import load_draft_vocab, save_draft_vocab
+from verispec.models.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams

@@ -18,7 +18,7 @@ from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafte
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
 from verispec.models.auto import BACKENDS, load
-from verispec.models.default import DEFAULT_EAGLE, default_paths
+from verispec.models.default import MODELS, default_paths
 from verispec.models.native import DTYPES, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
@@ -54,11 +54,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
                           "tree (native runtime; default 1, a chain)")
     gen.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
-    gen.add_argument("--head", help="eagle: the head's folder (default: models/stdlib-eagle for the shipped target)")
+    gen.add_argument("--head", help="eagle, medusa: the head's folder (default: models/stdlib-eagle or "
+                                    "models/stdlib-medusa for the shipped target)")
     gen.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
                                                     "per depth with this many children each (with --tree-tokens)")
-    gen.add_argument("--tree-tokens", type=int, help="eagle: nodes of the dynamic tree the target verifies")
-    gen.add_argument("--draft-vocab", type=int, help="eagle: draft over this many of the most frequent tokens only "
+    gen.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
+    gen.add_argument("--draft-vocab", type=int, help="eagle, medusa: draft over this many of the most frequent tokens only "
                                                      "(a cheaper LM head; verification still scores them all)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
@@ -117,9 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card"),
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
-                          "an EAGLE head for --target (RUNS/eagle), or its card")
+                          "an EAGLE head for --target (RUNS/eagle) or its card, or Medusa heads (RUNS/medusa)")
     trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
                                                     "and exports")
     trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
@@ -170,8 +171,9 @@ def _generate(args: argparse.Namespace) -> int:
     if given_draft and method.family != "draft":  # only --method draft loads it
         raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
                                    "ignore it")
-    if args.head and method.family != "eagle":
-        raise InvalidArgumentError(f"--head is the head of --method eagle; --method {args.method} would ignore it")
+    if args.head and method.family not in ("eagle", "medusa"):
+        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa; --method {args.method} would "
+                                   "ignore it")
     if args.backend == "transformers" and needs != Needs():
         raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
                                    f"layer subsets); --backend transformers offers none of them")
@@ -309,7 +311,8 @@ def _bench(args: argparse.Namespace) -> None:
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
-        args.head = args.head or (DEFAULT_EAGLE if (DEFAULT_EAGLE / "config.json").is_file() else None)
+        shipped = MODELS / "stdlib-eagle"
+        args.head = args.head or (shipped if (shipped / "config.json").is_file() else None)
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.quick:
@@ -351,10 +354,12 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)
-    elif args.what == "eagle":
+    elif args.what in ("eagle", "medusa"):
         from verispec.train.eagle import train_eagle
+        from verispec.train.medusa import train_medusa
 
-        folder = train_eagle(runs / "eagle", Path(args.target) if args.target else default_paths()[0], cfg)
+        trainer = {"eagle": train_eagle, "medusa": train_medusa}[args.what]
+        folder = trainer(runs / args.what, Path(args.target) if args.target else default_paths()[0], cfg)
     else:
         folder = train_draft(runs / "draft", runs / "target" / "model", cfg)
     print(f"exported {folder}")

@@ -14,12 +14,15 @@ from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
+from verispec.drafters.medusa import Medusa
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
-from verispec.models.eagle import load_draft_vocab, load_head
+from verispec.models.draft_vocab import load_draft_vocab
+from verispec.models.eagle import load_head
+from verispec.models.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
 
 
@@ -45,7 +48,7 @@ class Resources:
     draft: CausalLM | None = None  # the draft model ("draft")
     target_dir: Path | None = None  # the target's folder, where layerskip.json lies ("layerskip" without "skip")
     target: CausalLM | None = None  # the target itself, whose shapes and dtype a head is loaded for ("eagle")
-    head_dir: Path | None = None  # the EAGLE head's folder (default: the one shipped for the shipped target)
+    head_dir: Path | None = None  # an EAGLE or Medusa head's folder (default: the one shipped for the shipped target)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,8 @@ def _layerskip(method: Method, res: Resources) -> LayerSkip:
 
 
 def _eagle(method: Method, res: Resources) -> Eagle:
-    if res.target is None:
-        raise InvalidArgumentError("method eagle needs the target to load its head for")
-    if not res.target.capabilities.hidden_states:
-        raise IncompatibleTargetError(f"method eagle reads the target's hidden states; {res.target.name} does not "
-                                      "offer them (the native runtime does)")
-    folder = res.head_dir or default_head(res.target_dir)
+    _reads_features(res, "eagle")
+    folder = res.head_dir or default_head(res.target_dir, "eagle")
     head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
     tree = method.options.get("tree_top_k"), method.options.get("tree_tokens")
     if (tree[0] is None) != (tree[1] is None):
@@ -87,6 +86,24 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     size = method.options.get("draft_vocab")
     vocab = None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
     return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
+
+
+def _medusa(method: Method, res: Resources) -> Medusa:
+    _reads_features(res, "medusa")
+    folder = res.head_dir or default_head(res.target_dir, "medusa")
+    heads, accuracy = load_heads(folder, res.target.hidden_size, res.target.lm_head_weight.shape[0],
+                                 res.target.dtype, res.target.device)
+    size = method.options.get("draft_vocab")
+    vocab = None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
+    return Medusa(heads, accuracy, method.options.get("tree_tokens", 16), vocab)
+
+
+def _reads_features(res: Resources, family: str) -> None:
+    if res.target is None:
+        raise InvalidArgumentError(f"method {family} needs the target to load its head for")
+    if not res.target.capabilities.hidden_states:
+        raise IncompatibleTargetError(f"method {family} reads the target's hidden states; {res.target.name} does "
+                                      "not offer them (the native runtime does)")
 
 
 FAMILIES: dict[str, Family] = {
@@ -105,6 +122,9 @@ FAMILIES: dict[str, Family] = {
                     "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens)",
                     ("tree_top_k", "tree_tokens", "draft_vocab"),
                     _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
+    "medusa": Family("heads on the target's last feature guess the tokens after the next one; a tree of tree_tokens "
+                     "nodes shaped by their measured accuracy (k is the number of heads)", ("tree_tokens", "draft_vocab"),
+                     _medusa, lambda m: Medusa.needs, takes_k=False),
 }
 
 

@@ -12,7 +12,6 @@ from verispec.models.native import NativeModel, load_model
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
 DEFAULT_TARGET = MODELS / "stdlib-target"
 DEFAULT_DRAFT = MODELS / "stdlib-draft"
-DEFAULT_EAGLE = MODELS / "stdlib-eagle"
 
 
 def default_paths() -> tuple[Path, Path]:
@@ -31,12 +30,13 @@ def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = 
     return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype, exact=exact)
 
 
-def default_head(target_dir: Path | None) -> Path:
-    """The EAGLE head shipped for the shipped target; other targets name their head's folder."""
+def default_head(target_dir: Path | None, kind: str) -> Path:
+    """The drafting head (`kind` "eagle" or "medusa") shipped for the shipped target; other targets name theirs."""
+    folder = MODELS / f"stdlib-{kind}"
     if target_dir is None or Path(target_dir).resolve() != DEFAULT_TARGET.resolve():
-        raise CheckpointError("method eagle needs its head's folder (--head DIR) for a target other than the "
+        raise CheckpointError(f"method {kind} needs its head's folder (--head DIR) for a target other than the "
                               f"shipped {DEFAULT_TARGET.name}")
-    if not (DEFAULT_EAGLE / "config.json").is_file():
-        raise CheckpointError(f"no EAGLE head ships in {DEFAULT_EAGLE} yet: train one with `verispec train eagle` "
-                              "and pass its folder with --head")
-    return DEFAULT_EAGLE
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"no {kind} head ships in {folder} yet: train one with `verispec train {kind}` and "
+                              "pass its folder with --head")
+    return folder

@@ -107,22 +107,3 @@ def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, devic
         raise CheckpointError(f"{folder}: the head's weights hold NaN or inf")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-
-VOCAB_FILE = "draft_vocab.safetensors"
-
-
-def save_draft_vocab(folder: str | Path, token_counts: torch.Tensor) -> Path:
-    """The token ids that occur in the training data, most frequent first: a reduced draft vocabulary is a prefix."""
-    order = torch.argsort(token_counts, descending=True, stable=True)
-    ids = order[: int((token_counts > 0).sum())].to(torch.int32).contiguous()
-    save_file({"ids": ids}, str(Path(folder) / VOCAB_FILE))
-    return Path(folder) / VOCAB_FILE
-
-
-def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids saved beside a head (for a draft LM head over them only)."""
-    file = Path(folder) / VOCAB_FILE
-    if not file.is_file():
-        raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary")
-    ids = load_file(str(file))["ids"].to(torch.long)
-    return ids[:size]

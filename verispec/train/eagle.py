@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.eagle import EagleHead, head_config, save_draft_vocab, save_head
+from verispec.models.draft_vocab import save_draft_vocab
+from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import load_model
 from verispec.models.protocol import FINAL
