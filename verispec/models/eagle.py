@@ -68,13 +68,15 @@ class EagleHead(nn.Module):
 
 def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The head as a Hugging Face folder in EAGLE's layout: model.safetensors (`fc.weight`, `layers.0.*`) and a
-    config.json of a one-layer Llama; the target's embedding and LM head are not stored."""
+    config.json of a one-layer Llama; the target's embedding and LM head are not stored. This is what vLLM's
+    `EagleLlamaForCausalLM` (model_executor/models/llama_eagle.py) loads: it prefixes `model.` to each name, takes
+    `fc` without a bias, drops layer 0's input norm, and shares the target's embedding and LM head."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()},
               str(folder / "model.safetensors"))
     c = head.config
-    config = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "num_hidden_layers": 1,
+    config = {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
               "head_dim": c.dim_per_head, "max_position_embeddings": c.max_position_embeddings,
