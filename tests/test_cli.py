@@ -49,6 +49,19 @@ def test_generate_prints_continuation_and_stats(capsys, pair_dirs) -> None:
     assert "speedup" in out and "identical to autoregressive: yes" in out
 
 
+def test_generate_drafts_auto_by_default_and_shows_the_lengths_chosen(capsys, pair_dirs, unrelated_dir) -> None:
+    target, draft = map(str, pair_dirs)
+    for given in ([], ["-k", "auto"]):
+        code, out, err = run(capsys, "generate", "def f(x):", "--target", target, "--draft", str(unrelated_dir),
+                             "--max-new-tokens", "40", "--ignore-eos", *given)
+        assert code == 0 and err == ""
+        lengths = dict(pair.split(": ") for pair in out.split("steps by tokens drafted: ")[1].splitlines()[0].split(", "))
+        assert int(lengths["0"]) >= 30  # an unrelated draft: plain steps after the first few
+    code, out, _ = run(capsys, "generate", "def f(x):", "--target", target, "--method", "lookahead", "-k", "auto",
+                       "--max-new-tokens", "12", "--ignore-eos", "--compare")
+    assert code == 0 and "identical to autoregressive: yes" in out
+
+
 def test_generate_exact_in_bfloat16_is_identical(capsys, pair_dirs) -> None:
     target, draft = map(str, pair_dirs)
     code, out, err = run(capsys, "generate", "def f(x):", "--target", target, "--draft", draft, "--dtype", "bfloat16",
@@ -228,6 +241,8 @@ def test_bad_prompt_source_is_one_line(capsys, monkeypatch, no_loading, tmp_path
     (["--method", "ngram", "--skip", "2"], "method ngram takes no option skip"),
     (["--method", "lookahead", "-k", "3"], "method lookahead takes no k"),
     (["-k", "0"], "must be an integer >= 1"),
+    (["-k", "fast"], "-k takes a whole number of tokens or auto, got 'fast'"),
+    (["-k", "auto", "--target", "t"], "method autoregressive drafts nothing"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),

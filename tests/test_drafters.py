@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
+from verispec.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.models.eagle import EagleHead, head_config, save_head
@@ -107,6 +108,19 @@ def test_one_drafter_serves_interleaved_generations(target, built, name) -> None
     assert [s.result.tokens for s in streams] == alone
 
 
+@pytest.mark.parametrize("name", [name for name in EXAMPLES if name != "autoregressive"])
+def test_auto_switches_every_family_off_and_on(target, built, truth, name, monkeypatch) -> None:
+    """`auto` over every family: steps that ask for k = 0 (nothing proposed, not even a side branch) between
+    drafted ones keep the session right; then the controller's own choices, on this machine's timings."""
+    drafter = AdaptiveK(built(name))
+    monkeypatch.setattr(AdaptiveSession, "choose", lambda self, limit: limit if len(self.chosen) % 2 else 0)
+    out = generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
+    assert out.tokens == truth
+    assert out.stats.steps_by_depth[0] >= out.stats.target_calls // 2
+    monkeypatch.undo()
+    assert generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True).tokens == truth
+
+
 class CausalOnly:
     """The target behind a protocol that offers no capability beyond a causal chain."""
 
@@ -140,6 +154,8 @@ def test_a_target_without_what_the_drafter_needs_is_refused(target, built, truth
     (Method("lookahead", 3), "--ngram-size"),
     (Method("draft", 0), "must be an integer >= 1"),
     (Method("draft", True), "must be an integer >= 1"),
+    (Method("draft", "fast"), "must be an integer >= 1"),
+    (Method("autoregressive", "auto"), "takes no k, auto included"),
 ])
 def test_registry_refuses_bad_methods_before_loading(method, message) -> None:
     with pytest.raises(InvalidArgumentError, match=message):

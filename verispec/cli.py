@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from verispec.drafters.base import Needs
-from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
+from verispec.drafters.registry import AUTO, FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
 from verispec.models.auto import BACKENDS, load
@@ -48,8 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ngram-size", type=int, help="lookahead: n-gram size N, N - 1 tokens drafted (default 4)")
     gen.add_argument("--candidates", type=int, help="lookahead: most n-grams verified per step (G, default 5)")
     gen.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
-    gen.add_argument("-k", type=int, help="tokens drafted per step (default 4; layerskip: the k in layerskip.json; "
-                                          "lookahead drafts N - 1, set by --ngram-size)")
+    gen.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's acceptance "
+                                "and timings, up to 8, and 0 (plain decoding) where drafting does not pay (default "
+                                "auto for draft, ngram and eagle chains; 4 for trees; layerskip: the k in "
+                                "layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or off)")
     gen.add_argument("--branch", type=int,
                      help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
                           "tree (native runtime; default 1, a chain)")
@@ -139,6 +141,7 @@ def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
         lines += [f"drafted {s.proposed}, accepted {s.accepted} ({s.acceptance_rate:.1%}); by position: {by_pos}",
                   f"time: prefill {s.prefill_time:.3f} s, draft {s.draft_time:.3f} s, verify {s.verify_time:.3f} s, "
                   f"other {s.other_time:.3f} s"]
+        lines.insert(3, "steps by tokens drafted: " + ", ".join(f"{d}: {n}" for d, n in enumerate(s.steps_by_depth) if n))
     return lines
 
 
@@ -152,9 +155,26 @@ def _method(args: argparse.Namespace) -> Method:
     options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
     if "skip" in options:
         options["skip"] = _layer_list(options["skip"])
+    k = _k_arg(args.k)
     if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
-        return Method("autoregressive", args.k)
-    return Method(args.method, args.k, options)
+        return Method("autoregressive", k)
+    chain = options.get("branch", 1) == 1 and "tree_top_k" not in options
+    if k is None and chain and args.method in AUTO_BY_DEFAULT:
+        k = AUTO
+    return Method(args.method, k, options)
+
+
+AUTO_BY_DEFAULT = ("draft", "ngram", "eagle")  # chains, whose draft length auto chooses step by step
+
+
+def _k_arg(text: str | None) -> int | str | None:
+    """-k: a whole number (checked by the registry, with the other options) or auto."""
+    if text is None or text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"-k takes a whole number of tokens or auto, got {text!r}") from None
 
 
 def _generate(args: argparse.Namespace) -> int:

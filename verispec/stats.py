@@ -14,12 +14,15 @@ class GenerationStats:
     accepted: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    steps_by_depth: list[int] = field(default_factory=list)  # [d]: target calls that verified a proposal d deep
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
 
     def record_step(self, proposed: int, accepted: int) -> None:
+        self.steps_by_depth += [0] * (proposed + 1 - len(self.steps_by_depth))
+        self.steps_by_depth[proposed] += 1
         for i in range(proposed):
             self.record_position(i, 1, i < accepted)
         self.proposed += proposed

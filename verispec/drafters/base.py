@@ -84,7 +84,8 @@ class DraftSession(Protocol):
     """One generation's drafting state."""
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
-        """Tokens to follow `context` (every token committed so far), at most k deep."""
+        """Tokens to follow `context` (every token committed so far), at most k deep. k may be 0 (adaptive k
+        switched drafting off for this step): then nothing at all, no side branch either; the verdict follows."""
 
     def accepted(self, verdict: Verdict) -> None:
         """The target's verdict on the last proposal; roll back any state past the accepted tokens."""

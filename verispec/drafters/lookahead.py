@@ -125,6 +125,8 @@ class LookaheadSession:
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         self._add_text(context)
+        if k < 1:  # asked for nothing (adaptive k switched drafting off): no window either
+            return Proposal([])
         tokens, parents = candidate_tree(self.pool.get(context[-1]), k)
         mask, offsets = window_layout(len(self.levels), self.window)
         side = SideBranch([t for level in self.levels for t in level], offsets, mask)

@@ -1,15 +1,18 @@
 """The one place that builds a drafter from a method record: the CLI, the bench and the server all use it.
 
-A `Method` is a family name, a draft length k (None: the family's default) and the family's options. Adding a
-drafter means adding its family here, with the options it takes and what it needs of the target.
+A `Method` is a family name, a draft length k (None: the family's default; "auto": chosen per step by
+`verispec.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
+window) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
+it needs of the target.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from verispec.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
@@ -31,7 +34,7 @@ class Method:
     """A decoding method as a record, e.g. Method("draft", 4, {"branch": 2})."""
 
     family: str
-    k: int | None = None
+    k: int | str | None = None  # tokens drafted per step, None for the family's default, or AUTO
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -58,6 +61,9 @@ class Family:
     build: Callable[[Method, Resources], Drafter | None]
     needs: Callable[[Method], Needs] = lambda method: Needs()  # known before anything is loaded
     takes_k: bool = True
+
+
+AUTO = "auto"
 
 
 def _draft(method: Method, res: Resources) -> DraftModel:
@@ -138,6 +144,10 @@ def check_method(method: Method) -> Needs:
     if unknown:
         takes = f"it takes {', '.join(family.options)}" if family.options else "it takes none"
         raise InvalidArgumentError(f"method {method.family} takes no option {', '.join(unknown)} ({takes})")
+    if method.k == AUTO:
+        if method.family == "autoregressive":
+            raise InvalidArgumentError("method autoregressive drafts nothing, so it takes no k, auto included")
+        return family.needs(method)
     if method.k is not None and not family.takes_k:
         extra = ": set ngram (N, --ngram-size) instead; it drafts N - 1" if method.family == "lookahead" else ""
         raise InvalidArgumentError(f"method {method.family} takes no k{extra}")
@@ -149,7 +159,12 @@ def check_method(method: Method) -> Needs:
 def build_drafter(method: Method, resources: Resources = Resources()) -> Drafter | None:
     """The drafter for `method` (None for autoregressive decoding)."""
     check_method(method)
-    return FAMILIES[method.family].build(method, resources)
+    family = FAMILIES[method.family]
+    if method.k != AUTO:
+        return family.build(method, resources)
+    # A chain may draft up to AUTO_MAX_K; a tree or a window keeps the family's default size, on or off.
+    tree = method.options.get("branch", 1) > 1 or "tree_top_k" in method.options or not family.takes_k
+    return AdaptiveK(family.build(replace(method, k=None if tree else AUTO_MAX_K), resources))
 
 
 def _show(value: Any) -> str:

@@ -1,0 +1,229 @@
+"""Adaptive draft length: the choice against the step model's formula, the estimates, the probing schedule, and the
+loop with `auto` (greedy identity, stopping on a draft that never agrees, drafting all it may on one that always
+does, sampling's distribution kept)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from verispec import generate
+from verispec.adaptive import (AUTO_MAX_K, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, Acceptance, AdaptiveK, Timings, best_k,
+                               expected_tokens)
+from verispec.drafters.base import Proposal, Verdict
+from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.registry import Method, Resources, build_drafter
+from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.models.native import load_model
+
+from drafting import OwnSession
+from test_verify import compare, P_VALUE_MIN
+
+PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]
+N = 48
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def brute_force(a: Sequence[float], c: float, r, limit: int) -> int:
+    speeds = [1.0] + [(1 + sum(np.prod(a[:i]) for i in range(1, k + 1))) / (k * c + r(k + 1)) for k in range(1, limit + 1)]
+    return int(np.argmax(speeds))  # the first (smallest) k on a tie
+
+
+@pytest.mark.parametrize("a, c, slope, limit", [
+    ([0.9] * 8, 0.1, 0.05, 8), ([0.9] * 8, 0.1, 0.2, 8), ([0.6, 0.5, 0.4, 0.4], 0.1, 0.1, 4),
+    ([0.2] * 8, 0.1, 0.1, 8), ([0.0] * 8, 0.0, 0.0, 8), ([1.0] * 8, 0.0, 0.0, 8), ([0.95] * 8, 0.3, 0.0, 8),
+    ([0.7, 0.9, 0.9, 0.9], 0.05, 0.02, 3), ([0.5] * 6, 0.02, 0.3, 6)])
+def test_best_k_maximises_the_formula(a, c, slope, limit) -> None:
+    r = lambda n: 1 + slope * (n - 1)
+    assert best_k(a, c, r, range(limit + 1)) == brute_force(a, c, r, limit)
+
+
+def test_best_k_by_hand() -> None:
+    r = lambda n: 1.0 + 0.1 * (n - 1)
+    assert expected_tokens([0.5, 0.5], 2) == 1.75
+    # k=1: 1.5 / 1.2 = 1.25; k=2: 1.75 / 1.4 = 1.25 (a tie: the smaller); k=3: 1.875 / 1.6
+    assert best_k([0.5] * 3, 0.1, r, range(4)) == 1
+    # k=1: 1.9 / 1.15 = 1.65; k=2: 2.71 / 1.3 = 2.08; k=3: 3.439 / 1.45 = 2.37; k=4: 4.095 / 1.6 = 2.56
+    assert best_k([0.9] * 4, 0.05, lambda n: 1.0, range(5)) == 4
+    assert best_k([0.05] * 4, 0.1, r, range(5)) == 0  # 1.05 / 1.2 < 1: plain decoding
+    assert best_k([0.15], 0.0, lambda n: 1.1, range(2)) == 1 and best_k([0.05], 0.0, lambda n: 1.1, range(2)) == 0
+    # a tree or window: its configured width, or nothing
+    assert best_k([0.9] * 3, 0.0, lambda n: 1 + 0.1 * (n - 1), (0, 3), lambda k: 12 if k else 0) == 1 * 3
+    assert best_k([0.3] * 3, 0.0, lambda n: 1 + 0.1 * (n - 1), (0, 3), lambda k: 12 if k else 0) == 0
+
+
+def test_acceptance_counts_only_positions_tried() -> None:
+    est = Acceptance(4, prior=0.5, weight=1.0, decay=1.0)
+    est.observe(drafted=4, accepted=1)  # position 1 kept, 2 rejected, 3 and 4 never judged
+    assert est.tried == [1, 1, 0, 0] and est.hits == [1, 0, 0, 0]
+    rates = est.rates()
+    assert rates[0] == pytest.approx(0.75) and rates[1] == pytest.approx(0.75 / 2)
+    assert rates[2] == rates[3] == pytest.approx(rates[1])  # untried depths look like the deepest tried
+    fresh = Acceptance(2, decay=0.5)
+    for _ in range(20):
+        fresh.observe(2, 0)
+    assert fresh.rates()[0] < 0.25  # a few steps move it: old counts fade
+    for _ in range(4):
+        fresh.observe(2, 2)
+    assert fresh.rates()[0] > 0.75
+
+
+def test_timings_fit_a_line_and_take_medians() -> None:
+    t = Timings()
+    c, r = t.costs()  # nothing measured: the priors
+    assert c == pytest.approx(0.1) and r(3) == pytest.approx(1.2)
+    for seconds in (0.010, 0.011, 0.5, 0.010, 0.009):  # one stall: the median ignores it
+        t.observe(0, 0.0, 1, seconds)
+    for seconds in (0.020, 0.020, 0.021):
+        t.observe(4, 0.004, 5, seconds)
+    c, r = t.costs()
+    assert c == pytest.approx(0.1) and r(1) == 1 and r(5) == pytest.approx(2.0)
+    assert r(3) == pytest.approx(1.5) and r(9) == pytest.approx(3.0)
+    only_wide = Timings()
+    only_wide.observe(4, 0.0, 5, 0.014)
+    assert only_wide.costs()[1](5) == pytest.approx(1.4)  # one width: the prior slope prices the others
+
+
+class Never(OwnSession):
+    """Proposes tokens no target would take (the verdict is faked by `run`) and records each k asked."""
+
+    name = "never"
+
+    def __init__(self, k: int = 8) -> None:
+        self.k = self.width = k
+        self.asked: list[int] = []
+
+    def propose(self, context, k: int) -> Proposal:
+        self.asked.append(k)
+        return Proposal([0] * k)
+
+    def accepted(self, verdict) -> None:
+        pass
+
+
+def test_probing_schedule_backs_off_while_probes_fail() -> None:
+    inner = Never()
+    session = AdaptiveK(inner, costs=(0.1, lambda n: 1.0 + 0.05 * (n - 1))).begin(None)
+    asked = []
+    for _ in range(400):
+        session.propose([1, 2, 3], 8)
+        asked.append(inner.asked[-1])
+        session.accepted(Verdict([]))
+    first_plain = asked.index(0)
+    assert first_plain <= 6  # a few rejections stop it
+    probes = [i for i in range(first_plain, len(asked)) if asked[i]]
+    assert all(asked[i] == 1 for i in probes)
+    gaps = [b - a - 1 for a, b in zip([first_plain - 1] + probes, probes)]
+    # plain steps between probes: PROBE_FIRST, then twice as many after each failed probe, up to PROBE_MAX, and
+    # never fewer than keep a probe's predicted extra cost (0.1 + r(2) - 1 = 0.15 of a step) under PROBE_BUDGET
+    budget = 0.15 / PROBE_BUDGET
+    expected = [int(max(min(PROBE_FIRST * 2 ** i, PROBE_MAX), budget)) for i in range(len(gaps))]
+    assert expected[:5] == [7, 8, 16, 32, 64]
+    assert gaps == expected
+    assert sum(asked[first_plain:]) / len(asked[first_plain:]) < 0.03  # a few percent of a token per step
+
+
+def test_a_probe_that_succeeds_brings_drafting_back() -> None:
+    inner = Never()
+    session = AdaptiveK(inner, costs=(0.05, lambda n: 1.0)).begin(None)
+    agree = False
+    for step in range(200):
+        session.propose([1, 2, 3], 8)
+        k = inner.asked[-1]
+        agree = agree or step >= 60  # the drafter starts agreeing at step 60
+        session.accepted(Verdict(list(range(k)) if agree else []))
+    assert inner.asked[:60].count(0) > 30
+    assert inner.asked[-20:] == [8] * 20
+
+
+@pytest.fixture(scope="module")
+def truth(target) -> list[int]:
+    return generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
+
+
+def test_greedy_identity_with_auto(target, draft, unrelated, truth) -> None:
+    for model in (draft, unrelated, target):
+        for k in (1, 3, 8):
+            out = generate(target, PROMPT, AdaptiveK(DraftModel(model, k)), max_new_tokens=N, ignore_eos=True)
+            assert out.tokens == truth
+            assert sum(out.stats.steps_by_depth) == out.stats.target_calls
+            assert len(out.stats.steps_by_depth) <= k + 1
+
+
+def test_auto_stops_drafting_with_a_draft_that_never_agrees(target, unrelated) -> None:
+    out = generate(target, PROMPT, build_drafter(Method("draft", "auto"), Resources(draft=unrelated)),
+                   max_new_tokens=96, ignore_eos=True)
+    steps = out.stats.steps_by_depth
+    assert out.stats.accepted <= 2
+    assert steps[0] >= 0.9 * sum(steps)  # plain steps, counted, not timed
+    assert sum(steps[2:]) <= 3  # at most the first few steps draft more than one
+
+
+def test_auto_drafts_the_most_when_the_draft_is_always_right(target, truth) -> None:
+    # With the target as its own draft c is about 1, which never pays; the costs here are a cheap draft's.
+    out = generate(target, PROMPT, AdaptiveK(DraftModel(target, 8), costs=(0.05, lambda n: 1.0)), max_new_tokens=N,
+                   ignore_eos=True)
+    assert out.tokens == truth
+    steps = out.stats.steps_by_depth
+    assert steps[8] >= out.stats.target_calls - 4  # after the first few, every step drafts all eight
+
+
+def test_registry_builds_auto() -> None:
+    method = Method("draft", "auto")
+    assert method.label == "draft k=auto"
+    drafter = build_drafter(Method("ngram", "auto"))
+    assert isinstance(drafter, AdaptiveK) and drafter.k == AUTO_MAX_K and drafter.chain
+    window = build_drafter(Method("lookahead", "auto", {"window": 3, "ngram": 3, "candidates": 3}))
+    assert isinstance(window, AdaptiveK) and not window.chain and window.k == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling: k is chosen from past verdicts only, so each step is a fixed-k step and the distribution is the target's
+
+VOCAB, SAMPLE_PROMPT, DRAWS, NEW = 6, [1, 4, 2], 3000, 4
+
+
+class Successor(OwnSession):
+    """One-hot proposals last + 1, last + 2, ...: accepted with the target's probability of those tokens."""
+
+    name = "successor"
+
+    def __init__(self, k: int) -> None:
+        self.k = self.width = k
+
+    def propose(self, context, k: int) -> Proposal:
+        return Proposal([(context[-1] + 1 + i) % VOCAB for i in range(k)])
+
+    def accepted(self, verdict) -> None:
+        pass
+
+
+def test_sampling_with_auto_follows_the_target(tmp_path, reference_probs) -> None:
+    """Four tokens sampled with `auto` (costs fixed so that k moves between 0, 1 and 2 with the verdicts): the
+    last two tokens, whose steps' k depended on earlier verdicts, are distributed as under the target."""
+    config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    folder = random_checkpoint(tmp_path / "target", config, seed=1)
+    target = load_model(folder)
+    # exact joint of the four new tokens from the numpy reference, then the marginal of the last two
+    prefixes = list(itertools.product(range(VOCAB), repeat=NEW - 1))
+    probs = reference_probs(folder, np.array([SAMPLE_PROMPT + list(p) for p in prefixes]))  # (V^3, len + 3, V)
+    n = len(SAMPLE_PROMPT)
+    joint = np.zeros((VOCAB,) * NEW)
+    for row, p in enumerate(prefixes):
+        chance = probs[row, n - 1, p[0]] * probs[row, n, p[1]] * probs[row, n + 1, p[2]]
+        joint[p] += chance * probs[row, n + 2]
+    last_two = joint.sum(axis=(0, 1))
+    drafter = AdaptiveK(Successor(2), costs=(0.3, lambda n: 1.0))
+    counts, ks = np.zeros((VOCAB, VOCAB)), set()
+    for seed in range(DRAWS):
+        out = generate(target, SAMPLE_PROMPT, drafter, max_new_tokens=NEW, temperature=1.0, seed=seed,
+                       ignore_eos=True)
+        counts[out.tokens[2], out.tokens[3]] += 1
+        ks.add(tuple(out.stats.steps_by_depth))
+    assert len(ks) > 2  # the steps' lengths did vary with the verdicts
+    pvalue, tv = compare(counts.ravel(), last_two.ravel())
+    assert pvalue > P_VALUE_MIN and tv < (last_two.size / DRAWS) ** 0.5, (pvalue, tv)

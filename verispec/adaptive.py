@@ -1,0 +1,198 @@
+"""Adaptive draft length (`-k auto`): each step drafts the k that the step model predicts to be fastest.
+
+The model of a step (DESIGN.md, "Measuring"): drafting k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens,
+a_j the acceptance at draft position j given that the earlier ones were accepted, and costs k c + r(w + 1) in units
+of a one-token target forward (w the tokens the proposal puts into the forward: k for a chain). `AdaptiveK` wraps
+any drafter; its session picks the k in 0..drafter.k (and the loop's room) that maximises E(k) / cost(k), k = 0 being
+a plain step (E = 1, cost = 1), so it drafts only while the predicted speedup is above 1.
+
+Estimates, per generation, from this generation's own steps only:
+- a_j: decayed counts of accepted / tried at position j with a Beta prior (mean: a_{j-1}'s estimate, PRIOR_ACCEPTANCE
+  at j = 1; weight PRIOR_WEIGHT), every count multiplied by DECAY at each new try, so the last ten or so tries count.
+- costs: the session times the drafter's `propose` (seconds per drafted token) and the verification (from the
+  proposal's return to the verdict, which is the target's forward), keeping the median of the last few steps per
+  forward width (a median shrugs off a stall on a shared machine). Widths not yet seen come from a line through the
+  seen ones (a prior slope while only one width is known); a wider forward never counts as cheaper than one token.
+  Online rather than a table measured up front: a CLI generation is one process, and timing nine widths first would
+  cost a visible share of it; and these timings are taken under the load the steps themselves run in.
+- While k = 0 is best, a probe (k = 1; a tree or window drafter's full size) runs every so many plain steps, so a
+  drafter that starts agreeing later is picked up: first after PROBE_FIRST steps, then twice as long after each probe
+  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time.
+
+Proposals that are not plain chains (token trees, lookahead's window) keep their configured size: for them `auto`
+chooses between that size and 0. k is chosen from past verdicts and timings only, never from the current step's
+draws, so the acceptance rule, and with it the output's distribution, is untouched: a k fixed in advance of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict
+from verispec.models.protocol import CausalLM
+from verispec.tree import depth
+
+AUTO_MAX_K = 8  # the most an `auto` chain drafts per step when built from a method record
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 1.0
+DECAY = 0.9
+PRIOR_C, PRIOR_SLOPE = 0.1, 0.1  # draft token / target token, and r(n) = 1 + slope (n - 1), until measured
+TIMING_WINDOW = 9  # steps whose median timing is kept per width
+PROBE_FIRST, PROBE_MAX, PROBE_BUDGET = 4, 64, 0.02
+
+Costs = tuple[float, Callable[[int], float]]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j: tokens a step yields, the target's own included."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], choices: Sequence[int],
+           width: Callable[[int], int] = lambda k: k) -> int:
+    """The k in `choices` with the highest predicted speed E(k) / (k c + r(width(k) + 1)), the smaller on a tie;
+    k = 0 is a plain step (speed 1)."""
+    best, speed = 0, 1.0
+    for k in sorted(choices):
+        if k > 0:
+            predicted = expected_tokens(acceptance, k) / (k * c + r(width(k) + 1))
+            if predicted > speed * (1 + 1e-9):  # a tie (up to rounding) goes to the cheaper k
+                best, speed = k, predicted
+    return best
+
+
+class Acceptance:
+    """a_j, the chance that draft position j is accepted once positions 1..j-1 were: a Beta posterior over decayed
+    counts, whose prior mean is the estimate at j - 1, so depths not yet tried look like the deepest one that was."""
+
+    def __init__(self, k: int, prior: float = PRIOR_ACCEPTANCE, weight: float = PRIOR_WEIGHT,
+                 decay: float = DECAY) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.tried, self.hits = [0.0] * k, [0.0] * k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A step drafted `drafted` deep and `accepted` of them were kept: positions 1..accepted + 1 were tried."""
+        for j in range(min(drafted, accepted + 1, len(self.tried))):
+            self.tried[j] = self.decay * self.tried[j] + 1
+            self.hits[j] = self.decay * self.hits[j] + (j < accepted)
+
+    def rates(self) -> list[float]:
+        out, mean = [], self.prior
+        for tried, hits in zip(self.tried, self.hits):
+            mean = (hits + self.weight * mean) / (tried + self.weight)
+            out.append(mean)
+        return out
+
+
+class Timings:
+    """This generation's measured costs: median seconds of the target's forward per width, and of drafting per token."""
+
+    def __init__(self, window: int = TIMING_WINDOW) -> None:
+        self.window = window
+        self.verify: dict[int, deque[float]] = {}
+        self.draft: deque[float] = deque(maxlen=window)
+
+    def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
+        self.verify.setdefault(width, deque(maxlen=self.window)).append(verify_seconds)
+        if drafted:
+            self.draft.append(draft_seconds / drafted)
+
+    def costs(self) -> Costs:
+        """(c, r) per one-token target forward."""
+        seen = {n: statistics.median(times) for n, times in self.verify.items()}
+        if not seen:
+            return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1)
+        if len(seen) == 1:
+            (m, t), = seen.items()
+            one = t / (1 + PRIOR_SLOPE * (m - 1))
+            slope = PRIOR_SLOPE * one
+        else:  # least squares through the seen widths' medians
+            ns, ts = list(seen), list(seen.values())
+            n_mean, t_mean = statistics.fmean(ns), statistics.fmean(ts)
+            slope = max(0.0, sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts))
+                        / sum((n - n_mean) ** 2 for n in ns))
+            one = seen.get(1, t_mean - slope * (n_mean - 1))
+            if one <= 0:
+                one = min(ts)
+        line = lambda n: seen.get(n, one + slope * (n - 1))
+        c = statistics.median(self.draft) / one if self.draft else PRIOR_C
+        return c, lambda n: max(1.0, line(n) / one)
+
+
+class AdaptiveK:
+    """`drafter` with its draft length chosen per step (see the module's notes); `drafter.k` is the most it drafts.
+
+    `costs` fixes (c, r) instead of measuring them (for tests, or a table measured elsewhere)."""
+
+    def __init__(self, drafter: Drafter, costs: Costs | None = None) -> None:
+        self.drafter, self.fixed_costs = drafter, costs
+        self.name, self.k, self.width, self.needs = drafter.name, drafter.k, drafter.width, drafter.needs
+        # A chain's forward grows with k; a tree's or a side branch's keeps its configured width, so it is on or off.
+        self.chain = drafter.width == drafter.k and not drafter.needs.tree_masks
+
+    def check(self, target: CausalLM) -> None:
+        self.drafter.check(target)
+
+    def begin(self, context: DraftContext) -> AdaptiveSession:
+        return AdaptiveSession(self, self.drafter.begin(context))
+
+
+class AdaptiveSession:
+    """Chooses each step's k, times the drafter and the verification, and learns from each verdict."""
+
+    def __init__(self, adaptive: AdaptiveK, inner: DraftSession) -> None:
+        self.inner, self.chain, self.k, self.width = inner, adaptive.chain, adaptive.k, adaptive.width
+        self.fixed_costs = adaptive.fixed_costs
+        self.acceptance, self.timings = Acceptance(adaptive.k), Timings()
+        self.chosen: list[int] = []  # k asked of the drafter at each step
+        self.plain_run, self.probe_every, self._probing = 0, PROBE_FIRST, False
+        self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
+
+    def choose(self, limit: int) -> int:
+        """The k for the next step, at most `limit`."""
+        if limit < 1:
+            return 0
+        if not self.chain and not self.timings.verify and self.fixed_costs is None:
+            return limit  # a tree or window drafter: measure its configured size once before judging it
+        c, r = self.fixed_costs or self.timings.costs()
+        choices = range(limit + 1) if self.chain else (0, limit)
+        width = (lambda k: k) if self.chain else (lambda k: self.width if k else 0)
+        k = best_k(self.acceptance.rates(), c, r, choices, width)
+        self._probing = False
+        if k > 0:
+            self.plain_run, self.probe_every = 0, PROBE_FIRST
+            return k
+        self.plain_run += 1
+        probe = 1 if self.chain else limit
+        cost = probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
+        if self.plain_run > max(self.probe_every, cost / PROBE_BUDGET):
+            self.plain_run, self._probing = 0, True
+            return probe
+        return 0
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        k = self.choose(k)
+        self.chosen.append(k)
+        start = time.perf_counter()
+        proposal = self.inner.propose(context, k)
+        now = time.perf_counter()
+        side = 0 if proposal.side is None else len(proposal.side.tokens)
+        self._pending = (depth(proposal), now - start, 1 + len(proposal.tokens) + side, now)
+        return proposal
+
+    def accepted(self, verdict: Verdict) -> None:
+        if self._pending is not None:
+            drafted, draft_seconds, width, proposed_at = self._pending
+            self._pending = None
+            self.timings.observe(drafted, draft_seconds, width, time.perf_counter() - proposed_at)
+            self.acceptance.observe(drafted, verdict.num_accepted)
+            if self._probing:
+                self.probe_every = PROBE_FIRST if verdict.num_accepted else min(2 * self.probe_every, PROBE_MAX)
+        self.inner.accepted(verdict)
