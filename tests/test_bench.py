@@ -27,11 +27,13 @@ def test_report_files_and_structure(quick) -> None:
     expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead window=5 ngram=4 candidates=5",
                 "transformers greedy", "transformers assisted", "transformers assisted k=4",
                 "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
-                "eagle k=5 tree_top_k=4 tree_tokens=16"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+                "eagle k=5 tree_top_k=4 tree_tokens=16", "draft k=auto", "ngram k=auto", "eagle k=auto",
+                "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
     assert methods["draft k=4 branch=2"] == {"family": "draft", "k": 4, "options": {"branch": 2}}
     assert methods["lookahead window=5 ngram=4 candidates=5"]["k"] is None and methods["transformers greedy"] is None
+    assert methods["draft (unrelated) k=auto"] == {"family": "draft", "k": "auto", "options": {}, "unrelated": True}
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
     assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
     report = (out / "report.md").read_text()
@@ -41,6 +43,15 @@ def test_report_files_and_structure(quick) -> None:
     check = results["info"]["float64_check"]
     assert check["exact_match"] == 1.0 and check["prompts"] == 6
     assert "exact match 100% (goal 100%)" in report
+    assert "- draft (unrelated) k=auto against autoregressive:" in report
+
+
+def test_auto_stops_drafting_on_the_unrelated_pair(quick) -> None:
+    """Counted, not timed: on the never-agreeing pair, k=auto drafts on a few steps; k=4 on all but the last."""
+    summary = quick[1]["summary"]
+    auto, fixed = summary["draft (unrelated) k=auto"]["all"], summary["draft (unrelated) k=4"]["all"]
+    assert auto["steps_by_depth"][0] >= 0.5 * sum(auto["steps_by_depth"])  # 16-token answers: a few steps to learn
+    assert fixed["steps_by_depth"][0] <= 6 and auto["exact_match"] == 1.0
 
 
 def test_formulas_agree_with_logged_counts(quick) -> None:

@@ -153,11 +153,15 @@ class AdaptiveSession:
         self.acceptance, self.timings = Acceptance(adaptive.k), Timings()
         self.chosen: list[int] = []  # k asked of the drafter at each step
         self.plain_run, self.probe_every, self._probing = 0, PROBE_FIRST, False
+        self._next_probe: int | None = None  # while plain decoding pays, the plain_run of the next judgement
         self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
 
     def choose(self, limit: int) -> int:
         """The k for the next step, at most `limit`."""
         if limit < 1:
+            return 0
+        if self._next_probe is not None and self.plain_run + 1 < self._next_probe:
+            self.plain_run += 1  # plain steps leave the acceptance as it was: the choice stands until the probe
             return 0
         if not self.chain and not self.timings.verify and self.fixed_costs is None:
             return limit  # a tree or window drafter: measure its configured size once before judging it
@@ -165,16 +169,18 @@ class AdaptiveSession:
         choices = range(limit + 1) if self.chain else (0, limit)
         width = (lambda k: k) if self.chain else (lambda k: self.width if k else 0)
         k = best_k(self.acceptance.rates(), c, r, choices, width)
-        self._probing = False
+        self._probing, self._next_probe = False, None
         if k > 0:
             self.plain_run, self.probe_every = 0, PROBE_FIRST
             return k
         self.plain_run += 1
         probe = 1 if self.chain else limit
         cost = probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
-        if self.plain_run > max(self.probe_every, cost / PROBE_BUDGET):
+        wait = max(self.probe_every, cost / PROBE_BUDGET)
+        if self.plain_run > wait:
             self.plain_run, self._probing = 0, True
             return probe
+        self._next_probe = int(wait) + 1  # the plain_run at which to judge (and probe) again
         return 0
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:

@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                        help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--unrelated", action="store_true",
+                       help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
+                            "random draft of the draft's shape and tokenizer (--quick always does)")
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
@@ -342,7 +345,7 @@ def _bench(args: argparse.Namespace) -> None:
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
                             args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype, only=only,
-                            head_dir=Path(args.head) if args.head else None)
+                            head_dir=Path(args.head) if args.head else None, unrelated=args.unrelated)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")
 

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods
+from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
@@ -25,7 +25,7 @@ from verispec.drafters.registry import Resources
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_pair, tiny_config
+from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.timing import forward_seconds, head_step_seconds
 from verispec.threads import torch_threads
@@ -74,15 +74,19 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
 
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
               peers: bool = True, progress: bool = True, threads: int = 1, dtype: str = "float32",
-              only: Sequence[str] | None = None, head_dir: Path | None = None) -> dict:
+              only: Sequence[str] | None = None, head_dir: Path | None = None, unrelated: bool = False) -> dict:
     """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
-    thread mostly waits at barriers). `head_dir`: an EAGLE head for the target, which adds the EAGLE rows."""
-    with torch_threads(threads):
-        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only, head_dir)
+    thread mostly waits at barriers). `head_dir`: an EAGLE head for the target, which adds the EAGLE rows.
+    `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
+    random weights (the same cost as the real draft; it agrees by chance)."""
+    with torch_threads(threads), tempfile.TemporaryDirectory() as tmp:
+        unrelated_dir = unrelated_draft(draft_dir, Path(tmp) / "unrelated") if unrelated and draft_dir else None
+        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only, head_dir, unrelated_dir)
 
 
 def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
-         progress: bool, dtype: str, only: Sequence[str] | None, head_dir: Path | None) -> dict:
+         progress: bool, dtype: str, only: Sequence[str] | None, head_dir: Path | None,
+         unrelated_dir: Path | None) -> dict:
     target = load_model(target_dir, dtype=dtype)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
     plan = target_dir / PLAN_FILE
@@ -90,6 +94,9 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     resources = Resources(draft, target_dir, target, head_dir)
     methods = [ours(target, method, resources)
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None)]
+    if unrelated_dir is not None:
+        never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
+        methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
     if peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
     labels = [m.label for m in methods]
@@ -108,7 +115,9 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
             "prompts": len(suite), "dtype": dtype, "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
-            "methods": {m.label: None if m.method is None else asdict(m.method) for m in methods}}
+            "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
+            "methods": {m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})
+                        for m in methods}}
     write_report(out, summary, records, times, info)
     return summary
 
@@ -136,7 +145,7 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         head = EagleHead(head_config(target.config))  # random: its rows check the machinery, not acceptance
         head_dir = save_head(head, Path(tmp) / "eagle", target_dir.name)
         return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads,
-                         head_dir=head_dir)
+                         head_dir=head_dir, unrelated=True)
 
 
 

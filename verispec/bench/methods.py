@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from verispec.drafters.registry import Method, Resources, build_drafter
+from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.models.native import NativeModel, parse_dtype
 
@@ -41,9 +41,10 @@ class BenchMethod:
     label: str
     run: Runner
     method: Method | None = None
+    unrelated: bool = False  # drafted by a random draft of the real one's shape, which never agrees but by chance
 
 
-def ours(target: NativeModel, method: Method, resources: Resources) -> BenchMethod:
+def ours(target: NativeModel, method: Method, resources: Resources, unrelated: bool = False) -> BenchMethod:
     drafter = build_drafter(method, resources)  # a recipe: each generate() starts its own session
 
     def run(prompt: list[int], max_new_tokens: int) -> Run:
@@ -53,7 +54,8 @@ def ours(target: NativeModel, method: Method, resources: Resources) -> BenchMeth
         return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.draft_time, s.verify_time,
                    s.target_calls, s.proposed_by_position, s.accepted_by_position)
 
-    return BenchMethod(method.label, run, method)
+    label = f"{method.family} (unrelated) k={method.k}" if unrelated else method.label
+    return BenchMethod(label, run, method, unrelated)
 
 
 EAGLE_TREE = {"tree_top_k": 4, "tree_tokens": 16}  # EAGLE-2's tree at the bench: 4 expanded per depth, 16 verified
@@ -61,18 +63,25 @@ EAGLE_TREE = {"tree_top_k": 4, "tree_tokens": 16}  # EAGLE-2's tree at the bench
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
-    each continued to depth 4), and every other family at k = 4; layer skip (with the skip set of the target's
-    layerskip.json) and EAGLE (a chain, and EAGLE-2's tree 5 deep) when asked."""
+    each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
+    layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
+    tree 5 deep) when asked."""
     methods = [Method("autoregressive")]
     if draft is not None:
-        methods += [Method("draft", k) for k in DRAFT_KS] + [Method("draft", 4, {"branch": 2})]
-    methods.append(Method("ngram", 4))
+        methods += [Method("draft", k) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2})]
+    methods += [Method("ngram", 4), Method("ngram", AUTO)]
     if layerskip:
         methods.append(Method("layerskip", 4))
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     if eagle:
-        methods += [Method("eagle", 4), Method("eagle", 5, EAGLE_TREE)]
+        methods += [Method("eagle", 4), Method("eagle", AUTO), Method("eagle", 5, EAGLE_TREE)]
     return methods
+
+
+def unrelated_methods() -> list[Method]:
+    """Rows on the never-agreeing pair: the draft model at k = 4 (what drafting costs when nothing is accepted) and
+    at k = auto (which should stop drafting and stay within a few percent of autoregressive decoding)."""
+    return [Method("draft", 4), Method("draft", AUTO)]
 
 
 def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32") -> list[BenchMethod]:

@@ -47,7 +47,8 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
             if calls:  # our loop: counts and a split of its time exist
                 total = sum(x["seconds"] for x in mine)
                 split = {part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")}
-                entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())}}
+                entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())},
+                          "steps_by_depth": _width_histogram(proposed, calls)}  # [d]: steps that verified d drafts
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
                           "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)]}

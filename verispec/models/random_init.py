@@ -51,6 +51,16 @@ def random_checkpoint(folder: str | Path, config: ModelConfig, seed: int = 0,
     return save_checkpoint(folder, config, random_weights(config, seed), tokenizer, dtype)
 
 
+def unrelated_draft(draft_dir: str | Path, folder: str | Path, seed: int = 99) -> Path:
+    """A draft that never agrees with its target but by chance, at the real draft's cost: the config and tokenizer
+    of `draft_dir` with random weights (the benchmark's never-agreeing pair)."""
+    from verispec.models.config import read_config
+    from verispec.tokenizer import load_tokenizer
+
+    config = read_config(draft_dir)
+    return save_checkpoint(folder, config, random_weights(config, seed), load_tokenizer(draft_dir))
+
+
 def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0,
                 deep_scale: float = 0.2) -> tuple[Path, Path]:
     """A random target and a draft made of its first `draft_layers` layers (same embeddings, norm and head).
