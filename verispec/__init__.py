@@ -2,6 +2,7 @@
 
 from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
                                PromptLookup, Proposal, Resources, SideBranch, Verdict, build_drafter)
+from verispec.adaptive import AdaptiveK  # after the drafters: the registry imports it
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
                              InvalidArgumentError, TokenizerMismatchError, UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
@@ -14,7 +15,7 @@ from verispec.stats import GenerationStats
 from verispec.threads import default_threads, set_threads, torch_threads
 
 __all__ = [
-    "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
+    "AdaptiveK", "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
     "DrafterError", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
     "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Resources", "SamplingParams",
     "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel", "UnsupportedArchitectureError",
