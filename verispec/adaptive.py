@@ -20,7 +20,7 @@ Estimates, per generation, from this generation's own steps only:
   that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time.
 
 Proposals that are not plain chains (token trees, lookahead's window) keep their configured size: for them `auto`
-chooses between that size and 0. k is chosen from past verdicts and timings only, never from the current step's
+chooses between that size and 0, priced at the median width of their recent proposals. k is chosen from past verdicts and timings only, never from the current step's
 draws, so the acceptance rule, and with it the output's distribution, is untouched: a k fixed in advance of the step.
 """
 
@@ -154,6 +154,7 @@ class AdaptiveSession:
         self.chosen: list[int] = []  # k asked of the drafter at each step
         self.plain_run, self.probe_every, self._probing = 0, PROBE_FIRST, False
         self._next_probe: int | None = None  # while plain decoding pays, the plain_run of the next judgement
+        self.on_widths: deque[int] = deque(maxlen=TIMING_WINDOW)  # tokens a tree or window drafter put in the forward
         self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
 
     def choose(self, limit: int) -> int:
@@ -167,7 +168,8 @@ class AdaptiveSession:
             return limit  # a tree or window drafter: measure its configured size once before judging it
         c, r = self.fixed_costs or self.timings.costs()
         choices = range(limit + 1) if self.chain else (0, limit)
-        width = (lambda k: k) if self.chain else (lambda k: self.width if k else 0)
+        on = round(statistics.median(self.on_widths)) if self.on_widths else self.width  # a tree's usual size
+        width = (lambda k: k) if self.chain else (lambda k: on if k else 0)
         k = best_k(self.acceptance.rates(), c, r, choices, width)
         self._probing, self._next_probe = False, None
         if k > 0:
@@ -198,6 +200,8 @@ class AdaptiveSession:
             drafted, draft_seconds, width, proposed_at = self._pending
             self._pending = None
             self.timings.observe(drafted, draft_seconds, width, time.perf_counter() - proposed_at)
+            if width > 1:
+                self.on_widths.append(width - 1)
             self.acceptance.observe(drafted, verdict.num_accepted)
             if self._probing:
                 self.probe_every = PROBE_FIRST if verdict.num_accepted else min(2 * self.probe_every, PROBE_MAX)
