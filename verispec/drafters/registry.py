@@ -163,7 +163,7 @@ def build_drafter(method: Method, resources: Resources = Resources()) -> Drafter
     if method.k != AUTO:
         return family.build(method, resources)
     # A chain may draft up to AUTO_MAX_K; a tree or a window keeps the family's default size, on or off.
-    tree = method.options.get("branch", 1) > 1 or "tree_top_k" in method.options or not family.takes_k
+    tree = family.needs(method).tree_masks or not family.takes_k
     return AdaptiveK(family.build(replace(method, k=None if tree else AUTO_MAX_K), resources))
 
 
