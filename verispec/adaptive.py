@@ -17,7 +17,10 @@ Estimates, per generation, from this generation's own steps only:
   cost a visible share of it; and these timings are taken under the load the steps themselves run in.
 - While k = 0 is best, a probe (k = 1; a tree or window drafter's full size) runs every so many plain steps, so a
   drafter that starts agreeing later is picked up: first after PROBE_FIRST steps, then twice as long after each probe
-  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time.
+  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time;
+  after an accepted probe, the next step probes again, until the estimate says drafting pays or a probe fails.
+- The drafting time of the first drafting step, and of the first after plain steps, is not taken as a price: a draft
+  model then also reads the tokens it has not seen (the whole prompt, at first).
 
 Proposals that are not plain chains (token trees, lookahead's window) keep their configured size: for them `auto`
 chooses between that size and 0, priced at the median width of their recent proposals. k is chosen from past verdicts and timings only, never from the current step's
@@ -156,6 +159,8 @@ class AdaptiveSession:
         self._next_probe: int | None = None  # while plain decoding pays, the plain_run of the next judgement
         self.on_widths: deque[int] = deque(maxlen=TIMING_WINDOW)  # tokens a tree or window drafter put in the forward
         self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
+        self._drafted_last = False  # whether the previous step drafted: if not, this one's drafting includes a catch-up
+        self._probe_again = False  # the last probe was accepted: probe again at once while plain decoding still wins
 
     def choose(self, limit: int) -> int:
         """The k for the next step, at most `limit`."""
@@ -173,12 +178,12 @@ class AdaptiveSession:
         k = best_k(self.acceptance.rates(), c, r, choices, width)
         self._probing, self._next_probe = False, None
         if k > 0:
-            self.plain_run, self.probe_every = 0, PROBE_FIRST
+            self.plain_run, self.probe_every, self._probe_again = 0, PROBE_FIRST, False
             return k
         self.plain_run += 1
         probe = 1 if self.chain else limit
         cost = probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
-        wait = max(self.probe_every, cost / PROBE_BUDGET)
+        wait = 0 if self._probe_again else max(self.probe_every, cost / PROBE_BUDGET)
         if self.plain_run > wait:
             self.plain_run, self._probing = 0, True
             return probe
@@ -199,10 +204,15 @@ class AdaptiveSession:
         if self._pending is not None:
             drafted, draft_seconds, width, proposed_at = self._pending
             self._pending = None
-            self.timings.observe(drafted, draft_seconds, width, time.perf_counter() - proposed_at)
+            # The first drafting step of the generation, or after plain steps, also feeds a draft model the tokens it
+            # has not seen (the whole prompt, at first): not a price per drafted token.
+            clean = drafted if self._drafted_last else 0
+            self._drafted_last = drafted > 0
+            self.timings.observe(clean, draft_seconds, width, time.perf_counter() - proposed_at)
             if width > 1:
                 self.on_widths.append(width - 1)
             self.acceptance.observe(drafted, verdict.num_accepted)
             if self._probing:
+                self._probe_again = verdict.num_accepted > 0
                 self.probe_every = PROBE_FIRST if verdict.num_accepted else min(2 * self.probe_every, PROBE_MAX)
         self.inner.accepted(verdict)
