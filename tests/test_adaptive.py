@@ -122,7 +122,7 @@ def test_probing_schedule_backs_off_while_probes_fail() -> None:
     # never fewer than keep a probe's predicted extra cost (0.1 + r(2) - 1 = 0.15 of a step) under PROBE_BUDGET
     budget = 0.15 / PROBE_BUDGET
     expected = [int(max(min(PROBE_FIRST * 2 ** i, PROBE_MAX), budget)) for i in range(len(gaps))]
-    assert expected[:5] == [7, 8, 16, 32, 64]
+    assert expected[:5] == [15, 15, 16, 32, 64]
     assert gaps == expected
     assert sum(asked[first_plain:]) / len(asked[first_plain:]) < 0.03  # a few percent of a token per step
 

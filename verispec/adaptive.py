@@ -44,7 +44,7 @@ PRIOR_WEIGHT = 1.0
 DECAY = 0.9
 PRIOR_C, PRIOR_SLOPE = 0.1, 0.1  # draft token / target token, and r(n) = 1 + slope (n - 1), until measured
 TIMING_WINDOW = 9  # steps whose median timing is kept per width
-PROBE_FIRST, PROBE_MAX, PROBE_BUDGET = 4, 64, 0.02
+PROBE_FIRST, PROBE_MAX, PROBE_BUDGET = 4, 64, 0.01
 
 Costs = tuple[float, Callable[[int], float]]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
 
