@@ -26,6 +26,7 @@ from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
+from verispec.models.draft_vocab import VOCAB_FILE
 from verispec.models.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.timing import forward_seconds, head_step_seconds
 from verispec.threads import torch_threads
@@ -42,10 +43,13 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
     c_draft = forward_seconds(draft, 1) / one if draft is not None else None
     kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
     c_skip = forward_seconds(target, 1, layers=kept) / one if skip else None
-    c_eagle = head_step_seconds(target, load_head(head_dir, target.config, target.dtype)) / one if head_dir else None
-    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0, "eagle": c_eagle}
+    head = load_head(head_dir, target.config, target.dtype) if head_dir else None
+    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0}
     chains = [m for m in methods if m.method is not None and not {"branch", "tree_top_k"} & set(m.method.options)]
     c = {m.label: per_family[m.method.family] for m in chains if m.method.family in per_family}
+    for m in chains:  # an EAGLE step's cost depends on how wide its LM head is
+        if m.method.family == "eagle" and head is not None:
+            c[m.label] = head_step_seconds(target, head, m.method.options.get("draft_vocab")) / one
     return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
 
 
@@ -92,8 +96,10 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir)
+    eagle_vocab = head_dir is not None and (head_dir / VOCAB_FILE).is_file()
     methods = [ours(target, method, resources)
-               for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None)]
+               for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
+                                         eagle_vocab=eagle_vocab)]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]

@@ -61,11 +61,16 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
 EAGLE_TREE = {"tree_top_k": 4, "tree_tokens": 16}  # EAGLE-2's tree at the bench: 4 expanded per depth, 16 verified
 
 
-def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False) -> list[Method]:
+EAGLE_VOCAB = 2048  # the reduced draft vocabulary's row: the most frequent quarter of the shipped tokenizer
+
+
+def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
+                eagle_vocab: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
     layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
-    tree 5 deep) when asked."""
+    tree 5 deep; with its saved token frequencies, also the chain over the EAGLE_VOCAB most frequent tokens) when
+    asked."""
     methods = [Method("autoregressive")]
     if draft is not None:
         methods += [Method("draft", k) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2})]
@@ -75,6 +80,8 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     if eagle:
         methods += [Method("eagle", 4), Method("eagle", AUTO), Method("eagle", 5, EAGLE_TREE)]
+    if eagle_vocab:
+        methods.append(Method("eagle", 4, {"draft_vocab": EAGLE_VOCAB}))
     return methods
 
 

@@ -27,19 +27,20 @@ def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, rep
     return sorted(times)[len(times) // 2]
 
 
-def head_step_seconds(target: NativeModel, head, context: int = 256, repeats: int = 7) -> float:
+def head_step_seconds(target: NativeModel, head, vocab: int | None = None, context: int = 256,
+                      repeats: int = 7) -> float:
     """Median time of one EAGLE drafting step: the head over one (feature, token) after `context` cached entries,
-    then the target's LM head over its predicted feature."""
+    then the target's LM head over its predicted feature (its first `vocab` rows: a reduced draft vocabulary)."""
     feature = torch.zeros(1, 1, target.hidden_size, dtype=target.dtype, device=target.device)
     embedding = target.embed(torch.zeros(1, 1, dtype=torch.long, device=target.device))
     cache = head.new_cache(context + 1, target.dtype, target.device)
-    times = []
+    times, lm_head = [], target.lm_head_weight[:vocab].contiguous()
     with torch.inference_mode():
         head(feature.expand(1, context, -1), embedding.expand(1, context, -1), cache)
         for _ in range(repeats):
             start = time.perf_counter()
             predicted = head(feature, embedding, cache)
-            torch.nn.functional.linear(predicted, target.lm_head_weight)
+            torch.nn.functional.linear(predicted, lm_head)
             times.append(time.perf_counter() - start)
             cache.truncate(context)
     return sorted(times)[len(times) // 2]
