@@ -77,3 +77,17 @@ def test_generate_needs_no_arguments(capsys) -> None:
     assert main(["generate", PROMPT, "--max-new-tokens", "12", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(PROMPT) and "tau" in out and "accepted" in out
+
+
+def test_the_shipped_eagle_head(capsys) -> None:
+    """bf16 on disk in EAGLE's layout, made for the shipped target, and `--method eagle` needs no other argument."""
+    head = DEFAULT_TARGET.parent / "stdlib-eagle"
+    for name in ("config.json", "model.safetensors", "draft_vocab.safetensors", "README.md"):
+        assert (head / name).is_file(), head / name
+    with safe_open(head / "model.safetensors", "pt") as f:
+        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+        assert "fc.weight" in f.keys() and not any(key.startswith(("embed_tokens", "lm_head")) for key in f.keys())
+    assert main(["generate", PROMPT, "--method", "eagle", "--max-new-tokens", "24", "--threads", "1", "--compare",
+                 "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to autoregressive: yes" in out and "drafted" in out
