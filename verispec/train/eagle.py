@@ -15,22 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.native import load_model
-from verispec.models.protocol import FINAL
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
-from verispec.train.target import tokenized_split
+from verispec.train.features import frozen_target, save_frequencies, target_view
 
 FEATURE_WEIGHT, TOKEN_WEIGHT, NOISE = 1.0, 0.1, 0.1
-
-
-def target_view(target: LlamaForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target's final-normed features and logits over the windows' inputs, (B, L, D) and (B, L, V)."""
-    with torch.no_grad():
-        logits, hidden = target(batch[:, :-1], None, hidden=[FINAL])
-    return hidden[:, :, 0].float(), logits.float()
 
 
 def head_outputs(head: EagleHead, target: LlamaForCausalLM, batch: torch.Tensor, features: torch.Tensor,
@@ -81,16 +71,9 @@ def agreement_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: i
 
 def train_eagle(run_dir: Path, target_dir: Path, cfg: TrainConfig) -> Path:
     """Train a head for the exported target in `target_dir` on the corpus's train split."""
-    target = load_model(target_dir)
-    frozen = target.module.eval().requires_grad_(False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    train_tokens = tokenized_split(run_dir, target.tokenizer, "train")
-    val_tokens = tokenized_split(run_dir, target.tokenizer, "validation")
-    torch.manual_seed(cfg.seed)
+    target, frozen, train_tokens, val_tokens = frozen_target(run_dir, target_dir, cfg)
     head = EagleHead(head_config(target.config))
     init_weights(head)
     print(f"eagle head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters", flush=True)
     train(head, cfg, run_dir, train_tokens, eagle_loss(frozen), agreement_evaluator(frozen, val_tokens, cfg.seq_len))
-    folder = save_head(head, run_dir / "model", target_dir.name)
-    save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
-    return folder
+    return save_frequencies(save_head(head, run_dir / "model", target_dir.name), train_tokens, target)

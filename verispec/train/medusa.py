@@ -15,13 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.medusa import MedusaHeads, save_heads
-from verispec.models.native import load_model
-from verispec.train.eagle import target_view
+from verispec.train.features import frozen_target, save_frequencies, target_view
 from verispec.train.loop import TrainConfig, even_windows, train
-from verispec.train.target import tokenized_split
 
 DECAY, RANKS = 0.8, 4
 
@@ -68,16 +65,10 @@ def accuracy_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: in
 def train_medusa(run_dir: Path, target_dir: Path, cfg: TrainConfig, num_heads: int = 4) -> Path:
     """Train heads for the exported target in `target_dir` on the corpus's train split; saves them with the last
     evaluation's accuracy table."""
-    target = load_model(target_dir)
-    frozen = target.module.eval().requires_grad_(False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    train_tokens = tokenized_split(run_dir, target.tokenizer, "train")
-    val_tokens = tokenized_split(run_dir, target.tokenizer, "validation")
-    torch.manual_seed(cfg.seed)
+    target, frozen, train_tokens, val_tokens = frozen_target(run_dir, target_dir, cfg)
     heads = MedusaHeads.from_target(frozen.lm_head.weight.detach().float(), num_heads)
     print(f"medusa: {num_heads} heads, {sum(p.numel() for p in heads.parameters()) / 1e6:.1f}M parameters", flush=True)
     evaluate = accuracy_evaluator(frozen, val_tokens, cfg.seq_len)
     train(heads, cfg, run_dir, train_tokens, medusa_loss(frozen), evaluate)
     folder = save_heads(heads, run_dir / "model", target_dir.name, evaluate(heads.eval())["accuracy"])
-    save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
-    return folder
+    return save_frequencies(folder, train_tokens, target)
