@@ -157,6 +157,10 @@ def test_heads_for_other_targets_are_refused(tmp_path, target, unrelated) -> Non
         generate(target, PROMPT, Eagle(random_head(wide), 2), max_new_tokens=4)
     with pytest.raises(CheckpointError, match="not an EAGLE head"):
         load_head(tmp_path, target.config, torch.float32)
+    broken = random_head(target)
+    broken.fc.weight.data[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="fc.weight holds NaN"):
+        load_head(save_head(broken, tmp_path / "nan", "tiny"), target.config, torch.float32)
 
 
 def test_training_lowers_the_loss_and_resumes(tmp_path, target) -> None:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.errors import CheckpointError
+from verispec.models.checkpoint import check_finite
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.llama import Block, rotary
@@ -105,7 +106,7 @@ def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, devic
         head.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{folder}: weights do not fit an EAGLE head ({str(err).splitlines()[0]})") from None
-    if not all(torch.isfinite(w).all() for w in weights.values()):
-        raise CheckpointError(f"{folder}: the head's weights hold NaN or inf")
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    check_finite(head.state_dict().items(), folder)  # after the cast, which can overflow
+    return head
 

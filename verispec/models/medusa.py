@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.errors import CheckpointError
+from verispec.models.checkpoint import check_finite
 
 CHOICES_FILE = "medusa_choices.json"
 
@@ -118,6 +119,6 @@ def load_heads(folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, 
         heads.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{folder}: weights do not fit Medusa heads ({str(err).splitlines()[0]})") from None
-    if not all(torch.isfinite(w).all() for w in weights.values()):
-        raise CheckpointError(f"{folder}: the heads' weights hold NaN or inf")
-    return heads.to(device=device, dtype=dtype).eval().requires_grad_(False), accuracy
+    heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    check_finite(heads.state_dict().items(), folder)  # after the cast, which can overflow
+    return heads, accuracy
