@@ -14,7 +14,6 @@ from verispec.cli import main
 from verispec.drafters.lookahead import NgramPool, candidate_tree, window_layout
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.sampling import SamplingParams
 from verispec.errors import IncompatibleTargetError
 
 from drafting import start_session

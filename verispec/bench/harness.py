@@ -16,7 +16,6 @@ from verispec.bench.metrics import summarize
 from verispec.bench.report import machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
-import torch
 
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import InvalidArgumentError

@@ -89,9 +89,7 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     if (tree[0] is None) != (tree[1] is None):
         raise InvalidArgumentError("an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
                                    "node) and tree_tokens (nodes verified)")
-    size = method.options.get("draft_vocab")
-    vocab = None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
-    return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
+    return Eagle(head, method.k or 4, _draft_vocab(method, folder), tree=None if tree[0] is None else tree)
 
 
 def _medusa(method: Method, res: Resources) -> Medusa:
@@ -99,9 +97,13 @@ def _medusa(method: Method, res: Resources) -> Medusa:
     folder = res.head_dir or default_head(res.target_dir, "medusa")
     heads, accuracy = load_heads(folder, res.target.hidden_size, res.target.lm_head_weight.shape[0],
                                  res.target.dtype, res.target.device)
+    return Medusa(heads, accuracy, method.options.get("tree_tokens", 16), _draft_vocab(method, folder))
+
+
+def _draft_vocab(method: Method, folder: Path):
+    """The reduced draft vocabulary a head's method asks for (`draft_vocab` most frequent tokens), or None."""
     size = method.options.get("draft_vocab")
-    vocab = None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
-    return Medusa(heads, accuracy, method.options.get("tree_tokens", 16), vocab)
+    return None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
 
 
 def _reads_features(res: Resources, family: str) -> None:

@@ -140,3 +140,23 @@ def save_checkpoint(
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     save_tokenizer(tokenizer, folder, config.max_position_embeddings)
     return folder
+
+
+def read_head(folder: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of a drafting head's folder (`kind` names it in errors)."""
+    try:
+        return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{folder}: not {kind} folder ({err})") from None
+
+
+def fill_head(module: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path, kind: str,
+              dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """`module` with exactly `weights`, cast, frozen, and refused if any weight is not finite after the cast."""
+    try:
+        module.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{folder}: weights do not fit {kind} ({str(err).splitlines()[0]})") from None
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    check_finite(module.state_dict().items(), folder)  # after the cast, which can overflow
+    return module

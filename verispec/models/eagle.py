@@ -14,12 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from verispec.errors import CheckpointError
-from verispec.models.checkpoint import check_finite
+from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.llama import Block, rotary
@@ -92,21 +91,10 @@ def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, devic
               ) -> EagleHead:
     """A head saved by `save_head`, checked against the target it will draft for."""
     folder = Path(folder)
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-        weights = load_file(str(folder / "model.safetensors"))
-    except (OSError, ValueError, SafetensorError) as err:
-        raise CheckpointError(f"{folder}: not an EAGLE head folder ({err})") from None
+    raw, weights = read_head(folder, "an EAGLE head")
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
     wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
     if wrong:
         raise CheckpointError(f"{folder}: this EAGLE head was not made for this target ({', '.join(wrong)})")
-    head = EagleHead(head_config(target))
-    try:
-        head.load_state_dict(weights, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{folder}: weights do not fit an EAGLE head ({str(err).splitlines()[0]})") from None
-    head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    check_finite(head.state_dict().items(), folder)  # after the cast, which can overflow
-    return head
+    return fill_head(EagleHead(head_config(target)), weights, folder, "an EAGLE head", dtype, device)
 

@@ -16,12 +16,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from verispec.errors import CheckpointError
-from verispec.models.checkpoint import check_finite
+from verispec.models.checkpoint import fill_head, read_head
 
 CHOICES_FILE = "medusa_choices.json"
 
@@ -103,22 +102,15 @@ def load_heads(folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, 
                ) -> tuple[MedusaHeads, list[list[float]] | None]:
     """Heads saved by `save_heads` (and their accuracy table, where measured), checked against the target's sizes."""
     folder = Path(folder)
+    config, weights = read_head(folder, "a Medusa heads")
     try:
-        config = json.loads((folder / "config.json").read_text())
-        weights = load_file(str(folder / "model.safetensors"))
         choices = folder / CHOICES_FILE
         accuracy = json.loads(choices.read_text())["accuracy"] if choices.is_file() else None
-    except (OSError, ValueError, KeyError, SafetensorError) as err:
+    except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{folder}: not a Medusa heads folder ({err})") from None
     if (config.get("hidden_size"), config.get("vocab_size")) != (hidden, vocab):
         raise CheckpointError(f"{folder}: these Medusa heads were not made for this target (features "
                               f"{config.get('hidden_size')} and vocabulary {config.get('vocab_size')}, not {hidden} "
                               f"and {vocab})")
     heads = MedusaHeads(hidden, vocab, int(config["medusa_num_heads"]))
-    try:
-        heads.load_state_dict(weights, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{folder}: weights do not fit Medusa heads ({str(err).splitlines()[0]})") from None
-    heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    check_finite(heads.state_dict().items(), folder)  # after the cast, which can overflow
-    return heads, accuracy
+    return fill_head(heads, weights, folder, "Medusa heads", dtype, device), accuracy
