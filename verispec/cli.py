@@ -123,12 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa"),
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa",
+                                     "medusa-card"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
-                          "an EAGLE head for --target (RUNS/eagle) or its card, or Medusa heads (RUNS/medusa)")
+                          "an EAGLE head for --target (RUNS/eagle) or Medusa heads (RUNS/medusa), or their cards")
     trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
                                                     "and exports")
-    trn.add_argument("--target", help="eagle: the target to train a head for (default: the shipped target)")
+    trn.add_argument("--target", help="eagle, medusa and their cards: the target the heads are for (default: the "
+                                          "shipped target)")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
@@ -369,11 +371,13 @@ def _train(args: argparse.Namespace) -> None:
         numbers = write_cards(*(load_model(m) for m in models), *models, runs / "target", runs / "draft")
         print(json.dumps(numbers, indent=2))
         return
-    if args.what == "eagle-card":
-        from verispec.train.card import write_head_card
+    if args.what in ("eagle-card", "medusa-card"):
+        from verispec.train.head_cards import write_eagle_card, write_medusa_card
 
+        kind = args.what.removesuffix("-card")
         target_dir = Path(args.target) if args.target else default_paths()[0]
-        print(json.dumps(write_head_card(load_model(target_dir), runs / "eagle" / "model", runs / "eagle"), indent=2))
+        write = {"eagle": write_eagle_card, "medusa": write_medusa_card}[kind]
+        print(json.dumps(write(load_model(target_dir), runs / kind / "model", runs / kind), indent=2))
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)
