@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from verispec import generate
-from verispec.adaptive import (AUTO_MAX_K, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, Acceptance, AdaptiveK, Timings, best_k,
-                               expected_tokens)
+from verispec.adaptive import (AUTO_MAX_K, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Acceptance, AdaptiveK,
+                               Timings, best_k, expected_tokens)
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -227,3 +227,33 @@ def test_sampling_with_auto_follows_the_target(tmp_path, reference_probs) -> Non
     assert len(ks) > 2  # the steps' lengths did vary with the verdicts
     pvalue, tv = compare(counts.ravel(), last_two.ravel())
     assert pvalue > P_VALUE_MIN and tv < (last_two.size / DRAWS) ** 0.5, (pvalue, tv)
+
+
+def test_a_depth_left_untried_drifts_back_to_the_one_before() -> None:
+    est = Acceptance(4, decay=0.9)
+    est.observe(drafted=4, accepted=3)  # depth 4 fails once...
+    assert est.rates()[3] < 0.5
+    for _ in range(30):  # ...then only 3 deep is drafted, always accepted
+        est.observe(drafted=3, accepted=3)
+    rates = est.rates()
+    assert rates[3] > 0.85 * rates[2] and rates[2] > 0.9  # so drafting 4 deep pays again
+    assert best_k(rates, 0.05, lambda n: 1.0, range(5)) == 4
+
+
+def test_a_stalled_timing_never_prices_n_tokens_above_n_forwards() -> None:
+    t = Timings()
+    for _ in range(3):
+        t.observe(0, 0.0, 1, 0.010)
+    t.observe(1, 0.001, 2, 0.200)  # a stall, the only two-token timing
+    assert t.costs()[1](2) == 2.0
+
+
+def test_probes_come_at_least_every_probe_wait_max_steps() -> None:
+    inner = Never()
+    session = AdaptiveK(inner, costs=(0.5, lambda n: float(n))).begin(None)  # a probe looks very costly
+    for _ in range(3 * PROBE_WAIT_MAX):
+        session.propose([1, 2, 3], 8)
+        session.accepted(Verdict([]))
+    probes = [i for i, k in enumerate(inner.asked) if k]
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert len(probes) == 2 and max(gaps) <= PROBE_WAIT_MAX + 1

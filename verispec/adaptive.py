@@ -8,7 +8,8 @@ a plain step (E = 1, cost = 1), so it drafts only while the predicted speedup is
 
 Estimates, per generation, from this generation's own steps only:
 - a_j: decayed counts of accepted / tried at position j with a Beta prior (mean: a_{j-1}'s estimate, PRIOR_ACCEPTANCE
-  at j = 1; weight PRIOR_WEIGHT), every count multiplied by DECAY at each new try, so the last ten or so tries count.
+  at j = 1; weight PRIOR_WEIGHT), every count multiplied by DECAY at each drafting step, so the last ten or so steps
+  count, and a depth left untried drifts back to the estimate of the one before it (and is tried again).
 - costs: the session times the drafter's `propose` (seconds per drafted token) and the verification (from the
   proposal's return to the verdict, which is the target's forward), keeping the median of the last few steps per
   forward width (a median shrugs off a stall on a shared machine). Widths not yet seen come from a line through the
@@ -17,7 +18,8 @@ Estimates, per generation, from this generation's own steps only:
   cost a visible share of it; and these timings are taken under the load the steps themselves run in.
 - While k = 0 is best, a probe (k = 1; a tree or window drafter's full size) runs every so many plain steps, so a
   drafter that starts agreeing later is picked up: first after PROBE_FIRST steps, then twice as long after each probe
-  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time;
+  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time
+  (but at least every PROBE_WAIT_MAX steps, since that prediction comes from timings only a probe can renew);
   after an accepted probe, the next step probes again, until the estimate says drafting pays or a probe fails.
 - The drafting time of the first drafting step, and of the first after plain steps, is not taken as a price: a draft
   model then also reads the tokens it has not seen (the whole prompt, at first).
@@ -45,6 +47,7 @@ DECAY = 0.9
 PRIOR_C, PRIOR_SLOPE = 0.1, 0.1  # draft token / target token, and r(n) = 1 + slope (n - 1), until measured
 TIMING_WINDOW = 9  # steps whose median timing is kept per width
 PROBE_FIRST, PROBE_MAX, PROBE_BUDGET = 4, 64, 0.01
+PROBE_WAIT_MAX = 128  # plain steps between probes at most, however costly they look: a probe also re-measures that cost
 
 Costs = tuple[float, Callable[[int], float]]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
 
@@ -81,10 +84,16 @@ class Acceptance:
         self.tried, self.hits = [0.0] * k, [0.0] * k
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A step drafted `drafted` deep and `accepted` of them were kept: positions 1..accepted + 1 were tried."""
-        for j in range(min(drafted, accepted + 1, len(self.tried))):
-            self.tried[j] = self.decay * self.tried[j] + 1
-            self.hits[j] = self.decay * self.hits[j] + (j < accepted)
+        """A step drafted `drafted` deep and `accepted` of them were kept: positions 1..accepted + 1 were tried.
+
+        Every position's counts fade at each drafting step, tried or not: a depth that failed once and was then left
+        untried would otherwise keep its one failure for ever, and never be tried again."""
+        if drafted == 0:
+            return
+        for j in range(len(self.tried)):
+            tried = j < min(drafted, accepted + 1)
+            self.tried[j] = self.decay * self.tried[j] + tried
+            self.hits[j] = self.decay * self.hits[j] + (tried and j < accepted)
 
     def rates(self) -> list[float]:
         out, mean = [], self.prior
@@ -126,7 +135,9 @@ class Timings:
                 one = min(ts)
         line = lambda n: seen.get(n, one + slope * (n - 1))
         c = statistics.median(self.draft) / one if self.draft else PRIOR_C
-        return c, lambda n: max(1.0, line(n) / one)
+        # Verifying n tokens never costs more than n one-token forwards: a stalled timing must not price speculation
+        # out for good (plain steps measure nothing that could correct it).
+        return c, lambda n: min(float(n), max(1.0, line(n) / one))
 
 
 class AdaptiveK:
@@ -183,7 +194,7 @@ class AdaptiveSession:
         self.plain_run += 1
         probe = 1 if self.chain else limit
         cost = probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
-        wait = 0 if self._probe_again else max(self.probe_every, cost / PROBE_BUDGET)
+        wait = 0 if self._probe_again else min(max(self.probe_every, cost / PROBE_BUDGET), PROBE_WAIT_MAX)
         if self.plain_run > wait:
             self.plain_run, self._probing = 0, True
             return probe
