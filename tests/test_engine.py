@@ -9,7 +9,6 @@ import pytest
 from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
                       build_drafter, generate, generate_batch, load_model)
 from verispec.engine import Engine, Request
-from verispec.engine.draft_length import CALIBRATION_REPEATS, DraftLength
 from verispec.models.random_init import random_pair, tiny_config
 
 from test_verify import P_VALUE_MIN, compare
@@ -160,25 +159,6 @@ def test_k_follows_the_batch_size(target, draft, single_thread) -> None:
     assert engine.metrics.steps_by_k[0] >= 3 and sum(engine.metrics.steps_by_k[1:]) > 0
     for rid, prompt, n in zip(ids, PROMPTS, budgets):
         assert got[rid] == alone(target, prompt, max_new_tokens=n).tokens
-
-
-def test_draft_length_times_each_batch_size_once() -> None:
-    """The first time a batch size is met, forwards of 1 and max_k + 1 tokens per row are timed; their ratio sets
-    r, which decides between drafting and plain decoding (fake times: no clock involved)."""
-    for slope, expected in ((0.05, 4), (1.0, 0)):
-        length, widths = DraftLength(4), []
-
-        def measure(n: int) -> float:
-            widths.append(n)
-            return 0.01 * (1 + slope * (n - 1))
-
-        assert length.choose([[0.9] * 4] * 3, [4, 4, 2], measure) == expected
-        assert sorted(widths) == [1] * CALIBRATION_REPEATS + [5] * CALIBRATION_REPEATS
-        length.choose([[0.9] * 4] * 3, [4, 4, 2], measure)
-        assert len(widths) == 2 * CALIBRATION_REPEATS  # that batch size is known now
-        _, r = length.costs(3, measure)
-        assert r(5) == pytest.approx(1 + 4 * slope)
-    assert DraftLength(4).choose([[0.9] * 4], [0], measure) == 0  # no room to draft: nothing measured either
 
 
 def test_a_failed_step_leaves_every_sequence_consistent(target, draft, single_thread) -> None:

@@ -4,21 +4,23 @@ The model of a step is adaptive.py's, per batch size B: drafting k tokens for ea
 sum_i E_i(k) tokens (E_i from sequence i's own acceptance by position, `adaptive.Acceptance`) and costs
 k c_B + r_B(k + 1), in units of a target forward of B rows of one token; plain decoding yields B tokens for 1. As the
 batch grows, the target's forward stops being bound by reading the weights: r_B(n) climbs towards n and the best k
-falls, to 0 (plain decoding) once speculation no longer pays. c_B and r_B come from `adaptive.Timings`, one per batch
-size: every step's drafting and verification times, and, the first time a batch size is met, forwards of 1 and
-max_k + 1 tokens per row timed on the running batch itself (`measure`), so that r_B has two widths to draw a line
-through before the steps have tried them. While plain decoding wins, a one-token probe runs now and then, as in
-`AdaptiveK`, so that the acceptance estimates can recover. k is chosen before the step's draws, from past verdicts
-and timings only: each step is an ordinary fixed-k step, and the output keeps the target's distribution.
+falls, to 0 (plain decoding) once speculation no longer pays. r_B(n) = f(B n) / f(B), with f the target's forward
+seconds by the tokens it carries (`CostCurve`), and c_B = d(B) / f(B), with d the drafting seconds per drafted token
+at batch size B; both from every step's timings and, where the steps have not reached yet (within a factor of two),
+forwards of 1 and max_k + 1 tokens per row timed on the running batch itself (`measure`). While plain decoding wins,
+a one-token probe runs now and then, as in `AdaptiveK`, so that the acceptance estimates can recover. k is chosen
+before the step's draws, from past verdicts and timings only: each step is an ordinary fixed-k step, and the output
+keeps the target's distribution.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from verispec.adaptive import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, Costs, Timings, expected_tokens
+from verispec.adaptive import PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, Costs, expected_tokens
+from verispec.engine.forward_costs import CostCurve
 
-CALIBRATION_REPEATS = 3  # forwards of each width timed when a batch size is first met (their median counts)
+CALIBRATION_REPEATS = 3  # forwards of each width timed when the steps have not reached a size yet
 
 
 class DraftLength:
@@ -27,8 +29,7 @@ class DraftLength:
 
     def __init__(self, max_k: int, costs: Callable[[int], Costs] | None = None) -> None:
         self.max_k, self.fixed_costs = max_k, costs
-        self.timings: dict[int, Timings] = {}
-        self._calibrated: set[int] = set()
+        self.forward, self.drafting = CostCurve(), CostCurve()  # by tokens in the forward; per token, by batch size
         self.plain_run, self.probe_every = 0, PROBE_FIRST
         self._probing = self._probe_again = self._drafted_last = False
 
@@ -58,19 +59,21 @@ class DraftLength:
         return 0
 
     def costs(self, batch: int, measure: Callable[[int], float | None]) -> Costs:
-        """(c, r) at this batch size, timing the target on the batch the first time the size is met."""
+        """(c, r) at this batch size, timing the target on the batch where the steps have not reached its sizes."""
         if self.fixed_costs is not None:
             return self.fixed_costs(batch)
-        timings = self.timings.setdefault(batch, Timings())
-        if batch not in self._calibrated:
-            for width in (1, self.max_k + 1) * CALIBRATION_REPEATS:
-                seconds = measure(width)
-                if seconds is None:  # some row is too near the end of its context: try again at a later step
-                    break
-                timings.observe(0, 0.0, width, seconds)
-            else:
-                self._calibrated.add(batch)
-        return timings.costs()
+        for width in (1, self.max_k + 1):
+            if not self.forward.near(batch * width):
+                for _ in range(CALIBRATION_REPEATS):
+                    seconds = measure(width)
+                    if seconds is None:  # some row is too near the end of its context: try again at a later step
+                        break
+                    self.forward.observe(batch * width, seconds)
+        one, drafting = self.forward(batch), self.drafting(batch)
+        if not one:  # nothing timed yet (no room for it): a prior
+            return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1)
+        c = PRIOR_C if drafting is None else drafting / one
+        return c, lambda n: max(1.0, self.forward(batch * n) / one)
 
     def observe(self, batch: int, drafted: int, draft_seconds: float, width: int, verify_seconds: float,
                 accepted: bool) -> None:
@@ -79,7 +82,9 @@ class DraftLength:
         # The first drafting step after plain steps also feeds a draft model the tokens it has not seen yet.
         clean = drafted if self._drafted_last else 0
         self._drafted_last = drafted > 0
-        self.timings.setdefault(batch, Timings()).observe(clean, draft_seconds, width, verify_seconds)
+        self.forward.observe(batch * width, verify_seconds)
+        if clean:
+            self.drafting.observe(batch, draft_seconds / clean)
         if self._probing:
             self._probe_again = accepted
             self.probe_every = PROBE_FIRST if accepted else min(2 * self.probe_every, PROBE_MAX)

@@ -24,6 +24,8 @@ from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
 from verispec.tree import cut_after_eos
 
+POOLED_WEIGHT = 4.0  # tries of its own that the pooled acceptance counts for, as a new sequence's prior
+
 
 class Engine:
     """Decodes up to `max_batch` requests at a time, one target forward per step for all of them; the rest wait for
@@ -54,6 +56,7 @@ class Engine:
         self.max_k = 0 if drafter is None else drafter.k
         self.draft_length = DraftLength(self.max_k, costs) if drafter is not None and adaptive else None
         self.metrics = EngineMetrics()
+        self._pooled = Acceptance(max(1, self.max_k))  # every sequence's verdicts
         self._next_id = 0
         self._free = list(range(self.max_batch))  # a heap: the lowest free slot first keeps the batch contiguous
         self._waiting: deque[Sequence] = deque()
@@ -84,8 +87,11 @@ class Engine:
         else:
             generator.manual_seed(seed)
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
+        # A new sequence's acceptance starts from what the drafter has been getting lately at each position (probes
+        # alone only try the first), worth a few of its own tries.
+        acceptance = Acceptance(max(1, self.max_k), self._pooled.rates(), POOLED_WEIGHT)
         sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                            list(prompt), Acceptance(max(1, self.max_k)))
+                            list(prompt), acceptance)
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
@@ -190,6 +196,7 @@ class Engine:
             stats.target_calls += 1
             stats.drafter_calls += s.slot in asked
             s.acceptance.observe(len(row.proposal.tokens), n)
+            self._pooled.observe(len(row.proposal.tokens), n)
             before = len(s.tokens)
             self.metrics.accepted_tokens += s.commit(row.proposal.tokens, n, token, context)
             self.metrics.drafted_tokens += len(row.proposal.tokens)
