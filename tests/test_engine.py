@@ -161,9 +161,11 @@ def test_k_follows_the_batch_size(target, draft, single_thread) -> None:
         assert got[rid] == alone(target, prompt, max_new_tokens=n).tokens
 
 
-def test_a_failed_step_leaves_every_sequence_consistent(target, draft, single_thread) -> None:
-    """The target fails in the middle of a step: every slot (target and draft) is rolled back to its committed
-    tokens, and the engine goes on to the outputs each prompt has alone."""
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_a_failed_step_leaves_every_sequence_consistent(target, draft, fail_at, single_thread) -> None:
+    """The target fails in the prefill (call 1: the requests go back to the queue) or in the middle of a step
+    (call 4: every slot, target and draft, is rolled back to its committed tokens); the engine goes on to the outputs
+    each prompt has alone."""
 
     class Failing:
         calls = 0
@@ -173,14 +175,14 @@ def test_a_failed_step_leaves_every_sequence_consistent(target, draft, single_th
 
         def forward_batch(self, *args):
             self.calls += 1
-            if self.calls == 4:  # the prefill, two steps, then this one
+            if self.calls == fail_at:
                 raise RuntimeError("interrupted")
             return target.forward_batch(*args)
 
     engine = Engine(Failing(), DraftModel(draft, 4), adaptive=False)
     ids = [engine.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS]
-    got = {}
-    for _ in range(2):
+    got = {rid: [] for rid in ids}
+    for _ in range(fail_at - 2 if fail_at > 1 else 0):  # the prefill and the steps before the failing call
         for update in engine.step():
             got.setdefault(update.request_id, []).extend(update.tokens)
     with pytest.raises(RuntimeError):

@@ -113,9 +113,6 @@ class Engine:
         """Admit waiting requests into free slots, then one batched draft + verify step for every running one;
         returns an update for each request that committed tokens, released text or ended."""
         start = time.perf_counter()
-        updates = [u for s in self._dropped if (u := s.update()) is not None]
-        self.metrics.finished += len(self._dropped)
-        self._dropped = []
         for sequence in self._running.values():
             if sequence.abort_asked and sequence.finish_reason is None:
                 sequence.finish_reason = "aborted"
@@ -123,6 +120,9 @@ class Engine:
         live = [s for s in self._running.values() if s.finish_reason is None]
         if live:
             self._decode(live)
+        updates = [u for s in self._dropped if (u := s.update()) is not None]
+        self.metrics.finished += len(self._dropped)
+        self._dropped = []
         for sequence in list(self._running.values()):
             update = sequence.update()
             if update is not None:
@@ -143,18 +143,29 @@ class Engine:
             joining.append(sequence)
         if not joining:
             return
-        t0 = time.perf_counter()
-        prefill = [s for s in joining if len(s.tokens) > 1]
-        if prefill:
-            counts = [len(s.tokens) - 1 for s in prefill]
-            x = torch.zeros(len(prefill), max(counts), dtype=torch.long, device=self.target.device)
-            for b, s in enumerate(prefill):
-                x[b, : counts[b]] = torch.tensor(s.tokens[:-1], device=self.target.device)
-            self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts)
-        for s in joining:
-            if self.drafts is not None:
-                self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator))
-            s.stats.prefill_time = time.perf_counter() - t0
+        t0, drafting = time.perf_counter(), []
+        try:
+            prefill = [s for s in joining if len(s.tokens) > 1]
+            if prefill:
+                counts = [len(s.tokens) - 1 for s in prefill]
+                x = torch.zeros(len(prefill), max(counts), dtype=torch.long, device=self.target.device)
+                for b, s in enumerate(prefill):
+                    x[b, : counts[b]] = torch.tensor(s.tokens[:-1], device=self.target.device)
+                self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts)
+            for s in joining:
+                if self.drafts is not None:
+                    self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator))
+                    drafting.append(s)
+                s.stats.prefill_time = time.perf_counter() - t0
+        except BaseException:  # back to the queue, as if they had not joined
+            for s in joining:
+                self.cache.truncate(s.slot, 0)
+                if s in drafting:
+                    self.drafts.remove(s.slot)
+                del self._running[s.id]
+                heapq.heappush(self._free, s.slot)
+            self._waiting.extendleft(reversed(joining))
+            raise
 
     def _decode(self, live: list[Sequence]) -> None:
         """One step for the live sequences: choose k, draft, verify in one forward, commit."""
