@@ -40,7 +40,7 @@ def test_draft_length_times_each_batch_size_once() -> None:
         length.choose([[0.9] * 4] * 3, [4, 4, 2], measure)
         assert len(widths) == 2 * CALIBRATION_REPEATS  # those sizes are known now
         _, r = length.costs(3, measure)
-        assert r(5) == pytest.approx(1 + 12 * slope)
+        assert r(5) == pytest.approx(min(5, 1 + 12 * slope))  # never above 5 forwards of one token
     assert DraftLength(4).choose([[0.9] * 4], [0], measure) == 0  # no room to draft: nothing measured either
 
 

@@ -163,7 +163,8 @@ class AdaptiveK:
         return AdaptiveSession(self, self.drafter.begin(context))
 
     def begin_batch(self, target: CausalLM, slots: int) -> BatchDraftSession:
-        """The wrapped drafter's batch session: the batched engine chooses each step's k itself (`engine.draft_length`)."""
+        """The wrapped drafter's batch session: the batched engine chooses each step's k itself
+        (`engine.draft_length`)."""
         return self.drafter.begin_batch(target, slots)
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from verispec.adaptive import PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, Costs, expected_tokens
+from verispec.adaptive import (PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Costs,
+                               expected_tokens)
 from verispec.engine.forward_costs import CostCurve
 
 CALIBRATION_REPEATS = 3  # forwards of each width timed when the steps have not reached a size yet
@@ -52,7 +53,7 @@ class DraftLength:
             self.plain_run, self.probe_every, self._probe_again = 0, PROBE_FIRST, False
             return best
         self.plain_run += 1
-        wait = 0 if self._probe_again else max(self.probe_every, (c + r(2) - 1) / PROBE_BUDGET)
+        wait = 0 if self._probe_again else min(max(self.probe_every, (c + r(2) - 1) / PROBE_BUDGET), PROBE_WAIT_MAX)
         if self.plain_run > wait:
             self.plain_run, self._probing = 0, True
             return 1
@@ -73,7 +74,9 @@ class DraftLength:
         if not one:  # nothing timed yet (no room for it): a prior
             return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1)
         c = PRIOR_C if drafting is None else drafting / one
-        return c, lambda n: max(1.0, self.forward(batch * n) / one)
+        # never above n: n tokens per row cost no more than n forwards of one (a stalled timing must not price
+        # speculation out for good)
+        return c, lambda n: min(float(n), max(1.0, self.forward(batch * n) / one))
 
     def observe(self, batch: int, drafted: int, draft_seconds: float, width: int, verify_seconds: float,
                 accepted: bool) -> None:

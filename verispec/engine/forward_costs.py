@@ -27,7 +27,9 @@ class CostCurve:
     def near(self, size: int) -> bool:
         """Whether a seen size lies within a factor of two of `size` on its side of the curve (at or below it when it
         is below the largest seen; at or above it otherwise), so that reading it off the curve is a short reach."""
-        return bool(self.seen) and (min(self.seen) <= 2 * size if size <= max(self.seen) else max(self.seen) * 2 >= size)
+        if not self.seen:
+            return False
+        return min(self.seen) <= 2 * size if size <= max(self.seen) else max(self.seen) * 2 >= size
 
     def __call__(self, size: int) -> float | None:
         """Seconds of a forward of `size` tokens; None before anything was seen."""

@@ -78,7 +78,8 @@ class BatchRows:
         values[self.write_slot, :, self.write_position] = v.transpose(1, 2)[self.real]
         if self.block is not None:  # neighbouring slots: a view, no copy
             return keys[self.block, :, : self.span], values[self.block, :, : self.span]
-        return keys[:, :, : self.span].index_select(0, self.index), values[:, :, : self.span].index_select(0, self.index)
+        keys, values = keys[:, :, : self.span], values[:, :, : self.span]
+        return keys.index_select(0, self.index), values.index_select(0, self.index)
 
     def advance(self) -> None:
         """After the forward: each slot holds its row's real tokens."""
