@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.adaptive import Acceptance
 from verispec.engine.draft_length import CALIBRATION_REPEATS, DraftLength
 from verispec.engine.forward_costs import CostCurve
 
@@ -27,18 +26,21 @@ def test_cost_curve_reads_unseen_sizes_off_the_seen_ones() -> None:
 
 def test_draft_length_times_each_batch_size_once() -> None:
     """Where the steps have not reached a size, forwards of 1 and max_k + 1 tokens per row are timed on the batch;
-    their ratio sets r, which decides between drafting and plain decoding."""
-    for slope, expected in ((0.02, 4), (1.0, 0)):
+    their ratio sets r, which decides between drafting and plain decoding. The first step tries the drafter anyway
+    (at its most promising k), since nothing is known of it yet."""
+    rates, limits = [[0.9] * 4] * 3, [4, 4, 2]
+    for slope, first, expected in ((0.02, 4, 4), (1.0, 1, 0)):
         length, widths = DraftLength(4), []
 
         def measure(n: int) -> float:
             widths.append(n)
             return 0.01 * (1 + slope * (3 * n - 3))  # the cost of a forward of 3 rows x n tokens
 
-        assert length.choose([[0.9] * 4] * 3, [4, 4, 2], measure) == expected
+        assert length.choose(rates, limits, measure) == first
         assert sorted(widths) == [1] * CALIBRATION_REPEATS + [5] * CALIBRATION_REPEATS
-        length.choose([[0.9] * 4] * 3, [4, 4, 2], measure)
-        assert len(widths) == 2 * CALIBRATION_REPEATS  # those sizes are known now
+        length.observe(3, first, 0.0, first + 1, measure(first + 1), accepted=False)  # a probe, when plain wins
+        assert length.choose(rates, limits, measure) == expected
+        assert len(widths) == 2 * CALIBRATION_REPEATS + 1  # those sizes are known now
         _, r = length.costs(3, measure)
         assert r(5) == pytest.approx(min(5, 1 + 12 * slope))  # never above 5 forwards of one token
     assert DraftLength(4).choose([[0.9] * 4], [0], measure) == 0  # no room to draft: nothing measured either
@@ -55,12 +57,7 @@ def test_bigger_batches_draft_less() -> None:
     length.drafting.observe(1, 0.001)
     length.drafting.observe(16, 0.001)
     rates = [0.7] * 4
+    length.choose([rates], [4], lambda n: None)  # the first step: a probe whatever the costs
+    length.observe(1, 4, 0.004, 5, 0.01, accepted=True)
     chosen = {b: length.choose([rates] * b, [4] * b, lambda n: None) for b in (1, 4, 16)}
     assert chosen[1] == 4 and 0 < chosen[4] < 4 and chosen[16] == 0, chosen
-
-
-def test_acceptance_takes_a_prior_per_position() -> None:
-    est = Acceptance(3, prior=[0.8, 0.6, 0.4], weight=4.0, decay=1.0)
-    assert est.rates() == pytest.approx([0.8, 0.6, 0.4])
-    est.observe(drafted=3, accepted=0)  # position 1 failed once; the deeper positions keep their priors
-    assert est.rates() == pytest.approx([3.2 / 5, 0.6, 0.4])

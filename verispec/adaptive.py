@@ -34,7 +34,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from numbers import Real
 from typing import Callable, Sequence
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict
@@ -78,10 +77,9 @@ def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], cho
 
 class Acceptance:
     """a_j, the chance that draft position j is accepted once positions 1..j-1 were: a Beta posterior over decayed
-    counts, whose prior mean is the estimate at j - 1, so depths not yet tried look like the deepest one that was.
-    `prior` may instead give a prior mean per position (the batched engine's estimates pooled over sequences)."""
+    counts, whose prior mean is the estimate at j - 1, so depths not yet tried look like the deepest one that was."""
 
-    def __init__(self, k: int, prior: float | Sequence[float] = PRIOR_ACCEPTANCE, weight: float = PRIOR_WEIGHT,
+    def __init__(self, k: int, prior: float = PRIOR_ACCEPTANCE, weight: float = PRIOR_WEIGHT,
                  decay: float = DECAY) -> None:
         self.prior, self.weight, self.decay = prior, weight, decay
         self.tried, self.hits = [0.0] * k, [0.0] * k
@@ -100,9 +98,8 @@ class Acceptance:
 
     def rates(self) -> list[float]:
         out, mean = [], self.prior
-        for j, (tried, hits) in enumerate(zip(self.tried, self.hits)):
-            prior = mean if isinstance(self.prior, Real) else self.prior[j]
-            mean = (hits + self.weight * prior) / (tried + self.weight)
+        for tried, hits in zip(self.tried, self.hits):
+            mean = (hits + self.weight * mean) / (tried + self.weight)
             out.append(mean)
         return out
 

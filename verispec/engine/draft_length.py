@@ -8,9 +8,9 @@ falls, to 0 (plain decoding) once speculation no longer pays. r_B(n) = f(B n) / 
 seconds by the tokens it carries (`CostCurve`), and c_B = d(B) / f(B), with d the drafting seconds per drafted token
 at batch size B; both from every step's timings and, where the steps have not reached yet (within a factor of two),
 forwards of 1 and max_k + 1 tokens per row timed on the running batch itself (`measure`). While plain decoding wins,
-a one-token probe runs now and then, as in `AdaptiveK`, so that the acceptance estimates can recover. k is chosen
-before the step's draws, from past verdicts and timings only: each step is an ordinary fixed-k step, and the output
-keeps the target's distribution.
+a probe at the most promising k runs now and then, as in `AdaptiveK`, so that the acceptance estimates can recover
+(and the very first step is one). k is chosen before the step's draws, from past verdicts and timings only: each step
+is an ordinary fixed-k step, and the output keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class DraftLength:
         self.max_k, self.fixed_costs = max_k, costs
         self.forward, self.drafting = CostCurve(), CostCurve()  # by tokens in the forward; per token, by batch size
         self.plain_run, self.probe_every = 0, PROBE_FIRST
-        self._probing = self._probe_again = self._drafted_last = False
+        self._probing = self._drafted_last = False
+        self._tried = False  # until the drafter has drafted once, nothing is known of it: the first step tries it
 
     def choose(self, rates: Sequence[Sequence[float]], limits: Sequence[int],
                measure: Callable[[int], float | None]) -> int:
@@ -42,21 +43,26 @@ class DraftLength:
         if limit < 1:
             return 0
         c, r = self.costs(len(rates), measure)
-        best, speed = 0, float(len(rates))  # plain decoding: a token per sequence for one forward
+        best, speed = 1, 0.0  # the best drafting k; a tie (up to rounding) goes to the cheaper k
         for k in range(1, limit + 1):
             tokens = sum(expected_tokens(a, min(k, n)) for a, n in zip(rates, limits))
             predicted = tokens / (k * c + r(k + 1))
-            if predicted > speed * (1 + 1e-9):  # a tie (up to rounding) goes to the cheaper k
+            if predicted > speed * (1 + 1e-9):
                 best, speed = k, predicted
         self._probing = False
-        if best > 0:
-            self.plain_run, self.probe_every, self._probe_again = 0, PROBE_FIRST, False
+        if speed > len(rates) * (1 + 1e-9):  # plain decoding: a token per sequence for one forward
+            self.plain_run, self.probe_every, self._tried = 0, PROBE_FIRST, True
             return best
+        # The probe drafts the most promising k, not 1: where a forward of two tokens costs nearly as much as one of
+        # five (a CPU's kernels switch there), only a deep probe can show that the deeper positions are accepted.
+        # Unlike `AdaptiveK`, an accepted probe is not repeated at once: one probe already brings a verdict per
+        # sequence of the batch.
         self.plain_run += 1
-        wait = 0 if self._probe_again else min(max(self.probe_every, (c + r(2) - 1) / PROBE_BUDGET), PROBE_WAIT_MAX)
+        cost = best * c + r(best + 1) - 1  # what the probe costs over a plain step
+        wait = min(max(self.probe_every, cost / PROBE_BUDGET), PROBE_WAIT_MAX) if self._tried else 0
         if self.plain_run > wait:
-            self.plain_run, self._probing = 0, True
-            return 1
+            self.plain_run, self._probing, self._tried = 0, True, True
+            return best
         return 0
 
     def costs(self, batch: int, measure: Callable[[int], float | None]) -> Costs:
@@ -89,5 +95,4 @@ class DraftLength:
         if clean:
             self.drafting.observe(batch, draft_seconds / clean)
         if self._probing:
-            self._probe_again = accepted
             self.probe_every = PROBE_FIRST if accepted else min(2 * self.probe_every, PROBE_MAX)

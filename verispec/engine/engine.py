@@ -87,11 +87,8 @@ class Engine:
         else:
             generator.manual_seed(seed)
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
-        # A new sequence's acceptance starts from what the drafter has been getting lately at each position (probes
-        # alone only try the first), worth a few of its own tries.
-        acceptance = Acceptance(max(1, self.max_k), self._pooled.rates(), POOLED_WEIGHT)
         sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                            list(prompt), acceptance)
+                            list(prompt))
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
@@ -139,6 +136,9 @@ class Engine:
         while self._waiting and self._free:
             sequence = self._waiting.popleft()
             sequence.slot = heapq.heappop(self._free)
+            # Its acceptance starts from what the drafter has been getting lately, worth a few of its own tries
+            # (deeper positions, as always, from the estimate before them).
+            sequence.acceptance = Acceptance(max(1, self.max_k), self._pooled.rates()[0], POOLED_WEIGHT)
             self._running[sequence.id] = sequence
             joining.append(sequence)
         if not joining:

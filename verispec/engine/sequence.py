@@ -24,8 +24,8 @@ class Sequence:
     text: TextTracker
     generator: torch.Generator
     tokens: list[int]  # the prompt, then every committed token
-    acceptance: Acceptance  # its acceptance by draft position, which the step's k is chosen from
     slot: int = -1  # its cache slot while it runs
+    acceptance: Acceptance | None = None  # by draft position, which the step's k is chosen from; set when it joins
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
