@@ -88,7 +88,7 @@ class Engine:
             generator.manual_seed(seed)
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
         sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                            list(prompt))
+                            list(prompt), len(prompt))
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)

@@ -23,7 +23,8 @@ class Sequence:
     eos: frozenset[int]
     text: TextTracker
     generator: torch.Generator
-    tokens: list[int]  # the prompt, then every committed token
+    tokens: list[int]  # the prompt's ids, then every committed token
+    prompt_length: int
     slot: int = -1  # its cache slot while it runs
     acceptance: Acceptance | None = None  # by draft position, which the step's k is chosen from; set when it joins
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -35,7 +36,7 @@ class Sequence:
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - len(self.request.prompt)
+        return len(self.tokens) - self.prompt_length
 
     def room(self, context_length: int) -> int:
         """How many more tokens it may commit: its budget, and the context."""
