@@ -21,7 +21,7 @@ from verispec.adaptive import (PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, 
                                expected_tokens)
 from verispec.engine.forward_costs import CostCurve
 
-CALIBRATION_REPEATS = 3  # forwards of each width timed when the steps have not reached a size yet
+CALIBRATION_REPEATS = 1  # forwards of each width timed where the steps have not reached a size (the steps add more)
 
 
 class DraftLength:
