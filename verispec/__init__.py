@@ -6,6 +6,7 @@ from verispec.adaptive import AdaptiveK  # after the drafters: the registry impo
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
                              InvalidArgumentError, TokenizerMismatchError, UnsupportedArchitectureError, VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
+from verispec.engine import Engine, Request, Update, generate_batch
 from verispec.models.auto import load
 from verispec.models.default import load_default
 from verispec.models.hf_adapter import TransformersModel, load_transformers_model
@@ -16,9 +17,9 @@ from verispec.threads import default_threads, set_threads, torch_threads
 
 __all__ = [
     "AdaptiveK", "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
-    "DrafterError", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
-    "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Resources", "SamplingParams",
+    "DrafterError", "Engine", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
+    "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Request", "Resources", "SamplingParams",
     "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel", "UnsupportedArchitectureError",
-    "Verdict", "VerispecError", "build_drafter", "default_threads", "generate", "load", "load_default", "load_model",
+    "Update", "Verdict", "VerispecError", "build_drafter", "default_threads", "generate", "generate_batch", "load", "load_default", "load_model",
     "load_transformers_model", "set_threads", "stream", "torch_threads",
 ]

@@ -148,6 +148,7 @@ class AdaptiveK:
     def __init__(self, drafter: Drafter, costs: Costs | None = None) -> None:
         self.drafter, self.fixed_costs = drafter, costs
         self.name, self.k, self.width, self.needs = drafter.name, drafter.k, drafter.width, drafter.needs
+        self.batched = getattr(drafter, "batched", False)  # the engine chooses k itself and drafts with `drafter`
         # A chain's forward grows with k; a tree's or a side branch's keeps its configured width, so it is on or off.
         self.chain = drafter.width == drafter.k and not drafter.needs.tree_masks
 

@@ -41,6 +41,7 @@ class DraftModel:
         self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
         self.width = tree_size(k, branch, branch_depth)
         self.needs = Needs(tree_masks=branch > 1)
+        self.batched = branch == 1  # a chain; trees are verified through a per-sequence tree mask
 
     def check(self, target: CausalLM) -> None:
         check_same_tokenizer(target.tokenizer, self.model.tokenizer, target.name, self.model.name)

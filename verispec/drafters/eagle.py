@@ -35,6 +35,7 @@ from verispec.sampling import draw
 
 class Eagle:
     name = "eagle"
+    batched = False  # its head's cache and the target's features are one sequence's
     needs = Needs(hidden_states=(FINAL,))
 
     def __init__(self, head: EagleHead, k: int = 4, vocab: torch.Tensor | None = None,

@@ -32,6 +32,7 @@ class LayerSkip:
     """
 
     name = "layerskip"
+    batched = False  # it runs the target on one sequence's cache
 
     def __init__(self, skip: Sequence[int], k: int = 4) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)

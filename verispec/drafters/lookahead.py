@@ -87,6 +87,7 @@ class Lookahead:
     """
 
     name = "lookahead"
+    batched = False  # its window rides in the target's forward, through a per-sequence tree mask
     needs = Needs(tree_masks=True)  # the window and the candidate trie share one forward through a custom mask
 
     def __init__(self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True,

@@ -30,6 +30,7 @@ def assumed_accuracy(heads: int) -> list[list[float]]:
 
 class Medusa:
     name = "medusa"
+    batched = False  # its trees are verified through a per-sequence tree mask
     needs = Needs(hidden_states=(FINAL,), tree_masks=True)
 
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]] | None = None, tokens: int = 16,

@@ -18,6 +18,7 @@ class PromptLookup:
 
     name = "ngram"
     needs = Needs()  # nothing of the target: it reads only the committed tokens
+    batched = True
 
     def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)

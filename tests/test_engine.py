@@ -1,0 +1,177 @@
+"""The batched engine: each sequence decoded as `generate` decodes it alone, whatever shares the batch; joining,
+leaving and aborting between steps; the target's distribution under sampling; refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from verispec import (DraftModel, InvalidArgumentError, Lookahead, PromptLookup, SamplingParams, generate,
+                      generate_batch, load_model)
+from verispec.engine import Engine, Request
+from verispec.models.random_init import random_pair, tiny_config
+
+from test_verify import P_VALUE_MIN, compare
+
+# Prompts of different lengths (byte ids); the last repeats itself, so prompt lookup finds something to propose.
+PROMPTS = [[100, 101, 102, 40, 120, 41, 58, 10, 32, 32], [7], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150,
+           160, 170, 180, 190, 200, 210, 220, 230, 240], [33, 34, 35, 36, 33, 34, 35, 36, 33, 34, 35]]
+N = 24
+
+
+def drafters(draft):
+    return {"none": None, "draft": DraftModel(draft, 4), "ngram": PromptLookup(3)}
+
+
+def alone(target, prompt, drafter=None, **options):
+    return generate(target, prompt, drafter, **({"max_new_tokens": N, "ignore_eos": True} | options))
+
+
+def run(engine: Engine) -> dict[int, list]:
+    """Step the engine until it has no work; every request's updates, in order."""
+    updates: dict[int, list] = {}
+    while engine.has_work:
+        for update in engine.step():
+            updates.setdefault(update.request_id, []).append(update)
+    return updates
+
+
+def tokens(updates: list) -> list[int]:
+    return [t for u in updates for t in u.tokens]
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+def test_greedy_batch_is_identical_to_each_prompt_alone(target, draft, method, single_thread) -> None:
+    drafter = drafters(draft)[method]
+    results = generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True)
+    for prompt, result in zip(PROMPTS, results):
+        truth = alone(target, prompt, drafter)
+        assert result.tokens == truth.tokens and result.text == truth.text
+        assert result.stop_reason == "max_new_tokens" and result.stats.new_tokens == N
+    if method != "none":
+        assert sum(r.stats.accepted for r in results) > 0  # speculation did happen
+
+
+def test_stops_and_budgets_per_sequence(target, draft, single_thread) -> None:
+    """Different budgets, stop strings and EOS per request in one batch: each ends as it would alone."""
+    truth = alone(target, PROMPTS[0])
+    stop = truth.text[5:7]
+    engine = Engine(target, DraftModel(draft, 3))
+    options = [dict(max_new_tokens=5), dict(max_new_tokens=N, stop=(stop,)), dict(max_new_tokens=N),
+               dict(max_new_tokens=11, ignore_eos=False)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    ids = [engine.add(Request(p, sampling=SamplingParams(), **({"ignore_eos": True} | o)))
+           for p, o in zip(prompts, options)]
+    updates = run(engine)
+    for rid, prompt, o in zip(ids, prompts, options):
+        expected = alone(target, prompt, **({"ignore_eos": True} | o))
+        got = updates[rid]
+        assert tokens(got) == expected.tokens and "".join(u.text for u in got) == expected.text
+        assert got[-1].finished and got[-1].finish_reason == expected.stop_reason
+        assert not any(u.finished for u in got[:-1])
+    assert updates[ids[1]][-1].finish_reason == "stop_string"
+
+
+def test_sequences_join_and_leave_between_steps(target, draft, single_thread) -> None:
+    """Continuous batching: a short request added later finishes first, and everything matches decoding alone."""
+    engine = Engine(target, DraftModel(draft, 4), max_batch=2)
+    long = engine.add(Request(PROMPTS[0], 40, SamplingParams(), ignore_eos=True))
+    first = engine.step() + engine.step()
+    short = engine.add(Request(PROMPTS[1], 6, SamplingParams(), ignore_eos=True))
+    queued = engine.add(Request(PROMPTS[2], 8, SamplingParams(), ignore_eos=True))  # waits for a free slot
+    assert engine.metrics.waiting == 2
+    updates = run(engine)
+    order = []  # request ids in the order they finished
+    for rid, got in updates.items():
+        order.append((len(got), rid))
+    got = {rid: tokens(u) for rid, u in updates.items()}
+    got[long] = [t for u in first for t in u.tokens] + got[long]
+    assert got[long] == alone(target, PROMPTS[0], DraftModel(draft, 4), max_new_tokens=40).tokens
+    assert got[short] == alone(target, PROMPTS[1], max_new_tokens=6).tokens
+    assert got[queued] == alone(target, PROMPTS[2], max_new_tokens=8).tokens
+    assert len(updates[short]) < len(updates[long])  # the short one did not wait for the long one to end
+
+
+def test_abort_frees_a_sequence_and_leaves_the_others_identical(target, draft, single_thread) -> None:
+    engine = Engine(target, DraftModel(draft, 4))
+    ids = [engine.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS]
+    waiting = Engine(target, max_batch=1)
+    queued = [waiting.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS[:2]]
+    waiting.abort(queued[1])  # aborted before it ever ran
+    updates = {rid: u for rid, u in run(waiting).items()}
+    assert updates[queued[1]][-1].finish_reason == "aborted" and not tokens(updates[queued[1]])
+    before = engine.step() + engine.step()
+    engine.abort(ids[2])
+    after = run(engine)
+    assert after[ids[2]][-1].finished and after[ids[2]][-1].finish_reason == "aborted"
+    assert len(after[ids[2]]) == 1
+    for rid, prompt in zip(ids, PROMPTS):
+        if rid != ids[2]:
+            got = [t for u in before if u.request_id == rid for t in u.tokens] + tokens(after[rid])
+            assert got == alone(target, prompt).tokens
+    engine.abort(ids[0])  # already finished: nothing happens
+    assert not engine.has_work and engine.metrics.running == 0
+
+
+def test_metrics_count_the_batch(target, draft, single_thread) -> None:
+    engine = Engine(target, DraftModel(draft, 4))
+    for prompt in PROMPTS:
+        engine.add(Request(prompt, N, SamplingParams(), ignore_eos=True))
+    assert engine.metrics.waiting == 4 and engine.has_work
+    run(engine)
+    m = engine.metrics
+    assert m.generated_tokens == 4 * N and m.finished == 4 and m.running == m.waiting == 0
+    assert 0 < m.accepted_tokens <= m.drafted_tokens and m.target_calls == sum(m.steps_by_k) < 4 * N
+    assert m.decode_seconds > 0
+
+
+def test_refuses_drafters_that_do_not_batch(target, draft) -> None:
+    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2)):
+        with pytest.raises(InvalidArgumentError, match=f"drafter {drafter.name} does not batch"):
+            Engine(target, drafter)
+
+
+@pytest.mark.parametrize("request_options, message", [
+    (dict(prompt=[]), "empty"), (dict(prompt=[1, 999]), "token ids"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(seed=-1), "seed"), (dict(stop=("",)), "stop"), (dict(sampling=0.5), "SamplingParams")])
+def test_bad_requests_are_refused(target, request_options, message) -> None:
+    engine = Engine(target)
+    fields = dict(prompt=[1, 2], max_new_tokens=4, sampling=SamplingParams()) | request_options
+    with pytest.raises(InvalidArgumentError, match=message):
+        engine.add(Request(**fields))
+    assert not engine.has_work
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling: every sequence of a mixed batch follows the target's distribution (two tokens, a vocabulary of 6).
+
+VOCAB, SAMPLE_PROMPTS, DRAWS = 6, ([1, 4, 2], [3, 0, 5, 5, 2, 1]), 2000
+
+
+def test_sampling_in_a_batch_follows_the_target(tmp_path, reference_probs, single_thread) -> None:
+    """Two prompts interleaved, 8 sequences per step, a draft model drafting 2: the first two tokens of each
+    prompt's generations are distributed as the target's joint."""
+    config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64,
+                         num_hidden_layers=2)
+    target_dir, draft_dir = random_pair(tmp_path, config, draft_layers=1, seed=2)
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    engine = Engine(target, DraftModel(draft, 2), max_batch=8)
+    sampling = SamplingParams(temperature=1.0)
+    ids = [engine.add(Request(list(SAMPLE_PROMPTS[seed % 2]), 2, sampling, seed=seed, ignore_eos=True))
+           for seed in range(DRAWS)]
+    updates, batches = {}, []
+    while engine.has_work:
+        for update in engine.step():
+            updates.setdefault(update.request_id, []).extend(update.tokens)
+        batches.append(engine.metrics.last_batch)
+    assert max(batches) == 8
+    assert engine.metrics.accepted_tokens > 0 and engine.metrics.accepted_tokens < engine.metrics.drafted_tokens
+    for which, prompt in enumerate(SAMPLE_PROMPTS):
+        contexts = np.array([list(prompt) + [x] for x in range(VOCAB)])
+        probs = reference_probs(target_dir, contexts)
+        joint = probs[0, -2][:, None] * probs[:, -1]  # p(x) p(y | x)
+        counts = np.zeros((VOCAB, VOCAB))
+        for rid in ids[which::2]:
+            counts[tuple(updates[rid])] += 1
+        pvalue, tv = compare(counts.ravel(), joint.ravel())
+        assert pvalue > P_VALUE_MIN and tv < (joint.size / (DRAWS / 2)) ** 0.5, (which, pvalue, tv)

@@ -1,0 +1,8 @@
+"""The batched engine: continuous batching of speculative decoding, one target forward per step for every sequence."""
+
+from verispec.engine.engine import Engine
+from verispec.engine.generate_batch import generate_batch
+from verispec.engine.metrics import EngineMetrics
+from verispec.engine.request import FINISH_REASONS, Request, Update
+
+__all__ = ["Engine", "EngineMetrics", "FINISH_REASONS", "Request", "Update", "generate_batch"]
