@@ -52,7 +52,7 @@ def _method(args: argparse.Namespace) -> Method:
     """The method record from the command line: only the options that were given."""
     options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
     if "skip" in options:
-        options["skip"] = _layer_list(options["skip"])
+        options["skip"] = _whole_numbers(options["skip"], "--skip", "layer indices such as 2,3")
     k = _k_arg(args.k)
     if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
         return Method("autoregressive", k)
@@ -195,11 +195,11 @@ def _check_options(args: argparse.Namespace) -> None:
     SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature, top-k or top-p
 
 
-def _layer_list(text: str) -> list[int]:
+def _whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,4,16") -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise InvalidArgumentError(f"--skip takes comma-separated layer indices such as 2,3; got {text!r}") from None
+        raise InvalidArgumentError(f"{option} takes comma-separated {what}; got {text!r}") from None
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -214,6 +214,40 @@ def _serve(args: argparse.Namespace) -> None:
     print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
           f"http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.shutdown_grace)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from verispec.bench.report import machine
+    from verispec.bench.serve import Workload, format_table, measure, measure_local, verdict, write_report
+    from verispec.bench.suite import SUITE, read_suite
+    from verispec.serve.server import check_server_options
+
+    levels = tuple(_whole_numbers(args.concurrency, "--concurrency"))
+    work = Workload([item["prompt"] for item in read_suite(Path(args.suite) if args.suite else SUITE)], levels,
+                    args.requests, args.max_tokens)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-serve-"))
+    if args.url:
+        if args.target or args.draft:
+            raise InvalidArgumentError("--url measures running servers; --target and --draft would be ignored")
+        servers = [url.split("=", 1) if "=" in url.split("://")[0] else (url, url) for url in args.url]
+        results = {label: measure(url, work) for label, url in servers}
+        setup = {"servers": ", ".join(f"{label} at {url}" for label, url in servers)}
+    else:
+        check_server_options(0, 0.0, args.max_batch)
+        threads = args.threads or 1  # as `bench`: one thread unless told, so runs compare
+        set_threads(threads)
+        method = _checked_method(args)
+        target, drafter = _load_models(args, method)
+        if drafter is None:
+            raise InvalidArgumentError("bench-serve compares speculation with plain decoding; give it a method "
+                                       "that drafts (--draft, or --method)")
+        results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads)
+        setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch}
+        setup |= machine()
+    report = write_report(out, results, work, setup)
+    print(format_table(results))
+    print("\n".join(verdict(results)) if len(results) > 1 else "")
+    print(f"report: {report}")
 
 
 def _search_layerskip(args: argparse.Namespace) -> None:
@@ -317,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
-                "search-layerskip": _search_layerskip, "serve": _serve}[args.command](args)
+                "search-layerskip": _search_layerskip, "serve": _serve,
+                "bench-serve": _bench_serve}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -41,6 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are ended "
                           "(default 30; a second Ctrl-C quits at once)")
     add_runtime_args(srv)
+    bsv = sub.add_parser("bench-serve", help="throughput and latency of a server at 1, 4 and 16 concurrent "
+                                             "streaming clients: plain decoding vs speculation")
+    bsv.add_argument("--url", action="append", default=[],
+                     help="[LABEL=]URL of a running OpenAI-compatible server (verispec, vLLM, SGLang; repeatable, the "
+                          "first is the baseline); without it, plain decoding and --method are served here in turn")
+    add_model_args(bsv)
+    bsv.add_argument("--concurrency", default="1,4,16", help="concurrent clients per level (default 1,4,16)")
+    bsv.add_argument("--requests", type=int, default=32, help="streamed completions per level (default 32)")
+    bsv.add_argument("--max-tokens", type=int, default=128, help="tokens per completion, EOS ignored (default 128)")
+    bsv.add_argument("--suite", help="prompts (jsonl with a prompt field; default data/bench/suite.jsonl)")
+    bsv.add_argument("--max-batch", type=int, default=16, help="the local servers' batch (default 16)")
+    bsv.add_argument("--out", help="folder for report.md and results.json (default: a new temporary folder)")
+    add_runtime_args(bsv)
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
     rnd.add_argument("folder")
     rnd.add_argument("--layers", type=int, default=4)

@@ -61,14 +61,11 @@ class ServerThread:
     def __init__(self, app: FastAPI, grace: float = 0.0, log_level: str = "warning") -> None:
         self.server = GracefulServer(_config(app, "127.0.0.1", 0, log_level), grace)
         self._thread = threading.Thread(target=self.server.run, name="verispec-uvicorn", daemon=True)
+        self.url = ""  # set once it listens
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.port}"
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
@@ -77,6 +74,7 @@ class ServerThread:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.port}"
         return self
 
     def shutdown(self, timeout: float = 60.0) -> None:
