@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec.cli import main
-from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.base import DraftContext
+from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
@@ -272,6 +273,28 @@ def test_shutdown_finishes_or_ends_in_flight(models: tuple, grace: float, max_to
         assert not srv.alive
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == reason
+
+
+class _BreaksOnce(DraftModel):
+    """A draft model whose first session fails to start, so that one engine step raises."""
+
+    broke = False
+
+    def begin(self, context: DraftContext) -> DraftModelSession:
+        if not self.broke:
+            self.broke = True
+            raise RuntimeError("the drafter broke")
+        return super().begin(context)
+
+
+def test_failed_engine_step_fails_its_requests_only(models: tuple) -> None:
+    target_dir, target, draft = models
+    with torch_threads(1), ServerThread(serving_app(target, _BreaksOnce(draft, 2), target_dir, name="t")) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="the drafter broke"):
+            client.completions.create(model="t", prompt="a", max_tokens=4)
+        assert client.completions.create(model="t", prompt="a", max_tokens=4).usage.completion_tokens >= 1
+        assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize("option", [["--port", "70000"], ["--shutdown-grace", "-1"], ["--max-batch", "0"]])

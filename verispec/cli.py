@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from verispec.drafters.base import Drafter, Needs
+from verispec.arguments import whole_number
 from verispec.cli_parser import build_parser
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
@@ -220,7 +221,6 @@ def _bench_serve(args: argparse.Namespace) -> None:
     from verispec.bench.report import machine
     from verispec.bench.serve import Workload, format_table, measure, measure_local, verdict, write_report
     from verispec.bench.suite import SUITE, read_suite
-    from verispec.serve.server import check_server_options
 
     levels = tuple(_whole_numbers(args.concurrency, "--concurrency"))
     work = Workload([item["prompt"] for item in read_suite(Path(args.suite) if args.suite else SUITE)], levels,
@@ -233,7 +233,7 @@ def _bench_serve(args: argparse.Namespace) -> None:
         results = {label: measure(url, work) for label, url in servers}
         setup = {"servers": ", ".join(f"{label} at {url}" for label, url in servers)}
     else:
-        check_server_options(0, 0.0, args.max_batch)
+        whole_number(args.max_batch, "--max-batch", 1)
         threads = args.threads or 1  # as `bench`: one thread unless told, so runs compare
         set_threads(threads)
         method = _checked_method(args)

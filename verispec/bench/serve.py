@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.models.protocol import CausalLM
@@ -40,9 +41,12 @@ class Workload:
     max_tokens: int = 128
 
     def __post_init__(self) -> None:
-        if not self.prompts or any(c < 1 for c in self.concurrency) or self.requests < 1 or self.max_tokens < 1:
-            raise InvalidArgumentError("bench-serve needs prompts, concurrency levels >= 1, --requests >= 1 and "
-                                       "--max-tokens >= 1")
+        if not self.prompts:
+            raise InvalidArgumentError("the suite holds no prompts")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise InvalidArgumentError(f"--concurrency levels must be >= 1, got {list(self.concurrency)}")
+        whole_number(self.requests, "--requests", 1)
+        whole_number(self.max_tokens, "--max-tokens", 1)
 
 
 @dataclass
@@ -133,7 +137,10 @@ def measure(url: str, work: Workload) -> list[Level]:
             await _one(client, url, model, work.prompts[0], min(8, work.max_tokens))
         return [await _level(url, model, work, c) for c in work.concurrency]
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except httpx.HTTPError as err:
+        raise ServerBenchError(f"{url}: {type(err).__name__}: {err}") from None
 
 
 def measure_local(target: CausalLM, drafter: Drafter, label: str, work: Workload, *, max_batch: int,
