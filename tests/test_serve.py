@@ -3,6 +3,7 @@ HTTP where the wire format itself is under test). Greedy outputs are compared wi
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec.cli import main
-from verispec.drafters.base import DraftContext
+from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
@@ -276,23 +277,36 @@ def test_shutdown_finishes_or_ends_in_flight(models: tuple, grace: float, max_to
 
 
 class _BreaksOnce(DraftModel):
-    """A draft model whose first session fails to start, so that one engine step raises."""
+    """A draft model whose first session breaks at its third proposal, so that an engine step raises mid-request."""
 
     broke = False
 
     def begin(self, context: DraftContext) -> DraftModelSession:
+        session = super().begin(context)
         if not self.broke:
-            self.broke = True
-            raise RuntimeError("the drafter broke")
-        return super().begin(context)
+            self.broke, calls, propose = True, itertools.count(), session.propose
+
+            def breaking(tokens: list[int], k: int) -> Proposal:
+                if next(calls) == 2:
+                    raise RuntimeError("the drafter broke")
+                return propose(tokens, k)
+
+            session.propose = breaking
+        return session
 
 
-def test_failed_engine_step_fails_its_requests_only(models: tuple) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_engine_step_fails_its_request_only(models: tuple, stream: bool) -> None:
+    """A non-streamed request gets a 500, a stream an error event; the server serves on with a fresh engine."""
     target_dir, target, draft = models
     with torch_threads(1), ServerThread(serving_app(target, _BreaksOnce(draft, 2), target_dir, name="t")) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.InternalServerError, match="the drafter broke"):
-            client.completions.create(model="t", prompt="a", max_tokens=4)
+        failure = openai.APIError if stream else openai.InternalServerError  # an error event; a 500
+        with pytest.raises(failure, match="the drafter broke"):
+            reply = client.completions.create(model="t", prompt="a", max_tokens=30, stream=stream,
+                                              extra_body={"ignore_eos": True})
+            if stream:
+                list(reply)
         assert client.completions.create(model="t", prompt="a", max_tokens=4).usage.completion_tokens >= 1
         assert httpx.get(f"{srv.url}/health").status_code == 200
 

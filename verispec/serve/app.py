@@ -40,6 +40,10 @@ class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
 
+class EngineFailure(Exception):
+    """The engine failed while running a request (the worker logged why); answered with a 500, the server goes on."""
+
+
 def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
                 name: str | None = None, max_batch: int = 16) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
@@ -135,8 +139,11 @@ async def _disconnect(request: Request) -> None:
 
 
 def _raise_failure(item: Update | Exception) -> None:
-    if isinstance(item, Exception):
+    """A refusal of the request is bad input (400); anything else is the engine's failure (500)."""
+    if isinstance(item, VerispecError):
         raise item
+    if isinstance(item, Exception):
+        raise EngineFailure(f"generation failed: {type(item).__name__}: {item}") from item
 
 
 async def _events(ticket: Ticket, update: Update, reply: Reply, clock: RequestClock,
@@ -146,7 +153,7 @@ async def _events(ticket: Ticket, update: Update, reply: Reply, clock: RequestCl
         yield reply.role_chunk()
     while True:
         if isinstance(update, Exception):  # the step failed after the stream began: an error event ends it
-            yield sse(error_body(f"generation failed: {update}", kind="server_error"))
+            yield sse(error_body(f"generation failed: {type(update).__name__}: {update}", kind="server_error"))
             return
         if update.finished:
             yield reply.text_chunk(update.text, update.finish_reason, update.stats)
@@ -197,6 +204,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             return JSONResponse(error_body(str(err), param="model", code="model_not_found"), status_code=404)
         code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
         return JSONResponse(error_body(str(err), code=code), status_code=400)
+
+    @app.exception_handler(EngineFailure)
+    async def engine_failed(request: Request, err: EngineFailure) -> JSONResponse:
+        return JSONResponse(error_body(str(err), kind="server_error"), status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
