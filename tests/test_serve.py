@@ -195,7 +195,8 @@ def test_client_killed_mid_stream(client: openai.OpenAI, server: ServerThread) -
 BAD = [  # (path, raw body, status, words of the message)
     ("completions", "{not json", 400, "not valid JSON"),
     ("completions", "[1, 2]", 400, "must be a JSON object"),
-    ("completions", '{"model": "tiny", "prompt": "a", "max_tokens": "8"}', 400, "max_tokens: Input should be a valid integer"),
+    ("completions", '{"model": "tiny", "prompt": "a", "max_tokens": "8"}', 400,
+     "max_tokens: Input should be a valid integer"),
     ("completions", '{"model": "tiny", "prompt": "a", "temperature": true}', 400, "temperature"),
     ("completions", '{"model": "tiny", "prompt": "a", "top_k": 2.5}', 400, "top_k"),
     ("completions", '{"model": "tiny", "prompt": "a", "mystery": 1}', 400, "mystery: Extra inputs are not permitted"),

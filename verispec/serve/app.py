@@ -104,7 +104,7 @@ async def _respond(worker: EngineWorker, metrics: ServerMetrics, request: Reques
     ticket = worker.submit(prepared.request, clock.observe)
     try:
         first = await _next_or_gone(ticket, request)
-        _raise_failure(first)  # the engine refused the request: answered like any other bad request
+        _raise_failure(first)  # refused by the engine (400) or failed in it (500)
         if stream:
             events = _events(ticket, first, reply, clock, prepared.prompt_tokens)
             return _EngineStream(events, lambda: worker.abort(ticket))
@@ -198,12 +198,17 @@ def _add_error_handlers(app: FastAPI) -> None:
             problems.append(f"{where}: {message}" if where else message)
         return JSONResponse(error_body("; ".join(problems), param=param), status_code=400)
 
-    @app.exception_handler(VerispecError)
+    @app.exception_handler(VerispecError)  # Starlette picks the handler of the closest class
     async def refused(request: Request, err: VerispecError) -> JSONResponse:
-        if isinstance(err, UnknownModelError):
-            return JSONResponse(error_body(str(err), param="model", code="model_not_found"), status_code=404)
-        code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
-        return JSONResponse(error_body(str(err), code=code), status_code=400)
+        return JSONResponse(error_body(str(err)), status_code=400)
+
+    @app.exception_handler(ContextLengthError)
+    async def too_long(request: Request, err: ContextLengthError) -> JSONResponse:
+        return JSONResponse(error_body(str(err), code="context_length_exceeded"), status_code=400)
+
+    @app.exception_handler(UnknownModelError)
+    async def unknown_model(request: Request, err: UnknownModelError) -> JSONResponse:
+        return JSONResponse(error_body(str(err), param="model", code="model_not_found"), status_code=404)
 
     @app.exception_handler(EngineFailure)
     async def engine_failed(request: Request, err: EngineFailure) -> JSONResponse:

@@ -106,7 +106,7 @@ class EngineWorker:
                     self._end_all()
                 elif command == "add":
                     self._add(ticket, stopping)
-                elif ticket.engine_id is not None and ticket.engine_id in self._live:
+                elif self._live.get(ticket.engine_id) is ticket:  # not an id a fresh engine has given again
                     self._engine.abort(ticket.engine_id)
             if self._drain_at is not None and time.monotonic() >= self._drain_at:
                 self._end_all()
