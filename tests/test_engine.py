@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verispec import (DraftModel, InvalidArgumentError, Lookahead, PromptLookup, SamplingParams, generate,
-                      generate_batch, load_model)
+from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
+                      build_drafter, generate, generate_batch, load_model)
 from verispec.engine import Engine, Request
+from verispec.engine.draft_length import CALIBRATION_REPEATS, DraftLength
 from verispec.models.random_init import random_pair, tiny_config
 
 from test_verify import P_VALUE_MIN, compare
@@ -20,7 +21,8 @@ N = 24
 
 
 def drafters(draft):
-    return {"none": None, "draft": DraftModel(draft, 4), "ngram": PromptLookup(3)}
+    auto = build_drafter(Method("draft", "auto"), Resources(draft=draft))  # AdaptiveK: the engine drafts with its inner
+    return {"none": None, "draft": DraftModel(draft, 4), "ngram": PromptLookup(3), "auto": auto}
 
 
 def alone(target, prompt, drafter=None, **options):
@@ -40,12 +42,12 @@ def tokens(updates: list) -> list[int]:
     return [t for u in updates for t in u.tokens]
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "auto"])
 def test_greedy_batch_is_identical_to_each_prompt_alone(target, draft, method, single_thread) -> None:
     drafter = drafters(draft)[method]
-    results = generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True)
+    results = generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True, adaptive=False)
     for prompt, result in zip(PROMPTS, results):
-        truth = alone(target, prompt, drafter)
+        truth = alone(target, prompt)
         assert result.tokens == truth.tokens and result.text == truth.text
         assert result.stop_reason == "max_new_tokens" and result.stats.new_tokens == N
     if method != "none":
@@ -56,7 +58,7 @@ def test_stops_and_budgets_per_sequence(target, draft, single_thread) -> None:
     """Different budgets, stop strings and EOS per request in one batch: each ends as it would alone."""
     truth = alone(target, PROMPTS[0])
     stop = truth.text[5:7]
-    engine = Engine(target, DraftModel(draft, 3))
+    engine = Engine(target, DraftModel(draft, 3), adaptive=False)
     options = [dict(max_new_tokens=5), dict(max_new_tokens=N, stop=(stop,)), dict(max_new_tokens=N),
                dict(max_new_tokens=11, ignore_eos=False)]
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[3]]
@@ -74,7 +76,7 @@ def test_stops_and_budgets_per_sequence(target, draft, single_thread) -> None:
 
 def test_sequences_join_and_leave_between_steps(target, draft, single_thread) -> None:
     """Continuous batching: a short request added later finishes first, and everything matches decoding alone."""
-    engine = Engine(target, DraftModel(draft, 4), max_batch=2)
+    engine = Engine(target, DraftModel(draft, 4), max_batch=2, adaptive=False)
     long = engine.add(Request(PROMPTS[0], 40, SamplingParams(), ignore_eos=True))
     first = engine.step() + engine.step()
     short = engine.add(Request(PROMPTS[1], 6, SamplingParams(), ignore_eos=True))
@@ -93,7 +95,7 @@ def test_sequences_join_and_leave_between_steps(target, draft, single_thread) ->
 
 
 def test_abort_frees_a_sequence_and_leaves_the_others_identical(target, draft, single_thread) -> None:
-    engine = Engine(target, DraftModel(draft, 4))
+    engine = Engine(target, DraftModel(draft, 4), adaptive=False)
     ids = [engine.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS]
     waiting = Engine(target, max_batch=1)
     queued = [waiting.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS[:2]]
@@ -114,7 +116,7 @@ def test_abort_frees_a_sequence_and_leaves_the_others_identical(target, draft, s
 
 
 def test_metrics_count_the_batch(target, draft, single_thread) -> None:
-    engine = Engine(target, DraftModel(draft, 4))
+    engine = Engine(target, DraftModel(draft, 4), adaptive=False)
     for prompt in PROMPTS:
         engine.add(Request(prompt, N, SamplingParams(), ignore_eos=True))
     assert engine.metrics.waiting == 4 and engine.has_work
@@ -125,10 +127,96 @@ def test_metrics_count_the_batch(target, draft, single_thread) -> None:
     assert m.decode_seconds > 0
 
 
-def test_refuses_drafters_that_do_not_batch(target, draft) -> None:
-    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2)):
+def test_seeded_sampling_in_a_batch_is_each_prompt_alone(target, draft, single_thread) -> None:
+    """Each sequence draws from its own generator, in the order it would alone: with a fixed k, a seeded request
+    samples the same tokens in a batch as `generate` does alone (up to the batched forward's rounding)."""
+    options = dict(max_new_tokens=N, temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
+    for drafter in (DraftModel(draft, 3), PromptLookup(3)):
+        engine = Engine(target, drafter, adaptive=False)
+        ids = [engine.add(Request(p, N, SamplingParams(1.0, 50, 0.95), seed=seed, ignore_eos=True))
+               for seed, p in enumerate(PROMPTS)]
+        got = run(engine)
+        for seed, (rid, prompt) in enumerate(zip(ids, PROMPTS)):
+            assert tokens(got[rid]) == generate(target, prompt, drafter, seed=seed, **options).tokens
+
+
+def plain_at_four(batch: int):
+    """Costs under which drafting pays for one sequence and not for four: r(n) grows with the batch."""
+    return 0.05, lambda n: 1.0 + 0.25 * (batch - 1) * (n - 1)
+
+
+def test_k_follows_the_batch_size(target, draft, single_thread) -> None:
+    """Four sequences with different budgets: plain steps while four share the batch, drafting once one is
+    left; the chosen k is reported, and every output is still the target's own."""
+    engine = Engine(target, DraftModel(draft, 4), costs=plain_at_four)
+    budgets = [3, 6, 9, 30]
+    ids = [engine.add(Request(p, n, SamplingParams(), ignore_eos=True)) for p, n in zip(PROMPTS, budgets)]
+    chosen, got = [], {}
+    while engine.has_work:
+        for update in engine.step():
+            got.setdefault(update.request_id, []).extend(update.tokens)
+        chosen.append((engine.metrics.last_batch, engine.last_k))
+    assert {k for b, k in chosen if b == 4} == {0} and max(k for b, k in chosen if b == 1) == 4
+    assert engine.metrics.steps_by_k[0] >= 3 and sum(engine.metrics.steps_by_k[1:]) > 0
+    for rid, prompt, n in zip(ids, PROMPTS, budgets):
+        assert got[rid] == alone(target, prompt, max_new_tokens=n).tokens
+
+
+def test_draft_length_times_each_batch_size_once() -> None:
+    """The first time a batch size is met, forwards of 1 and max_k + 1 tokens per row are timed; their ratio sets
+    r, which decides between drafting and plain decoding (fake times: no clock involved)."""
+    for slope, expected in ((0.05, 4), (1.0, 0)):
+        length, widths = DraftLength(4), []
+
+        def measure(n: int) -> float:
+            widths.append(n)
+            return 0.01 * (1 + slope * (n - 1))
+
+        assert length.choose([[0.9] * 4] * 3, [4, 4, 2], measure) == expected
+        assert sorted(widths) == [1] * CALIBRATION_REPEATS + [5] * CALIBRATION_REPEATS
+        length.choose([[0.9] * 4] * 3, [4, 4, 2], measure)
+        assert len(widths) == 2 * CALIBRATION_REPEATS  # that batch size is known now
+        _, r = length.costs(3, measure)
+        assert r(5) == pytest.approx(1 + 4 * slope)
+    assert DraftLength(4).choose([[0.9] * 4], [0], measure) == 0  # no room to draft: nothing measured either
+
+
+def test_a_failed_step_leaves_every_sequence_consistent(target, draft, single_thread) -> None:
+    """The target fails in the middle of a step: every slot (target and draft) is rolled back to its committed
+    tokens, and the engine goes on to the outputs each prompt has alone."""
+
+    class Failing:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def forward_batch(self, *args):
+            self.calls += 1
+            if self.calls == 4:  # the prefill, two steps, then this one
+                raise RuntimeError("interrupted")
+            return target.forward_batch(*args)
+
+    engine = Engine(Failing(), DraftModel(draft, 4), adaptive=False)
+    ids = [engine.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS]
+    got = {}
+    for _ in range(2):
+        for update in engine.step():
+            got.setdefault(update.request_id, []).extend(update.tokens)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    for rid, updates in run(engine).items():
+        got[rid] += tokens(updates)
+    for rid, prompt in zip(ids, PROMPTS):
+        assert got[rid] == alone(target, prompt).tokens
+
+
+def test_refuses_drafters_and_targets_that_do_not_batch(target, draft, pair_dirs) -> None:
+    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2), DraftModel(load_model(pair_dirs[1], exact=True))):
         with pytest.raises(InvalidArgumentError, match=f"drafter {drafter.name} does not batch"):
             Engine(target, drafter)
+    with pytest.raises(InvalidArgumentError, match="cannot decode a batch"):
+        Engine(load_model(pair_dirs[0], exact=True))
 
 
 @pytest.mark.parametrize("request_options, message", [
@@ -155,7 +243,7 @@ def test_sampling_in_a_batch_follows_the_target(tmp_path, reference_probs, singl
                          num_hidden_layers=2)
     target_dir, draft_dir = random_pair(tmp_path, config, draft_layers=1, seed=2)
     target, draft = load_model(target_dir), load_model(draft_dir)
-    engine = Engine(target, DraftModel(draft, 2), max_batch=8)
+    engine = Engine(target, DraftModel(draft, 2), max_batch=8, adaptive=False)
     sampling = SamplingParams(temperature=1.0)
     ids = [engine.add(Request(list(SAMPLE_PROMPTS[seed % 2]), 2, sampling, seed=seed, ignore_eos=True))
            for seed in range(DRAWS)]

@@ -37,6 +37,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict
+from verispec.drafters.batch import BatchDraftSession
 from verispec.models.protocol import CausalLM
 from verispec.tree import depth
 
@@ -157,6 +158,10 @@ class AdaptiveK:
 
     def begin(self, context: DraftContext) -> AdaptiveSession:
         return AdaptiveSession(self, self.drafter.begin(context))
+
+    def begin_batch(self, target: CausalLM, slots: int) -> BatchDraftSession:
+        """The wrapped drafter's batch session: the batched engine chooses each step's k itself (`engine.draft_length`)."""
+        return self.drafter.begin_batch(target, slots)
 
 
 class AdaptiveSession:

@@ -96,7 +96,9 @@ class Drafter(Protocol):
     k: int  # the deepest proposal: at most this many tokens can be accepted per step
     width: int  # the most tokens one proposal puts into the target's forward (tree nodes and side branch)
     needs: Needs
-    batched: bool  # the batched engine can draft with it (`verispec.engine`); a drafter without it cannot
+    # `begin_batch(target, slots) -> drafters.batch.BatchDraftSession` drafts for the batched engine (`verispec.engine`);
+    # a drafter that does not declare it cannot draft there
+    batched: bool
 
     def check(self, target: CausalLM) -> None:
         """Refuse, with a VerispecError, a target this drafter cannot draft for (beyond `needs`); cheap, no work."""

@@ -9,6 +9,7 @@ import torch
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
+from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw, logits_to_probs
@@ -41,7 +42,8 @@ class DraftModel:
         self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
         self.width = tree_size(k, branch, branch_depth)
         self.needs = Needs(tree_masks=branch > 1)
-        self.batched = branch == 1  # a chain; trees are verified through a per-sequence tree mask
+        # A chain, on a model that batches; trees are verified through a per-sequence tree mask.
+        self.batched = branch == 1 and model.capabilities.batching
 
     def check(self, target: CausalLM) -> None:
         check_same_tokenizer(target.tokenizer, self.model.tokenizer, target.name, self.model.name)
@@ -52,6 +54,10 @@ class DraftModel:
 
     def begin(self, context: DraftContext) -> DraftModelSession:
         return DraftModelSession(self, context)
+
+    def begin_batch(self, target: CausalLM, slots: int) -> DraftModelBatch:
+        """Drafting for up to `slots` sequences of the batched engine at once (chains only: `batched`)."""
+        return DraftModelBatch(self.model, slots)
 
 
 class DraftModelSession:

@@ -5,10 +5,11 @@ Costs no model call, and pays off where the output repeats the prompt (code edit
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
+from verispec.drafters.batch import SequenceStart
 from verispec.errors import InvalidArgumentError
 from verispec.models.protocol import CausalLM
 
@@ -33,6 +34,10 @@ class PromptLookup:
 
     def begin(self, context: DraftContext) -> NgramIndex:
         return NgramIndex(self.max_ngram, self.min_ngram, context.prompt)
+
+    def begin_batch(self, target: CausalLM, slots: int) -> NgramBatch:
+        """Prompt lookup for the batched engine: an index per sequence."""
+        return NgramBatch(self)
 
 
 class NgramIndex:
@@ -66,3 +71,25 @@ class NgramIndex:
 
     def accepted(self, verdict: Verdict) -> None:
         """Nothing to roll back: proposals enter the index only once the target has committed them."""
+
+
+class NgramBatch:
+    """Prompt lookup for a batch: an `NgramIndex` per slot. It runs no model, so there is no forward to batch."""
+
+    def __init__(self, drafter: PromptLookup) -> None:
+        self.drafter, self.indexes = drafter, {}
+
+    def add(self, slot: int, start: SequenceStart) -> None:
+        self.indexes[slot] = NgramIndex(self.drafter.max_ngram, self.drafter.min_ngram, start.prompt)
+
+    def propose(self, contexts: Mapping[int, Sequence[int]], ks: Mapping[int, int]) -> dict[int, Proposal]:
+        return {slot: self.indexes[slot].propose(contexts[slot], k) for slot, k in ks.items()}
+
+    def accepted(self, verdicts: Mapping[int, Verdict]) -> None:
+        """Nothing to roll back (see `NgramIndex.accepted`)."""
+
+    def rollback(self, slot: int, committed: int) -> None:
+        """Nothing to roll back: the index holds committed tokens only."""
+
+    def remove(self, slot: int) -> None:
+        del self.indexes[slot]

@@ -2,45 +2,67 @@
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
+from typing import Callable
 
 import torch
 
+from verispec.adaptive import Acceptance, Costs
 from verispec.arguments import prompt_ids, seed_value, stop_strings, whole_number
 from verispec.detokenize import TextTracker
-from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
+from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
+from verispec.drafters.batch import SequenceStart
+from verispec.engine.batch_step import Row, batched_step
+from verispec.engine.draft_length import DraftLength
 from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
 from verispec.engine.sequence import Sequence
-from verispec.errors import InvalidArgumentError
-from verispec.models.protocol import Cache, CausalLM
+from verispec.errors import DrafterError, InvalidArgumentError
+from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
-from verispec.step import speculative_step
 from verispec.tree import cut_after_eos
 
 
 class Engine:
-    """Decodes up to `max_batch` requests at a time; the rest wait for a free slot. Single-threaded: the caller
-    runs `add`, `abort` and `step` from one thread."""
+    """Decodes up to `max_batch` requests at a time, one target forward per step for all of them; the rest wait for
+    a free slot. Each request keeps its own length, drafts, acceptance, rollback, sampling settings, seed and stops,
+    and decodes to what `verispec.generate` gives it alone (token for token under greedy decoding).
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, *, max_batch: int = 16) -> None:
-        self.target, self.drafter = target, drafter
+    `drafter`: one that declares `batched` (the draft model's chains, prompt lookup, or `AdaptiveK` over either);
+    its `k` is the most a step drafts. `adaptive` (default): each step's k is chosen from the batch size and the
+    measured costs (`engine.draft_length`), 0 when plain decoding is faster; otherwise every step drafts `k`.
+    `costs(B)` fixes (c, r) per batch size instead of measuring them. Single-threaded: the caller runs `add`,
+    `abort` and `step` from one thread.
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, *, max_batch: int = 16,
+                 adaptive: bool = True, costs: Callable[[int], Costs] | None = None) -> None:
         self.max_batch = whole_number(max_batch, "max_batch", 1)
+        if not target.capabilities.batching:
+            raise InvalidArgumentError(f"target {target.name} cannot decode a batch: the engine needs the native "
+                                       "runtime (not the transformers adapter, nor exact mode)")
         if drafter is not None:
             if not getattr(drafter, "batched", False):  # undeclared means not batched
-                raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts with the "
-                                           "draft model (a chain) and prompt lookup (ngram), or decodes plainly")
+                raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts with a "
+                                           "native draft model's chains and with prompt lookup, or decodes plainly")
             check_target(drafter, target)
+        self.target, self.drafter = target, drafter
+        self.cache = target.new_batch_cache(self.max_batch)
+        self.drafts = None if drafter is None else drafter.begin_batch(target, self.max_batch)
+        self.max_k = 0 if drafter is None else drafter.k
+        self.draft_length = DraftLength(self.max_k, costs) if drafter is not None and adaptive else None
         self.metrics = EngineMetrics()
         self._next_id = 0
+        self._free = list(range(self.max_batch))  # a heap: the lowest free slot first keeps the batch contiguous
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}
-        self._state: dict[int, tuple[Cache, DraftSession | None]] = {}
         self._dropped: list[Sequence] = []  # aborted while waiting: their last update is due
 
     @property
     def last_k(self) -> int:
+        """The draft length chosen for the last step (0: plain decoding)."""
         return self.metrics.last_k
 
     @property
@@ -48,7 +70,7 @@ class Engine:
         return bool(self._waiting or self._running or self._dropped)
 
     def add(self, request: Request) -> int:
-        """Check `request` and queue it; returns its id. It joins the batch at a step with a free slot."""
+        """Check `request` and queue it; returns its id. It joins the batch at the next step with a free slot."""
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"expected a verispec.engine.Request, got {type(request).__name__}")
         if not isinstance(request.sampling, SamplingParams):
@@ -56,22 +78,21 @@ class Engine:
         prompt = prompt_ids(self.target, request.prompt)
         whole_number(request.max_new_tokens, "max_new_tokens", 1)
         seed, stop = seed_value(request.seed), stop_strings(list(request.stop))
-        generator = torch.Generator(self.target.device)
+        generator = torch.Generator(self.target.device)  # seeded as `generate` seeds it
         if seed is None:
             generator.seed()
         else:
             generator.manual_seed(seed)
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
         sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                            list(prompt))
+                            list(prompt), Acceptance(max(1, self.max_k)))
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
         return sequence.id
 
     def abort(self, request_id: int) -> None:
-        """End a request at the next step (its last update says "aborted"); a request that already ended is left
-        as it is."""
+        """End a request at the next step (its last update says "aborted"); one that already ended is left as it is."""
         for sequence in self._waiting:
             if sequence.id == request_id:
                 self._waiting.remove(sequence)
@@ -83,21 +104,19 @@ class Engine:
             self._running[request_id].abort_asked = True
 
     def step(self) -> list[Update]:
-        """Admit waiting requests into free slots, then one draft + verify step for every running one; returns an
-        update for each request that committed tokens, released text or ended."""
+        """Admit waiting requests into free slots, then one batched draft + verify step for every running one;
+        returns an update for each request that committed tokens, released text or ended."""
         start = time.perf_counter()
         updates = [u for s in self._dropped if (u := s.update()) is not None]
         self.metrics.finished += len(self._dropped)
         self._dropped = []
-        for sequence in [s for s in self._running.values() if s.abort_asked]:
-            sequence.finish_reason = "aborted"
+        for sequence in self._running.values():
+            if sequence.abort_asked and sequence.finish_reason is None:
+                sequence.finish_reason = "aborted"
         self._admit()
         live = [s for s in self._running.values() if s.finish_reason is None]
         if live:
-            k = 0 if self.drafter is None else self.drafter.k
-            for sequence in live:
-                self._step_one(sequence, k)
-            self.metrics.record_step(k, len(live))
+            self._decode(live)
         for sequence in list(self._running.values()):
             update = sequence.update()
             if update is not None:
@@ -109,46 +128,101 @@ class Engine:
         return updates
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch:
+        """Give waiting requests free slots and prefill them together: each prompt but its last token."""
+        joining = []
+        while self._waiting and self._free:
             sequence = self._waiting.popleft()
-            t0 = time.perf_counter()
-            prompt = sequence.tokens
-            cache = self.target.new_cache()
-            if len(prompt) > 1:
-                self.target(torch.tensor([prompt[:-1]], device=self.target.device), cache)
-            session = None
-            if self.drafter is not None:
-                session = self.drafter.begin(DraftContext(self.target, list(prompt), sequence.request.sampling,
-                                                          sequence.generator, cache))
-            self._state[sequence.id] = (cache, session)
+            sequence.slot = heapq.heappop(self._free)
             self._running[sequence.id] = sequence
-            sequence.stats.prefill_time = time.perf_counter() - t0
-            if sequence.room(self.target.context_length) <= 0:
-                sequence.finish_reason = "max_new_tokens"
-
-    def _step_one(self, sequence: Sequence, k: int) -> None:
-        cache, session = self._state[sequence.id]
+            joining.append(sequence)
+        if not joining:
+            return
         t0 = time.perf_counter()
-        room = sequence.room(self.target.context_length)
-        proposal, asked = Proposal([]), session is not None and room > 1 and k > 0
-        if asked:
-            proposal = session.propose(sequence.tokens, min(k, room - 1))
-            sequence.stats.drafter_calls += 1
-        proposal, kept = cut_after_eos(proposal, sequence.eos)
-        t1 = time.perf_counter()
-        step = speculative_step(self.target, cache, sequence.tokens[-1], proposal, sequence.request.sampling,
-                                sequence.generator)
-        if asked:
-            session.accepted(Verdict([kept[i] for i in step.path]))
-        stats = sequence.stats
-        stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
-        stats.target_calls += 1
-        before = len(sequence.tokens)
-        accepted = sequence.commit(proposal.tokens, len(step.path), step.next_token, self.target.context_length)
-        self.metrics.generated_tokens += len(sequence.tokens) - before
-        self.metrics.drafted_tokens += len(proposal.tokens)
-        self.metrics.accepted_tokens += accepted
+        prefill = [s for s in joining if len(s.tokens) > 1]
+        if prefill:
+            counts = [len(s.tokens) - 1 for s in prefill]
+            x = torch.zeros(len(prefill), max(counts), dtype=torch.long, device=self.target.device)
+            for b, s in enumerate(prefill):
+                x[b, : counts[b]] = torch.tensor(s.tokens[:-1], device=self.target.device)
+            self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts)
+        for s in joining:
+            if self.drafts is not None:
+                self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator))
+            s.stats.prefill_time = time.perf_counter() - t0
+
+    def _decode(self, live: list[Sequence]) -> None:
+        """One step for the live sequences: choose k, draft, verify in one forward, commit."""
+        context = self.target.context_length
+        limits = [min(self.max_k, s.room(context) - 1) for s in live]
+        if self.draft_length is not None:
+            k = self.draft_length.choose([s.acceptance.rates() for s in live], limits,
+                                         lambda width: self._time_forward(live, width))
+        else:
+            k = self.max_k
+        asked = {s.slot: min(k, limit) for s, limit in zip(live, limits) if min(k, limit) >= 1}
+        t0 = time.perf_counter()
+        try:
+            proposals = self.drafts.propose({s.slot: s.tokens for s in live if s.slot in asked}, asked) if asked else {}
+            t1 = time.perf_counter()
+            rows = []
+            for s in live:
+                proposal = proposals.get(s.slot, Proposal([]))
+                _check(self.drafter, proposal, asked.get(s.slot, 0))
+                rows.append(Row(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
+                                s.generator))
+            results = batched_step(self.target, self.cache, rows)
+            if asked:
+                self.drafts.accepted({row.slot: Verdict(list(range(n))) for row, (n, _) in zip(rows, results)
+                                      if row.slot in asked})
+        except BaseException:  # every slot back to its committed tokens, so the engine can go on
+            for s in live:
+                self.cache.truncate(s.slot, min(self.cache.lengths[s.slot], len(s.tokens) - 1))
+                if self.drafts is not None:
+                    self.drafts.rollback(s.slot, len(s.tokens))
+            raise
+        t2 = time.perf_counter()
+        if self.draft_length is not None:
+            self.draft_length.observe(len(live), k, t1 - t0, 1 + max(len(r.proposal.tokens) for r in rows), t2 - t1,
+                                      any(n for n, _ in results))
+        for s, row, (n, token) in zip(live, rows, results):
+            stats = s.stats
+            stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + t2 - t1
+            stats.target_calls += 1
+            stats.drafter_calls += s.slot in asked
+            s.acceptance.observe(len(row.proposal.tokens), n)
+            before = len(s.tokens)
+            self.metrics.accepted_tokens += s.commit(row.proposal.tokens, n, token, context)
+            self.metrics.drafted_tokens += len(row.proposal.tokens)
+            self.metrics.generated_tokens += len(s.tokens) - before
+        self.metrics.record_step(k, len(live))
+
+    def _time_forward(self, live: list[Sequence], width: int) -> float | None:
+        """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are
+        rolled back after it (what it wrote lies past their lengths, never read). None where a slot lacks room."""
+        slots = [s.slot for s in live]
+        if any(self.cache.lengths[slot] + width > self.cache.max_len for slot in slots):
+            return None
+        lengths = [self.cache.lengths[slot] for slot in slots]
+        x = torch.zeros(len(slots), width, dtype=torch.long, device=self.target.device)
+        start = time.perf_counter()
+        self.target.forward_batch(x, self.cache, slots, [width] * len(slots))
+        seconds = time.perf_counter() - start
+        for slot, length in zip(slots, lengths):
+            self.cache.truncate(slot, length)
+        return seconds
 
     def _release(self, sequence: Sequence) -> None:
-        del self._running[sequence.id], self._state[sequence.id]
+        del self._running[sequence.id]
+        self.cache.truncate(sequence.slot, 0)
+        if self.drafts is not None:
+            self.drafts.remove(sequence.slot)
+        heapq.heappush(self._free, sequence.slot)
         self.metrics.finished += 1
+
+
+def _check(drafter: Drafter | None, proposal: Proposal, k: int) -> None:
+    """A batch drafter proposes chains at most k deep: anything else would not fit the step's forward."""
+    if proposal.parents is not None or proposal.side is not None or len(proposal.tokens) > k:
+        raise DrafterError(f"drafter {drafter.name} proposed {len(proposal.tokens)} tokens (a tree or side branch: "
+                           f"{proposal.parents is not None or proposal.side is not None}); a batch step takes a "
+                           f"chain of at most {k}")

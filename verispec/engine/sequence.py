@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.adaptive import Acceptance
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
 from verispec.stats import GenerationStats
@@ -23,6 +24,8 @@ class Sequence:
     text: TextTracker
     generator: torch.Generator
     tokens: list[int]  # the prompt, then every committed token
+    acceptance: Acceptance  # its acceptance by draft position, which the step's k is chosen from
+    slot: int = -1  # its cache slot while it runs
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None

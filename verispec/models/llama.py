@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import ContextLengthError
+from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 
@@ -28,10 +29,11 @@ class RMSNorm(nn.Module):
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (T, D) for the given positions, computed like transformers (float32, then cast)."""
+    """cos and sin tables (..., T, D) for the given positions (..., T), computed like transformers (float32, then
+    cast)."""
     compute = torch.promote_types(dtype, torch.float32)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=compute) / head_dim)
-    freqs = positions.to(compute)[:, None] * inv_freq[None, :]
+    freqs = positions.to(compute)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -116,7 +118,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -152,7 +154,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -218,11 +220,20 @@ class LlamaForCausalLM(nn.Module):
             cache.advance(T)
         return out
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+    def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
+        """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
+        offset, its real tokens and its padding); each slot advances by its row's real tokens only."""
+        out = self._run(tokens, rows.positions, rows, rows.mask, None, None)
+        rows.advance()
+        return out
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
              attn_mask: torch.Tensor | Rows | None, layers: Sequence[int] | None,
              hidden: Sequence[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+        if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
+            cos, sin = cos[:, None], sin[:, None]
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 
 from verispec.arguments import usable_device
 from verispec.errors import InvalidArgumentError
+from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
@@ -41,12 +42,12 @@ class NativeModel:
     whole context width each forward; a token tree may be at most 32 deep (see `Rows`).
     """
 
-    capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True)
-
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
                  exact: bool = False) -> None:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.exact = exact
+        # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
+        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact)
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
@@ -59,6 +60,19 @@ class NativeModel:
         static = dict(rows=EXACT_ROWS, width=width) if self.exact else {}
         return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
                        c.dim_per_head, self.dtype, self.device, **static)
+
+    def new_batch_cache(self, slots: int, max_len: int | None = None) -> BatchKVCache:
+        """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length)."""
+        c = self.config
+        return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len or self.context_length,
+                            c.dim_per_head, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache, slots: Sequence[int],
+                      counts: Sequence[int]) -> torch.Tensor:
+        """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
+        counts[b] tokens, and only those are stored."""
+        return self.module.forward_rows(tokens, cache.rows(slots, counts, tokens.shape[1]))
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,

@@ -20,6 +20,9 @@ class Capabilities:
     # the two ends of the model, which feature-level drafters (EAGLE, Medusa) share
     hidden_states: bool = False
     layer_subsets: bool = False  # `layers=` runs only some blocks (self-speculative layer skip)
+    # `new_batch_cache(slots, max_len)` and `forward_batch(tokens, cache, slots, counts)`: several sequences, each in
+    # its own cache slot with its own length, in one forward (the batched engine)
+    batching: bool = False
 
 
 class Cache(Protocol):
