@@ -17,8 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec.cli import main
-from verispec.drafters.base import DraftContext, Proposal
-from verispec.drafters.draft_model import DraftModel, DraftModelSession
+from verispec.drafters.base import Proposal
+from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
@@ -40,9 +41,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeModel,
 
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, NativeModel, NativeModel]) -> ServerThread:
-    """Speculation with the draft model (k = 3) on a target without a chat template."""
+    """Speculation with the draft model (k = 3 every step) on a target without a chat template."""
     target_dir, target, draft = models
-    with torch_threads(1), ServerThread(serving_app(target, DraftModel(draft, 3), target_dir, name="tiny")) as srv:
+    app = serving_app(target, DraftModel(draft, 3), target_dir, name="tiny", adaptive=False)
+    with torch_threads(1), ServerThread(app) as srv:
         yield srv
 
 
@@ -278,21 +280,21 @@ def test_shutdown_finishes_or_ends_in_flight(models: tuple, grace: float, max_to
 
 
 class _BreaksOnce(DraftModel):
-    """A draft model whose first session breaks at its third proposal, so that an engine step raises mid-request."""
+    """A draft model whose batch drafting breaks once, at its third proposal: one engine step raises mid-request."""
 
     broke = False
 
-    def begin(self, context: DraftContext) -> DraftModelSession:
-        session = super().begin(context)
-        if not self.broke:
-            self.broke, calls, propose = True, itertools.count(), session.propose
+    def begin_batch(self, target: NativeModel, slots: int) -> DraftModelBatch:
+        session = super().begin_batch(target, slots)
+        calls, propose = itertools.count(), session.propose
 
-            def breaking(tokens: list[int], k: int) -> Proposal:
-                if next(calls) == 2:
-                    raise RuntimeError("the drafter broke")
-                return propose(tokens, k)
+        def breaking(contexts: dict, ks: dict) -> dict[int, Proposal]:
+            if next(calls) == 2 and not self.broke:
+                self.broke = True
+                raise RuntimeError("the drafter broke")
+            return propose(contexts, ks)
 
-            session.propose = breaking
+        session.propose = breaking
         return session
 
 
@@ -300,7 +302,8 @@ class _BreaksOnce(DraftModel):
 def test_failed_engine_step_fails_its_request_only(models: tuple, stream: bool) -> None:
     """A non-streamed request gets a 500, a stream an error event; the server serves on with a fresh engine."""
     target_dir, target, draft = models
-    with torch_threads(1), ServerThread(serving_app(target, _BreaksOnce(draft, 2), target_dir, name="t")) as srv:
+    app = serving_app(target, _BreaksOnce(draft, 2), target_dir, name="t", adaptive=False)
+    with torch_threads(1), ServerThread(app) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
         failure = openai.APIError if stream else openai.InternalServerError  # an error event; a 500
         with pytest.raises(failure, match="the drafter broke"):

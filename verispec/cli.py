@@ -211,7 +211,8 @@ def _serve(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     method = _checked_method(args)
     target, drafter = _load_models(args, method)
-    app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch)
+    app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch,
+                      adaptive=method.k == AUTO)
     print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
           f"http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.shutdown_grace)
@@ -241,7 +242,8 @@ def _bench_serve(args: argparse.Namespace) -> None:
         if drafter is None:
             raise InvalidArgumentError("bench-serve compares speculation with plain decoding; give it a method "
                                        "that drafts (--draft, or --method)")
-        results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads)
+        results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads,
+                                adaptive=method.k == AUTO)
         setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch}
         setup |= machine()
     report = write_report(out, results, work, setup)

@@ -144,14 +144,16 @@ def measure(url: str, work: Workload) -> list[Level]:
 
 
 def measure_local(target: CausalLM, drafter: Drafter, label: str, work: Workload, *, max_batch: int,
-                  threads: int) -> dict[str, list[Level]]:
-    """Plain decoding, then `drafter`'s speculation, each served from `target` on this machine and measured."""
+                  threads: int, adaptive: bool) -> dict[str, list[Level]]:
+    """Plain decoding, then `drafter`'s speculation (`adaptive`: k chosen per step), each served from `target` on
+    this machine and measured."""
     from verispec.serve.app import serving_app  # the server's stack loads on demand
     from verispec.serve.server import ServerThread
 
     results = {}
     for name, which in (("autoregressive", None), (label, drafter)):
-        with torch_threads(threads), ServerThread(serving_app(target, which, max_batch=max_batch)) as server:
+        app = serving_app(target, which, max_batch=max_batch, adaptive=adaptive)
+        with torch_threads(threads), ServerThread(app) as server:
             results[name] = measure(server.url, work)
     return results
 

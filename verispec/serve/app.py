@@ -45,12 +45,13 @@ class EngineFailure(Exception):
 
 
 def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
-                name: str | None = None, max_batch: int = 16) -> FastAPI:
+                name: str | None = None, max_batch: int = 16, adaptive: bool = True) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
-    the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences."""
+    the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences that choose each
+    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step."""
     chat = load_chat_template(target_dir) if target_dir is not None else None
     model = ServedModel(name or target.name, target, chat, int(time.time()))
-    return create_app(model, lambda: Engine(target, drafter, max_batch=max_batch))
+    return create_app(model, lambda: Engine(target, drafter, max_batch=max_batch, adaptive=adaptive))
 
 
 def create_app(model: ServedModel, make_engine: Callable[[], Engine]) -> FastAPI:
