@@ -1,4 +1,5 @@
-"""Command line: argument parsing and printing only; everything it does is in the Python API."""
+"""Command line: running the commands of `verispec/cli_parser.py` and printing; everything they do is in the
+Python API."""
 
 from __future__ import annotations
 
@@ -13,129 +14,22 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from verispec.drafters.base import Needs
-from verispec.drafters.registry import AUTO, FAMILIES, Method, Resources, build_drafter, check_method
+from verispec.drafters.base import Drafter, Needs
+from verispec.arguments import whole_number
+from verispec.cli_parser import build_parser
+from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
-from verispec.models.auto import BACKENDS, load
+from verispec.models.auto import load
+from verispec.models.protocol import CausalLM
 from verispec.models.default import MODELS, default_paths
-from verispec.models.native import DTYPES, load_model
+from verispec.models.native import load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 from verispec.threads import set_threads
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
-    gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
-    gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
-    gen.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
-                                      "models/stdlib-target, with models/stdlib-draft as the draft")
-    gen.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
-                                     "plain decoding")
-    gen.add_argument("--method", choices=list(FAMILIES), default="draft",
-                     help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
-    # Each method's options default to None here, so that only what was given reaches the method record (the
-    # defaults live in the drafters) and an option given to a method that does not take it is refused.
-    gen.add_argument("--max-ngram", type=int, help="ngram: longest n-gram matched (default 3)")
-    gen.add_argument("--min-ngram", type=int, help="ngram: shortest n-gram matched (default 1)")
-    gen.add_argument("--window", type=int, help="lookahead: columns of the Jacobi window (W, default 5)")
-    gen.add_argument("--ngram-size", type=int, help="lookahead: n-gram size N, N - 1 tokens drafted (default 4)")
-    gen.add_argument("--candidates", type=int, help="lookahead: most n-grams verified per step (G, default 5)")
-    gen.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
-    gen.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's acceptance "
-                                "and timings, up to 8, and 0 (plain decoding) where drafting does not pay (default "
-                                "auto for draft, ngram and eagle chains; 4 for trees; layerskip: the k in "
-                                "layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or off)")
-    gen.add_argument("--branch", type=int,
-                     help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
-                          "tree (native runtime; default 1, a chain)")
-    gen.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
-    gen.add_argument("--head", help="eagle, medusa: the head's folder (default: models/stdlib-eagle or "
-                                    "models/stdlib-medusa for the shipped target)")
-    gen.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
-                                                    "per depth with this many children each (with --tree-tokens)")
-    gen.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
-    gen.add_argument("--draft-vocab", type=int, help="eagle, medusa: draft over this many of the most frequent tokens only "
-                                                     "(a cheaper LM head; verification still scores them all)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
-    gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[],
-                     help="stop string (repeatable); backslash escapes as in Python: '\\n\\n', '\\t', '\\\\', "
-                          "'\\x41', '\\u00e9'")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
-    gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    gen.add_argument("--exact", action="store_true",
-                     help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
-    gen.add_argument("--backend", default="auto", choices=BACKENDS,
-                     help="native runtime, transformers, or auto: native where it covers the architecture")
-    gen.add_argument("--threads", type=int,
-                     help="torch threads (default: $VERISPEC_THREADS, else $OMP_NUM_THREADS, else the cores less "
-                          "one, at least 1: more threads than free cores stalls torch at every op)")
-    gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                     help="show accepted draft tokens in green (auto: when printing to a terminal)")
-    rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
-    rnd.add_argument("folder")
-    rnd.add_argument("--layers", type=int, default=4)
-    rnd.add_argument("--draft-layers", type=int, default=1)
-    rnd.add_argument("--hidden-size", type=int, default=128)
-    rnd.add_argument("--seed", type=int, default=0)
-    lsk = sub.add_parser("search-layerskip", help="choose the layers --method layerskip skips; writes "
-                                                  "TARGET/layerskip.json")
-    lsk.add_argument("--target", required=True, help="target checkpoint folder (native runtime)")
-    lsk.add_argument("-k", "--k", type=int, default=4, help="tokens drafted per step to optimise for (default 4)")
-    lsk.add_argument("--prompts", type=int, default=8, help="prompts cut from the validation text (default 8)")
-    lsk.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
-    lsk.add_argument("--new-tokens", type=int, default=32, help="tokens each greedy run generates (default 32)")
-    lsk.add_argument("--text", action="append", default=[],
-                     help="a text file to measure on (repeatable); default: the corpus's validation split")
-    lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
-    bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
-    bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
-                                        "models/stdlib-draft as the draft")
-    bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
-    bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
-                                      "with the shipped target, where it exists)")
-    bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
-                                     "the system's temporary folder; printed at the end)")
-    bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
-    bench.add_argument("--quick", action="store_true",
-                       help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
-                            "and --threads do not apply")
-    bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
-    bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                       help="our models' and the peers' dtype (default float32; the float64 check is separate)")
-    bench.add_argument("--unrelated", action="store_true",
-                       help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
-                            "random draft of the draft's shape and tokenizer (--quick always does)")
-    bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
-                                         "autoregressive, the baseline")
-    trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
-    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa",
-                                     "medusa-card"),
-                     help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
-                          "an EAGLE head for --target (RUNS/eagle) or Medusa heads (RUNS/medusa), or their cards")
-    trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
-                                                    "and exports")
-    trn.add_argument("--target", help="eagle, medusa and their cards: the target the heads are for (default: the "
-                                          "shipped target)")
-    trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
-    trn.add_argument("--batch-size", type=int, default=8)
-    trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
-                                                 "compute-bound)")
-    return parser
 
 
 def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
@@ -159,7 +53,7 @@ def _method(args: argparse.Namespace) -> Method:
     """The method record from the command line: only the options that were given."""
     options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
     if "skip" in options:
-        options["skip"] = _layer_list(options["skip"])
+        options["skip"] = _whole_numbers(options["skip"], "--skip", "layer indices such as 2,3")
     k = _k_arg(args.k)
     if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
         return Method("autoregressive", k)
@@ -187,27 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
     args.stop = [_unescape(stop, "--stop") for stop in args.stop]
     _check_options(args)
     set_threads(args.threads)
-    given_draft = args.draft
-    if args.target is None:  # the shipped default pair
-        args.target, default_draft = default_paths()
-        args.draft = args.draft or default_draft
-    method = _method(args)
-    needs = check_method(method)  # before loading anything
-    if given_draft and method.family != "draft":  # only --method draft loads it
-        raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
-                                   "ignore it")
-    if args.head and method.family not in ("eagle", "medusa"):
-        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa; --method {args.method} would "
-                                   "ignore it")
-    if args.backend == "transformers" and needs != Needs():
-        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
-                                   f"layer subsets); --backend transformers offers none of them")
-    target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
-    draft = None
-    if method.family == "draft" and args.draft:
-        draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
-    head = Path(args.head) if args.head else None
-    drafter = build_drafter(method, Resources(draft, Path(args.target), target, head))
+    target, drafter = _load_models(args, _checked_method(args))
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
@@ -239,6 +113,38 @@ def _generate(args: argparse.Namespace) -> int:
         note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
     return 0
+
+
+def _checked_method(args: argparse.Namespace) -> Method:
+    """The method record of `add_model_args`' options, checked before any model loads; fills in the shipped pair
+    where no --target was given."""
+    given_draft = args.draft
+    if args.target is None:  # the shipped default pair
+        args.target, default_draft = default_paths()
+        args.draft = args.draft or default_draft
+    method = _method(args)
+    needs = check_method(method)  # before loading anything
+    if given_draft and method.family != "draft":  # only --method draft loads it
+        raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
+                                   "ignore it")
+    if args.head and method.family not in ("eagle", "medusa"):
+        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa; --method {args.method} would "
+                                   "ignore it")
+    if args.backend == "transformers" and needs != Needs():
+        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
+                                   f"layer subsets); --backend transformers offers none of them")
+    return method
+
+
+def _load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Drafter | None]:
+    """The target and the method's drafter (None: plain decoding), from `add_model_args`' and `add_runtime_args`'
+    options."""
+    target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
+    draft = None
+    if method.family == "draft" and args.draft:
+        draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
+    head = Path(args.head) if args.head else None
+    return target, build_drafter(method, Resources(draft, Path(args.target), target, head))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -290,11 +196,60 @@ def _check_options(args: argparse.Namespace) -> None:
     SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature, top-k or top-p
 
 
-def _layer_list(text: str) -> list[int]:
+def _whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,4,16") -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise InvalidArgumentError(f"--skip takes comma-separated layer indices such as 2,3; got {text!r}") from None
+        raise InvalidArgumentError(f"{option} takes comma-separated {what}; got {text!r}") from None
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from verispec.serve.app import serving_app  # FastAPI and uvicorn load on demand
+    from verispec.serve.server import check_server_options, run_server
+
+    check_server_options(args.port, args.shutdown_grace, args.max_batch)
+    set_threads(args.threads)
+    method = _checked_method(args)
+    target, drafter = _load_models(args, method)
+    app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch,
+                      adaptive=method.k == AUTO)
+    print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    run_server(app, args.host, args.port, args.shutdown_grace)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from verispec.bench.report import machine
+    from verispec.bench.serve import Workload, format_table, measure, measure_local, verdict, write_report
+    from verispec.bench.suite import SUITE, read_suite
+
+    levels = tuple(_whole_numbers(args.concurrency, "--concurrency"))
+    work = Workload([item["prompt"] for item in read_suite(Path(args.suite) if args.suite else SUITE)], levels,
+                    args.requests, args.max_tokens)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-serve-"))
+    if args.url:
+        if args.target or args.draft:
+            raise InvalidArgumentError("--url measures running servers; --target and --draft would be ignored")
+        servers = [url.split("=", 1) if "=" in url.split("://")[0] else (url, url) for url in args.url]
+        results = {label: measure(url, work) for label, url in servers}
+        setup = {"servers": ", ".join(f"{label} at {url}" for label, url in servers)}
+    else:
+        whole_number(args.max_batch, "--max-batch", 1)
+        threads = args.threads or 1  # as `bench`: one thread unless told, so runs compare
+        set_threads(threads)
+        method = _checked_method(args)
+        target, drafter = _load_models(args, method)
+        if drafter is None:
+            raise InvalidArgumentError("bench-serve compares speculation with plain decoding; give it a method "
+                                       "that drafts (--draft, or --method)")
+        results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads,
+                                adaptive=method.k == AUTO)
+        setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch}
+        setup |= machine()
+    report = write_report(out, results, work, setup)
+    print(format_table(results))
+    print("\n".join(verdict(results)) if len(results) > 1 else "")
+    print(f"report: {report}")
 
 
 def _search_layerskip(args: argparse.Namespace) -> None:
@@ -393,12 +348,13 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
-                "search-layerskip": _search_layerskip}[args.command](args)
+                "search-layerskip": _search_layerskip, "serve": _serve,
+                "bench-serve": _bench_serve}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

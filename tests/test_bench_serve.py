@@ -1,0 +1,57 @@
+"""`verispec bench-serve`: served here from checkpoint folders, and against a running server by URL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verispec.cli import main
+from verispec.models.native import load_model
+from verispec.serve.app import serving_app
+from verispec.serve.server import ServerThread
+from verispec.threads import torch_threads
+
+
+@pytest.fixture
+def suite(tmp_path: Path) -> Path:
+    path = tmp_path / "suite.jsonl"  # short prompts: the tiny models' context is 256 byte tokens
+    path.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
+    return path
+
+
+def test_bench_serve_local(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Path,
+                           capsys: pytest.CaptureFixture) -> None:
+    target, draft = pair_dirs
+    code = main(["bench-serve", "--target", str(target), "--draft", str(draft), "-k", "2", "--concurrency", "1,2",
+                 "--requests", "3", "--max-tokens", "5", "--suite", str(suite), "--out", str(tmp_path / "out")])
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert list(results) == ["autoregressive", "draft k=2"]
+    for levels in results.values():
+        assert [level["concurrency"] for level in levels] == [1, 2]
+        assert all(level["tokens"] == 3 * 5 and level["throughput"] > 0 and level["ttft_p99"] >= level["ttft_p50"]
+                   for level in levels)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "draft k=2 vs autoregressive, output-token throughput by concurrency: 1: " in report
+    assert "report: " in capsys.readouterr().out
+
+
+def test_bench_serve_url(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Path) -> None:
+    target = load_model(pair_dirs[0])
+    with torch_threads(1), ServerThread(serving_app(target, None, name="plain")) as server:
+        code = main(["bench-serve", "--url", f"mine={server.url}", "--url", server.url, "--concurrency", "2",
+                     "--requests", "2", "--max-tokens", "3", "--suite", str(suite), "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(results) == ["mine", server.url] and results["mine"][0]["tokens"] == 2 * 3
+
+
+def test_bench_serve_refuses(suite: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench-serve", "--concurrency", "1,x", "--suite", str(suite)]) == 2
+    assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--target", "t", "--suite", str(suite)]) == 2
+    assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--suite", str(suite), "--requests", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("verispec: error: ") for line in err)
+    assert "--concurrency" in err[0] and "--url" in err[1] and "--requests" in err[2]

@@ -1,0 +1,156 @@
+"""The command line's grammar: every subcommand and option (`verispec/cli.py` runs them)."""
+
+from __future__ import annotations
+
+import argparse
+
+from verispec.drafters.registry import FAMILIES
+from verispec.models.auto import BACKENDS
+from verispec.models.native import DTYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
+    gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
+    gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
+    add_model_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[],
+                     help="stop string (repeatable); backslash escapes as in Python: '\\n\\n', '\\t', '\\\\', "
+                          "'\\x41', '\\u00e9'")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
+    add_runtime_args(gen)
+    gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                     help="show accepted draft tokens in green (auto: when printing to a terminal)")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, models, health, "
+                                       "metrics) over the batched engine")
+    add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together (default 16); "
+                                                                "more requests wait for a free slot")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
+    srv.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are ended "
+                          "(default 30; a second Ctrl-C quits at once)")
+    add_runtime_args(srv)
+    bsv = sub.add_parser("bench-serve", help="throughput and latency of a server at 1, 4 and 16 concurrent "
+                                             "streaming clients: plain decoding vs speculation")
+    bsv.add_argument("--url", action="append", default=[],
+                     help="[LABEL=]URL of a running OpenAI-compatible server (verispec, vLLM, SGLang; repeatable, the "
+                          "first is the baseline); without it, plain decoding and --method are served here in turn")
+    add_model_args(bsv)
+    bsv.add_argument("--concurrency", default="1,4,16", help="concurrent clients per level (default 1,4,16)")
+    bsv.add_argument("--requests", type=int, default=32, help="streamed completions per level (default 32)")
+    bsv.add_argument("--max-tokens", type=int, default=128, help="tokens per completion, EOS ignored (default 128)")
+    bsv.add_argument("--suite", help="prompts (jsonl with a prompt field; default data/bench/suite.jsonl)")
+    bsv.add_argument("--max-batch", type=int, default=16, help="the local servers' batch (default 16)")
+    bsv.add_argument("--out", help="folder for report.md and results.json (default: a new temporary folder)")
+    add_runtime_args(bsv)
+    rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
+    rnd.add_argument("folder")
+    rnd.add_argument("--layers", type=int, default=4)
+    rnd.add_argument("--draft-layers", type=int, default=1)
+    rnd.add_argument("--hidden-size", type=int, default=128)
+    rnd.add_argument("--seed", type=int, default=0)
+    lsk = sub.add_parser("search-layerskip", help="choose the layers --method layerskip skips; writes "
+                                                  "TARGET/layerskip.json")
+    lsk.add_argument("--target", required=True, help="target checkpoint folder (native runtime)")
+    lsk.add_argument("-k", "--k", type=int, default=4, help="tokens drafted per step to optimise for (default 4)")
+    lsk.add_argument("--prompts", type=int, default=8, help="prompts cut from the validation text (default 8)")
+    lsk.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
+    lsk.add_argument("--new-tokens", type=int, default=32, help="tokens each greedy run generates (default 32)")
+    lsk.add_argument("--text", action="append", default=[],
+                     help="a text file to measure on (repeatable); default: the corpus's validation split")
+    lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
+    bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
+    bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
+                                        "models/stdlib-draft as the draft")
+    bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
+    bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
+                                      "with the shipped target, where it exists)")
+    bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
+                                     "the system's temporary folder; printed at the end)")
+    bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
+    bench.add_argument("--quick", action="store_true",
+                       help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
+                            "and --threads do not apply")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
+    bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                       help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--unrelated", action="store_true",
+                       help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
+                            "random draft of the draft's shape and tokenizer (--quick always does)")
+    bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
+                                         "autoregressive, the baseline")
+    trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
+    trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa",
+                                     "medusa-card"),
+                     help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
+                          "an EAGLE head for --target (RUNS/eagle) or Medusa heads (RUNS/medusa), or their cards")
+    trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
+                                                    "and exports")
+    trn.add_argument("--target", help="eagle, medusa and their cards: the target the heads are for (default: the "
+                                      "shipped target)")
+    trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
+    trn.add_argument("--batch-size", type=int, default=8)
+    trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
+                                                 "compute-bound)")
+    return parser
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The target, the method and its options: what `_load_models` builds from (generate, serve)."""
+    parser.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
+                                         "models/stdlib-target, with models/stdlib-draft as the draft")
+    parser.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
+                                        "plain decoding")
+    parser.add_argument("--method", choices=list(FAMILIES), default="draft",
+                        help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
+    # Each method's options default to None here, so that only what was given reaches the method record (the
+    # defaults live in the drafters) and an option given to a method that does not take it is refused.
+    parser.add_argument("--max-ngram", type=int, help="ngram: longest n-gram matched (default 3)")
+    parser.add_argument("--min-ngram", type=int, help="ngram: shortest n-gram matched (default 1)")
+    parser.add_argument("--window", type=int, help="lookahead: columns of the Jacobi window (W, default 5)")
+    parser.add_argument("--ngram-size", type=int, help="lookahead: n-gram size N, N - 1 tokens drafted (default 4)")
+    parser.add_argument("--candidates", type=int, help="lookahead: most n-grams verified per step (G, default 5)")
+    parser.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
+    parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
+                                   "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
+                                   "pay (default auto for draft, ngram and eagle chains; 4 for trees; layerskip: the "
+                                   "k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or "
+                                   "off)")
+    parser.add_argument("--branch", type=int,
+                        help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
+                             "tree (native runtime; default 1, a chain)")
+    parser.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
+    parser.add_argument("--head", help="eagle, medusa: the head's folder (default: models/stdlib-eagle or "
+                                       "models/stdlib-medusa for the shipped target)")
+    parser.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
+                                                       "per depth with this many children each (with --tree-tokens)")
+    parser.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
+    parser.add_argument("--draft-vocab", type=int, help="eagle, medusa: draft over this many of the most frequent "
+                                                        "tokens only (a cheaper LM head; verification still scores "
+                                                        "them all)")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Where and how the models run."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--exact", action="store_true",
+                        help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="native runtime, transformers, or auto: native where it covers the architecture")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads (default: $VERISPEC_THREADS, else $OMP_NUM_THREADS, else the cores less "
+                             "one, at least 1: more threads than free cores stalls torch at every op)")

@@ -1,0 +1,1 @@
+"""`verispec serve`: an OpenAI-compatible HTTP server over the batched engine (FastAPI on uvicorn)."""

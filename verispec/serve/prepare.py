@@ -1,0 +1,84 @@
+"""An OpenAI request body -> the engine's `Request`: the prompt's tokens, the token limit and sampling, checked.
+
+Ranges are judged by the Python API's own validators (`verispec.arguments`, `SamplingParams`), so the server refuses
+exactly what `verispec.generate` refuses, with the same words; each refusal is a `VerispecError` that the app turns
+into OpenAI's 400 error JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verispec.arguments import prompt_ids, seed_value, stop_strings, whole_number
+from verispec.engine.request import Request
+from verispec.errors import ContextLengthError, InvalidArgumentError
+from verispec.models.protocol import CausalLM
+from verispec.sampling import SamplingParams
+from verispec.serve.chat import ChatTemplate
+from verispec.serve.schema import ChatRequest, CompletionRequest, ApiRequest
+
+COMPLETION_MAX_TOKENS = 16  # the OpenAI completions API's default; chat defaults to the rest of the context
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default (verispec.generate's is 0, greedy)
+
+
+class UnknownModelError(InvalidArgumentError):
+    """The request names a model this server does not serve (answered with 404, as OpenAI does)."""
+
+
+class ChatUnsupportedError(InvalidArgumentError):
+    """The served checkpoint has no chat template."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the server serves: the target under its public name, and its chat template if it has one."""
+
+    name: str
+    target: CausalLM
+    chat: ChatTemplate | None
+    created: int  # Unix time the server loaded it, as /v1/models reports
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: Request
+    prompt_tokens: int
+
+
+def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
+    _check_model(model, body)
+    ids = prompt_ids(model.target, body.single_prompt())  # text gets the tokenizer's special tokens (BOS)
+    limit = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return _prepared(model, body, ids, limit, "max_tokens")
+
+
+def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
+    _check_model(model, body)
+    if model.chat is None:
+        raise ChatUnsupportedError(f"model {model.name} has no chat template (no chat_template in its "
+                                   "tokenizer_config.json, no chat_template.jinja), so it cannot tell which text "
+                                   "a conversation is; use /v1/completions with a plain prompt")
+    text = model.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    # The template writes the special tokens (BOS included) itself, so encoding must not add them again.
+    ids = prompt_ids(model.target, model.target.tokenizer.encode(text, add_special_tokens=False).ids)
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limit = model.target.context_length - len(ids) if body.token_limit is None else body.token_limit
+    return _prepared(model, body, ids, limit, name)
+
+
+def _check_model(model: ServedModel, body: ApiRequest) -> None:
+    if body.model != model.name:
+        raise UnknownModelError(f"the model `{body.model}` does not exist; this server serves `{model.name}`")
+
+
+def _prepared(model: ServedModel, body: ApiRequest, ids: list[int], limit: int, limit_name: str) -> Prepared:
+    limit = whole_number(limit, limit_name, 1)
+    context = model.target.context_length
+    if len(ids) + limit > context:
+        raise ContextLengthError(f"this model's maximum context length is {context} tokens; the prompt has "
+                                 f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)")
+    sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                              body.top_k or 0, 1.0 if body.top_p is None else body.top_p)
+    request = Request(ids, limit, sampling, seed=seed_value(body.seed), stop=tuple(stop_strings(body.stop)),
+                      ignore_eos=body.ignore_eos)
+    return Prepared(request, len(ids))
