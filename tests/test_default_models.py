@@ -91,3 +91,18 @@ def test_the_shipped_eagle_head(capsys) -> None:
                  "--color", "never"]) == 0
     out = capsys.readouterr().out
     assert "identical to autoregressive: yes" in out and "drafted" in out
+
+
+def test_the_shipped_medusa_heads(capsys) -> None:
+    """bf16 on disk in the Medusa reference layout, with the accuracy table that shapes the tree, and `--method
+    medusa` needs no other argument."""
+    heads = DEFAULT_TARGET.parent / "stdlib-medusa"
+    for name in ("config.json", "model.safetensors", "medusa_choices.json", "draft_vocab.safetensors", "README.md"):
+        assert (heads / name).is_file(), heads / name
+    with safe_open(heads / "model.safetensors", "pt") as f:
+        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+        assert {"medusa_head.0.0.linear.weight", "medusa_head.3.1.weight"} <= set(f.keys())
+    assert main(["generate", PROMPT, "--method", "medusa", "--max-new-tokens", "24", "--threads", "1", "--compare",
+                 "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to autoregressive: yes" in out and "drafted" in out

@@ -17,11 +17,14 @@ from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError
 from verispec.models.medusa import MedusaHeads, best_paths
+from verispec.models.native import EXACT_ROWS
 from verispec.models.protocol import FINAL, CausalLM
 
 # Until a head's accuracy is measured, rank r of head i is taken to be right 0.6 * 0.7**i / (r + 1) of the time:
 # deeper heads and lower ranks are worth less, which is the shape every measured Medusa table has.
 RANKS = 4
+# One exact-mode forward holds the last committed token and 15 nodes (a 16th would take a second forward).
+TREE_TOKENS = EXACT_ROWS - 1
 
 
 def assumed_accuracy(heads: int) -> list[list[float]]:
@@ -33,7 +36,7 @@ class Medusa:
     batched = False  # its trees are verified through a per-sequence tree mask
     needs = Needs(hidden_states=(FINAL,), tree_masks=True)
 
-    def __init__(self, heads: MedusaHeads, accuracy: list[list[float]] | None = None, tokens: int = 16,
+    def __init__(self, heads: MedusaHeads, accuracy: list[list[float]] | None = None, tokens: int = TREE_TOKENS,
                  vocab: torch.Tensor | None = None) -> None:
         self.heads = heads
         table = assumed_accuracy(heads.num_heads) if accuracy is None else accuracy[: heads.num_heads]
@@ -41,6 +44,7 @@ class Medusa:
         self.k = max(len(p) for p in self.paths)
         self.width = len(self.paths)
         self.vocab = None if vocab is None else vocab.to(torch.long)
+        self.lm_heads = None if self.vocab is None else heads.lm_head_rows(self.vocab)
 
     def check(self, target: CausalLM) -> None:
         if (self.heads.hidden, self.heads.vocab) != (target.hidden_size, target.lm_head_weight.shape[0]):
@@ -54,7 +58,7 @@ class Medusa:
 
 class MedusaSession:
     def __init__(self, drafter: Medusa, context: DraftContext) -> None:
-        self.heads, self.paths, self.vocab = drafter.heads, drafter.paths, drafter.vocab
+        self.heads, self.paths, self.vocab, self.lm_heads = drafter.heads, drafter.paths, drafter.vocab, drafter.lm_heads
         self.vocab_size = context.target.vocab_size
         self.ranks = 1 + max(r for p in self.paths for r in p)
         self.feature = context.hidden[-1, 0] if len(context.hidden) else None  # f_{n-2}: the last one scored
@@ -63,7 +67,7 @@ class MedusaSession:
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         if self.feature is None:  # a one-token prompt: nothing scored yet
             return Proposal([])
-        logits = self.heads(self.feature, self.vocab)  # (heads, V or |subset|)
+        logits = self.heads(self.feature, self.lm_heads)  # (heads, V or |subset|)
         if self.vocab is None:
             logits = logits[:, : self.vocab_size]
         ranked = logits.topk(min(self.ranks, logits.shape[-1]), dim=-1).indices  # (heads, ranks)

@@ -17,7 +17,7 @@ from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
-from verispec.drafters.medusa import Medusa
+from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
@@ -97,7 +97,7 @@ def _medusa(method: Method, res: Resources) -> Medusa:
     folder = res.head_dir or default_head(res.target_dir, "medusa")
     heads, accuracy = load_heads(folder, res.target.hidden_size, res.target.lm_head_weight.shape[0],
                                  res.target.dtype, res.target.device)
-    return Medusa(heads, accuracy, method.options.get("tree_tokens", 16), _draft_vocab(method, folder))
+    return Medusa(heads, accuracy, method.options.get("tree_tokens", TREE_TOKENS), _draft_vocab(method, folder))
 
 
 def _draft_vocab(method: Method, folder: Path):

@@ -56,12 +56,17 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.medusa_head)
 
-    def forward(self, features: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (..., heads, V) of every head from features (..., D); `rows` restricts them to those token ids."""
+    def lm_head_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's LM head over the token ids `rows` only (a reduced draft vocabulary), copied once: gathering
+        the rows at every step would cost as much as the product it saves."""
+        return [head[1].weight[rows].contiguous() for head in self.medusa_head]
+
+    def forward(self, features: torch.Tensor, lm_heads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (..., heads, V) of every head from features (..., D); `lm_heads` (from `lm_head_rows`) replaces
+        the heads' own LM heads."""
         out = []
-        for head in self.medusa_head:
-            block, lm_head = head
-            weight = lm_head.weight if rows is None else lm_head.weight[rows]
+        for i, (block, lm_head) in enumerate(self.medusa_head):
+            weight = lm_head.weight if lm_heads is None else lm_heads[i]
             out.append(nn.functional.linear(block(features), weight))
         return torch.stack(out, dim=-2)
 

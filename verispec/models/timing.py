@@ -47,13 +47,13 @@ def head_step_seconds(target: NativeModel, head, vocab: int | None = None, conte
 
 
 def medusa_step_seconds(target: NativeModel, heads, vocab: torch.Tensor | None = None, repeats: int = 7) -> float:
-    """Median time of one Medusa drafting step: every head over one feature (over the rows `vocab` only: a reduced
-    draft vocabulary), then their top-k."""
+    """Median time of one Medusa drafting step: every head over one feature (with LM heads over the rows `vocab`
+    only: a reduced draft vocabulary), then their top-k."""
     feature = torch.zeros(target.hidden_size, dtype=target.dtype, device=target.device)
-    times = []
+    times, lm_heads = [], None if vocab is None else heads.lm_head_rows(vocab)
     with torch.inference_mode():
         for _ in range(repeats):
             start = time.perf_counter()
-            heads(feature, vocab).topk(4, dim=-1)
+            heads(feature, lm_heads).topk(4, dim=-1)
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verispec.bench.methods import EAGLE_TREE, EAGLE_VOCAB
 from verispec.drafters.eagle import Eagle
-from verispec.drafters.medusa import Medusa
+from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.models.draft_vocab import load_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.medusa import load_heads
@@ -85,7 +85,7 @@ def write_medusa_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pr
         f"next-token distribution at each head's position (self-distillation), head i weighted 0.8**i. Validation "
         f"top-1 agreement with the target's choice, by head: {top1}.\n\n"
         f"Measured (`verispec train medusa-card --threads 1`; {full['prompts']} validation prompts of 64 tokens, 64 "
-        f"new tokens, greedy), the default tree of 16 nodes shaped by that table:\n"
+        f"new tokens, greedy), the default tree of {TREE_TOKENS} nodes shaped by that table:\n"
         f"- full vocabulary: acceptance by depth {_by_position(full)}, tau {full['tau']:.2f}; token-identical to plain "
         f"decoding on {full['identical_to_autoregressive']:.0%}\n"
         f"- drafting over the {EAGLE_VOCAB} most frequent training tokens (`--draft-vocab {EAGLE_VOCAB}`): acceptance "
