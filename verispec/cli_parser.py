@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                        help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--exact", action="store_true",
+                       help="our models in exact mode (batch-invariant forwards; the peers run as they are)")
+    bench.add_argument("--profile", action="store_true",
+                       help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
+                            "plain and fast kernels) against its weight-read time; writes forward-profile.md "
+                            "(--target, --out and --threads apply)")
     bench.add_argument("--unrelated", action="store_true",
                        help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
                             "random draft of the draft's shape and tokenizer (--quick always does)")
