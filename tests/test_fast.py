@@ -89,9 +89,12 @@ def test_only_cpu_float32_and_bfloat16_are_packed(folder: Path) -> None:
     assert load_model(folder, dtype=torch.float64).module.head is None
 
 
-def test_a_fast_target_still_trains_a_head_through_its_lm_head(folder: Path) -> None:
-    """Training reads the target's own modules (frozen, with gradients into the head): the plain linears stay."""
-    fast = load_model(folder)
+def test_outside_inference_mode_the_plain_linears_run(folder: Path) -> None:
+    """Head training reads a loaded target's module under autocast, and with gradients into a head through its LM
+    head: there the packed kernels (no backward, no autocast) stand aside."""
+    plain, fast = pair(folder, torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(fast.module(TOKENS, None), plain.module(TOKENS, None))
     feature = torch.randn(2, 3, fast.hidden_size, requires_grad=True)
-    fast.module.lm_head(feature).sum().backward()
-    assert feature.grad is not None
+    fast.module.head(feature).sum().backward()
+    torch.testing.assert_close(feature.grad, plain.lm_head_weight.sum(0).expand(2, 3, -1))

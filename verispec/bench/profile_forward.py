@@ -27,7 +27,8 @@ MATMULS = {"q_proj": "matmul q, k, v", "k_proj": "matmul q, k, v", "v_proj": "ma
 BY_CLASS = {llama.RMSNorm: "norms", llama.Attention: "attention (scores, softmax, values, cache writes)",
             llama.MLP: "silu(gate) * up", llama.Block: "residual adds", nn.Embedding: "embedding"}
 OTHER = "other ops (exact mode's row layout and padding, slicing)"
-OVERHEAD = "Python, dispatch and the profiler (the forward less its ops)"
+OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops)"
+REST = "wall time less all ops (Python and dispatch, at least)"
 FORWARD = "forward"
 ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
          "residual adds", "embedding", OTHER, OVERHEAD]
@@ -159,9 +160,9 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
              "One token after 256 cached ones; the eight settings loaded side by side and measured in turns (each "
              "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
              "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
-             "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op); the "
-             "last row is the profiled forward's time less its ops', so it holds the profiler's own cost, and the "
-             "kinds need not add up to the wall time. Plain: eager F.linear per projection; fast: "
+             "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
+             "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
+             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. Plain: eager F.linear per projection; fast: "
              "`load_model(fast=True)`, prepacked and fused matmuls (models/linear.py).\n",
              "| setting | ms per forward | weights | weight-read time | forward / weight-read |", "|---|---|---|---|---|"]
     for name, p in zip(names, profiles):
@@ -172,6 +173,8 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
               "|---|" + "---|" * len(names)]
     for kind in ORDER:
         lines.append(f"| {kind} | " + " | ".join(f"{p.kinds_ms[kind]:.2f}" for p in profiles) + " |")
+    rest = [max(0.0, p.wall_ms - sum(v for k, v in p.kinds_ms.items() if k != OVERHEAD)) for p in profiles]
+    lines.append(f"| {REST} | " + " | ".join(f"{r:.2f}" for r in rest) + " |")
     lines.append("| **wall** | " + " | ".join(f"**{p.wall_ms:.2f}**" for p in profiles) + " |")
     path = out / "forward-profile.md"
     path.write_text("\n".join(lines) + "\n")

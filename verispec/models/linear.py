@@ -28,17 +28,25 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def _packed_here(x: torch.Tensor) -> bool:
+    """Whether the packed kernel may run: in inference mode (every NativeModel call), outside autocast. Training,
+    gradients and autocast take the plain linears, which the packed weights were built from."""
+    return torch.is_inference_mode_enabled() and not torch.is_autocast_enabled(x.device.type)
+
+
 class PackedLinear(nn.Module):
     """One matmul for several linears that read the same input: `x @ cat(weights).T + cat(biases)`.
 
     `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly. The
     fused weight is built once from the linears, whose own weights become views of it (no second plain copy), so
     they keep their state-dict names and values. Holds no parameters: built on the model's final device and dtype,
-    and for inference only (the kernels have no backward).
+    from weights that do not change afterwards. Outside inference mode, or under autocast, it runs the linears
+    themselves (the kernels have no backward and take no part in autocast).
     """
 
     def __init__(self, linears: Sequence[nn.Linear], rows: int) -> None:
         super().__init__()
+        self.linears = tuple(linears)  # a tuple, not submodules: the linears stay where the state dict has them
         self.sizes = [linear.out_features for linear in linears]
         self.rows = rows
         weights = [linear.weight.detach() for linear in linears]
@@ -58,10 +66,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., sum of the linears' out_features)."""
+        if not _packed_here(x):
+            outputs = self.parts(x)
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
         if self.mkl:  # MKL's packed sgemm at `rows` rows; at other counts it reads the plain weight
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each linear's output (views of the one matmul's)."""
+        if not _packed_here(x):
+            return tuple(linear(x) for linear in self.linears)
         return self(x).split(self.sizes, -1)
