@@ -135,7 +135,8 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
     """Every setting (float32 and bfloat16, ordinary and exact mode, plain and fast), loaded side by side and
     measured in turns, `per_round` timed forwards and one profiled forward each per round, so that the machine's
     changing load falls on all alike; medians over the rounds."""
-    keys = [(dtype, exact, fast) for dtype in ("float32", "bfloat16") for exact in (False, True) for fast in (False, True)]
+    keys = [(dtype, exact, fast) for dtype in ("float32", "bfloat16") for exact in (False, True)
+            for fast in (False, True)]
     settings = {key: _Setting(load_model(target_dir, dtype=key[0], exact=key[1], fast=key[2]), context) for key in keys}
     for _ in range(rounds):
         for setting in settings.values():
@@ -156,15 +157,18 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
     lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
              f"Target: {target_dir}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
              f"torch {m['torch']}.  ",
-             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (median timed sum over a 256 MB float32 tensor, one thread).\n",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (median timed sum over a 256 MB float32 tensor, one "
+             "thread).\n",
              "One token after 256 cached ones; the eight settings loaded side by side and measured in turns (each "
              "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
              "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
              "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
              "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
-             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. Plain: eager F.linear per projection; fast: "
-             "`load_model(fast=True)`, prepacked and fused matmuls (models/linear.py).\n",
-             "| setting | ms per forward | weights | weight-read time | forward / weight-read |", "|---|---|---|---|---|"]
+             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. Plain: eager "
+             "F.linear per projection; fast: `load_model(fast=True)`, prepacked and fused matmuls "
+             "(models/linear.py).\n",
+             "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
+             "|---|---|---|---|---|"]
     for name, p in zip(names, profiles):
         read_ms = p.weight_bytes / bandwidth * 1e3
         lines.append(f"| {name} | {p.wall_ms:.2f} | {p.weight_bytes / 1e6:.0f} MB | {read_ms:.2f} ms | "

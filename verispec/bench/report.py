@@ -122,7 +122,8 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           + "); "
           f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", floor_line(timing) + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
-          f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its max_new_tokens), "
+          f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its "
+          "max_new_tokens), "
           f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
           "the methods in a fresh random order for every prompt. Speedup is against our autoregressive baseline: the "
           "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "

@@ -2,13 +2,15 @@
 
 At batch one a forward reads every weight once and does little else, so its time is the matmul kernels' read
 speed. Eager `F.linear` reads a plain row-major weight at 5-11 GB/s on one core (bfloat16 the slowest); the same
-weight reordered once, at load time, into the kernel's blocked layout reads at 9-22 GB/s (docs/bench/forward-profile.md).
+weight reordered once, at load time, into the kernel's blocked layout reads at 9-22 GB/s
+(docs/bench/forward-profile.md).
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
 Kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`, bitwise equal to F.linear);
-float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN there); float32 at more rows
-uses oneDNN. Both keep a row's result independent of the other rows at a fixed row count, as exact mode needs.
+float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN there), and at more rows oneDNN,
+each from its own packed copy (so a float32 model laid out for one row holds its weights three times). Both keep a
+row's result independent of the other rows at a fixed row count, as exact mode needs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
+
+
+MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (measured: 1.2-1.7x
+# faster than a one-row layout at 2 to 9 rows)
 
 
 def _packed_here(x: torch.Tensor) -> bool:
@@ -58,19 +64,18 @@ class PackedLinear(nn.Module):
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(n, dtype=self.weight.dtype, device=self.weight.device) if b is None else b.detach()
              for b, n in zip(biases, self.sizes)])
-        self.mkl = self.weight.dtype == torch.float32 and rows == 1 and torch.backends.mkl.is_available()
-        if self.mkl:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+        # float32 at one row: MKL's packed sgemm reads fastest; at more rows (verification, prefill) oneDNN does.
+        one_row = self.weight.dtype == torch.float32 and rows == 1 and torch.backends.mkl.is_available()
+        self.one_row = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1) if one_row else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, MANY_ROWS if one_row else rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., sum of the linears' out_features)."""
         if not _packed_here(x):
             outputs = self.parts(x)
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-        if self.mkl:  # MKL's packed sgemm at `rows` rows; at other counts it reads the plain weight
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+        if self.one_row is not None and x.numel() == x.shape[-1]:
+            return torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -194,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
             attention, mlp = block.self_attn, block.mlp
             attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows)
             attention.o = PackedLinear([attention.o_proj], rows)
-            mlp.gate_up, mlp.down = PackedLinear([mlp.gate_proj, mlp.up_proj], rows), PackedLinear([mlp.down_proj], rows)
+            mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
+            mlp.down = PackedLinear([mlp.down_proj], rows)
         self.head = PackedLinear([self.lm_head], rows)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,

@@ -97,8 +97,9 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`), laid out for the row
-    count of a decoding step (1, or exact mode's 16); it holds a second, packed copy of the weights, and the
-    model is for inference only (no gradients, no autocast). Elsewhere it changes nothing."""
+    count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
+    float32 outside exact mode) and they run in inference mode only: gradients and autocast get the plain linears.
+    Elsewhere it changes nothing."""
     folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
