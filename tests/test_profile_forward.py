@@ -42,7 +42,7 @@ def test_bench_profile_writes_every_setting(tmp_path: Path, pair_dirs, capsys, m
     for dtype in ("float32", "bfloat16"):
         for mode in ("ordinary", "exact"):
             assert f"| {dtype} {mode} plain |" in text and f"| {dtype} {mode} fast |" in text
-    assert "Read bandwidth:" in text and "| matmul LM head |" in text
+    assert "Read bandwidth:" in text and "weight-read time" in text and "| matmul LM head |" in text
 
 
 ORIGINAL = profile_forward.profile_all

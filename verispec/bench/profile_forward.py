@@ -131,14 +131,18 @@ class _Setting:
         return statistics.median(self.walls), kinds
 
 
-def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3) -> list[ForwardProfile]:
+def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
+                ) -> tuple[list[ForwardProfile], float]:
     """Every setting (float32 and bfloat16, ordinary and exact mode, plain and fast), loaded side by side and
-    measured in turns, `per_round` timed forwards and one profiled forward each per round, so that the machine's
-    changing load falls on all alike; medians over the rounds."""
+    measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
+    measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
+    Returns the settings' profiles and the read bandwidth (bytes per second)."""
     keys = [(dtype, exact, fast) for dtype in ("float32", "bfloat16") for exact in (False, True)
             for fast in (False, True)]
     settings = {key: _Setting(load_model(target_dir, dtype=key[0], exact=key[1], fast=key[2]), context) for key in keys}
+    bandwidths = []
     for _ in range(rounds):
+        bandwidths.append(read_bandwidth(repeats=3))
         for setting in settings.values():
             setting.time(per_round)
             setting.profile()
@@ -146,7 +150,7 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
     for (dtype, exact, fast), setting in settings.items():
         wall, kinds = setting.result()
         out.append(ForwardProfile(dtype, exact, fast, wall, kinds, weight_bytes(setting.model)))
-    return out
+    return out, statistics.median(bandwidths)
 
 
 def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], bandwidth: float,
@@ -157,8 +161,8 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
     lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
              f"Target: {target_dir}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
              f"torch {m['torch']}.  ",
-             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (median timed sum over a 256 MB float32 tensor, one "
-             "thread).\n",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, one thread; the "
+             "median over the rounds below).\n",
              "One token after 256 cached ones; the eight settings loaded side by side and measured in turns (each "
              "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
              "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
@@ -188,5 +192,5 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
 def run_profile(target_dir: Path, out: Path, command: str, rounds: int = 15) -> Path:
     """Measure the read bandwidth, profile every setting, write forward-profile.md into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = read_bandwidth()
-    return write_profile(out, target_dir, profile_all(target_dir, rounds=rounds), bandwidth, command)
+    profiles, bandwidth = profile_all(target_dir, rounds=rounds)
+    return write_profile(out, target_dir, profiles, bandwidth, command)
