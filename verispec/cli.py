@@ -286,7 +286,7 @@ def _bench(args: argparse.Namespace) -> None:
     from verispec.bench.report import format_summary
     from verispec.bench.suite import SUITE, read_suite
 
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
@@ -299,14 +299,15 @@ def _bench(args: argparse.Namespace) -> None:
         from verispec.bench.profile_forward import run_profile
 
         with torch_threads(args.threads):
-            print(run_profile(Path(args.target), out, " ".join(["verispec", *sys.argv[1:]])).read_text())
+            command = " ".join(["verispec", *sys.argv[1:]])
+            print(run_profile(Path(args.target), out, command, rounds=args.repeats or 15).read_text())
         return
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
-        options = BenchOptions(args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype,
+        options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
                                unrelated=args.unrelated)
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
