@@ -159,7 +159,7 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
     m = machine()
     names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {'fast' if p.fast else 'plain'}" for p in profiles]
     lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
-             f"Target: {target_dir}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
+             f"Target: {target_dir.name}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
              f"torch {m['torch']}.  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, one thread; the "
              "median over the rounds below).\n",
