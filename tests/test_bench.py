@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from verispec.bench.harness import quick_suite, run_bench, run_quick
+from verispec.bench.harness import BenchOptions, quick_suite, run_bench, run_quick
 from verispec.bench.metrics import per_prompt, summarize
 from verispec.cli import main
 
@@ -110,8 +110,9 @@ def test_summary_of_a_hand_made_log() -> None:
 
 def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
     target_dir, draft_dir = pair_dirs
-    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8), repeats=1,
-                        peers=False, progress=False, dtype="bfloat16", only=["autoregressive", "draft k=2"])
+    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
+                        BenchOptions(repeats=1, peers=False, progress=False, dtype="bfloat16",
+                                     only=["autoregressive", "draft k=2"]))
     assert set(summary) == {"autoregressive", "draft k=2"}
     assert json.loads((tmp_path / "results.json").read_text())["info"]["dtype"] == "bfloat16"
     assert "(bfloat16)" in (tmp_path / "report.md").read_text()
@@ -125,3 +126,22 @@ def test_methods_filter_needs_the_baseline_and_known_names(tmp_path, pair_dirs, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "autoregressive" in err[0] and "unknown: draft k=5" in err[1]
     assert not (tmp_path / "report.md").exists()
+
+
+def test_exact_mode_rows_match_autoregressive_in_bfloat16(tmp_path, pair_dirs) -> None:
+    """`verispec bench --exact`: every method's greedy output is our autoregressive one, token for token."""
+    target_dir, draft_dir = pair_dirs
+    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
+                        BenchOptions(repeats=1, peers=False, progress=False, dtype="bfloat16", exact=True,
+                                     only=["autoregressive", "draft k=4", "draft k=4 branch=2", "ngram k=4"]))
+    assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["info"]["exact"] is True
+    assert "(bfloat16 exact mode): 100%" in (tmp_path / "report.md").read_text()
+
+
+def test_the_report_gives_the_weight_read_time(quick) -> None:
+    out, results = quick
+    timing = results["timing"]
+    assert timing["weight_bytes"] > 0 and timing["read_bandwidth"] > 1e8  # more than 0.1 GB/s on any machine
+    assert "Weight-read time:" in (out / "report.md").read_text()

@@ -163,6 +163,17 @@ def test_two_threads_are_exact_too(exact: NativeModel) -> None:
     assert torch.equal(whole, halves)
 
 
+def test_exact_mode_takes_the_fast_path_by_default(exact: NativeModel) -> None:
+    """So every test here checks the prepacked, fused matmuls (laid out for exact mode's rows) for batch invariance."""
+    assert exact.module.head is not None and exact.module.head.rows == EXACT_ROWS
+    assert all(block.self_attn.qkv is not None and block.mlp.gate_up is not None for block in exact.module.model.layers)
+
+
+def test_the_plain_kernels_are_exact_too(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
+    plain = load_model(pair_dirs[0], dtype=dtype, exact=True, fast=False)
+    assert torch.equal(plain(SEQ, plain.new_cache())[0], alone(plain))
+
+
 def test_the_ordinary_path_differs_where_exact_mode_does_not(pair_dirs: tuple[Path, Path]) -> None:
     """Without exact mode bfloat16 logits change with the forward's width: the tests above can fail."""
     ordinary = load_model(pair_dirs[0], dtype=torch.bfloat16)

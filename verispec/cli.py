@@ -27,7 +27,7 @@ from verispec.models.native import load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
-from verispec.threads import set_threads
+from verispec.threads import set_threads, torch_threads
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
@@ -282,11 +282,11 @@ def _init_random(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from verispec.bench.harness import run_bench, run_quick  # loads matplotlib and tqdm on demand
+    from verispec.bench.harness import BenchOptions, run_bench, run_quick  # loads matplotlib and tqdm on demand
     from verispec.bench.report import format_summary
     from verispec.bench.suite import SUITE, read_suite
 
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
@@ -295,14 +295,22 @@ def _bench(args: argparse.Namespace) -> None:
         args.head = args.head or (shipped if (shipped / "config.json").is_file() else None)
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
+    if args.profile:
+        from verispec.bench.profile_forward import run_profile
+
+        with torch_threads(args.threads):
+            command = " ".join(["verispec", *sys.argv[1:]])
+            print(run_profile(Path(args.target), out, command, rounds=args.repeats or 15).read_text())
+        return
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
-        summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite,
-                            args.repeats, not args.no_peers, threads=args.threads, dtype=args.dtype, only=only,
-                            head_dir=Path(args.head) if args.head else None, unrelated=args.unrelated)
+        options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
+                               exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
+                               unrelated=args.unrelated)
+        summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")
 

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
                                       "with the shipped target, where it exists)")
     bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=int,
+                       help="repeats of each run (default 3); with --profile, rounds of forwards (default 15)")
     bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
                                      "the system's temporary folder; printed at the end)")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and lookup")
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
     bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                        help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--exact", action="store_true",
+                       help="our models in exact mode (batch-invariant forwards; the peers run as they are)")
+    bench.add_argument("--profile", action="store_true",
+                       help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
+                            "plain and fast kernels) against its weight-read time; writes forward-profile.md "
+                            "(--target, --out, --threads and --repeats apply)")
     bench.add_argument("--unrelated", action="store_true",
                        help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
                             "random draft of the draft's shape and tokenizer (--quick always does)")

@@ -5,15 +5,16 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.metrics import summarize
-from verispec.bench.report import machine, write_report
+from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, read_suite
 
@@ -49,7 +50,8 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
     for m in chains:  # an EAGLE step's cost depends on how wide its LM head is
         if m.method.family == "eagle" and head is not None:
             c[m.label] = head_step_seconds(target, head, m.method.options.get("draft_vocab")) / one
-    return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one}
+    return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one,
+            "weight_bytes": weight_bytes(target), "read_bandwidth": read_bandwidth()}
 
 
 def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
@@ -75,23 +77,39 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
     return {"method": "draft k=4", "prompts": len(chosen), "exact_match": same / len(chosen)}
 
 
-def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int = 3,
-              peers: bool = True, progress: bool = True, threads: int = 1, dtype: str = "float32",
-              only: Sequence[str] | None = None, head_dir: Path | None = None, unrelated: bool = False) -> dict:
-    """Everything at a fixed thread count (one by default: at batch one on a shared 2-core machine, a second
-    thread mostly waits at barriers). `head_dir`: an EAGLE head for the target, which adds the EAGLE rows.
+@dataclass(frozen=True)
+class BenchOptions:
+    """How `run_bench` runs. Everything at a fixed thread count (one by default: at batch one on a shared 2-core
+    machine, a second thread mostly waits at barriers). `exact`: our models in exact mode (the peers cannot be).
+    `only`: the methods to run, by label. `head_dir`: an EAGLE head for the target, which adds the EAGLE rows.
     `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
     random weights (the same cost as the real draft; it agrees by chance)."""
-    with torch_threads(threads), tempfile.TemporaryDirectory() as tmp:
-        unrelated_dir = unrelated_draft(draft_dir, Path(tmp) / "unrelated") if unrelated and draft_dir else None
-        return _run(target_dir, draft_dir, out, suite, repeats, peers, progress, dtype, only, head_dir, unrelated_dir)
+
+    repeats: int = 3
+    peers: bool = True
+    progress: bool = True
+    threads: int = 1
+    dtype: str = "float32"
+    exact: bool = False
+    only: Sequence[str] | None = None
+    head_dir: Path | None = None
+    unrelated: bool = False
 
 
-def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], repeats: int, peers: bool,
-         progress: bool, dtype: str, only: Sequence[str] | None, head_dir: Path | None,
+def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
+              options: BenchOptions = BenchOptions()) -> dict:
+    """Time every method on `suite`, write the report into `out`; returns the summary."""
+    with torch_threads(options.threads), tempfile.TemporaryDirectory() as tmp:
+        unrelated = options.unrelated and draft_dir is not None
+        unrelated_dir = unrelated_draft(draft_dir, Path(tmp) / "unrelated") if unrelated else None
+        return _run(target_dir, draft_dir, out, suite, options, unrelated_dir)
+
+
+def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], options: BenchOptions,
          unrelated_dir: Path | None) -> dict:
-    target = load_model(target_dir, dtype=dtype)
-    draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
+    dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
+    target = load_model(target_dir, dtype=dtype, exact=exact)
+    draft = load_model(draft_dir, dtype=dtype, exact=exact) if draft_dir else None
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir)
@@ -100,9 +118,9 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
                                          eagle_vocab=eagle_vocab)]
     if unrelated_dir is not None:
-        never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
+        never = Resources(load_model(unrelated_dir, dtype=dtype, exact=exact), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
-    if peers:
+    if options.peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
     labels = [m.label for m in methods]
     if only is not None:
@@ -112,13 +130,16 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                                        f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         methods = [m for m in methods if m.label in only]
     times = timing(target, draft, methods, skip, head_dir)
+    if options.progress:
+        print(floor_line(times))
     prompts = prompts_for(target, suite)
-    records = run_suite({m.label: m.run for m in methods}, prompts, repeats, progress)
+    records = run_suite({m.label: m.run for m in methods}, prompts, options.repeats, options.progress)
     summary = summarize(records, times["c"], times["r"])
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": repeats,
-            "prompts": len(suite), "dtype": dtype, "float64_check": float64_check(target_dir, draft_dir, prompts),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
+            "prompts": len(suite), "dtype": dtype, "exact": exact,
+            "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
             "methods": {m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})
@@ -149,8 +170,8 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         torch.manual_seed(0)
         head = EagleHead(head_config(target.config))  # random: its rows check the machinery, not acceptance
         head_dir = save_head(head, Path(tmp) / "eagle", target_dir.name)
-        return run_bench(target_dir, draft_dir, out, quick_suite(), repeats=2, progress=progress, threads=threads,
-                         head_dir=head_dir, unrelated=True)
+        return run_bench(target_dir, draft_dir, out, quick_suite(),
+                         BenchOptions(repeats=2, progress=progress, threads=threads, head_dir=head_dir, unrelated=True))
 
 
 

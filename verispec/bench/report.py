@@ -20,6 +20,19 @@ def machine() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def floor_line(timing: dict) -> str:
+    """The target step against the time to read its weights once (the floor under a step at batch one)."""
+    read = timing["weight_bytes"] / timing["read_bandwidth"]
+    return (f"Weight-read time: {timing['weight_bytes'] / 1e6:.0f} MB of target weights at "
+            f"{timing['read_bandwidth'] / 1e9:.1f} GB/s read bandwidth (a timed sum over 256 MB, one thread) = "
+            f"{read * 1e3:.2f} ms; the target step takes {timing['target_step_seconds'] * 1e3:.2f} ms, "
+            f"{timing['target_step_seconds'] / read:.1f}x that.")
+
+
+def _mode(info: dict) -> str:
+    return info["dtype"] + (" exact mode" if info.get("exact") else "")
+
+
 def _table(summary: dict, category: str) -> list[str]:
     head = ("| method | tok/s | speedup (mean of ratios) | speedup (total) | tau | acceptance | drafted per step | "
             "exact match | predicted | efficiency |")
@@ -57,7 +70,6 @@ def _family(info: dict, label: str) -> str | None:
 
 
 def _goals(summary: dict, info: dict) -> list[str]:
-    dtype = info["dtype"]
     drafts = {m: e for m, e in summary.items() if _family(info, m) == "draft" and not info["methods"][m].get("unrelated")}
     if not drafts:
         return ["No draft model in this run: the draft-model goals are not measured."]
@@ -75,7 +87,7 @@ def _goals(summary: dict, info: dict) -> list[str]:
         ratio = e["all"]["tokens_per_second"] / summary["transformers assisted"]["all"]["tokens_per_second"]
         lines.append(f"- tokens/s against transformers assisted generation: {ratio:.2f}x "
                      f"(goal 1.5x: {'met' if ratio >= 1.5 else 'not met'})")
-    lines.append(f"- exact match with our autoregressive greedy output ({dtype}): {e['all']['exact_match']:.0%}")
+    lines.append(f"- exact match with our autoregressive greedy output ({_mode(info)}): {e['all']['exact_match']:.0%}")
     for m, method in info["methods"].items():  # adaptive k on a draft that never agrees must not cost much
         if method and method.get("unrelated") and method["k"] == "auto" and m in summary:
             value, steps = summary[m]["all"]["speedup_total"], summary[m]["all"].get("steps_by_depth", [])
@@ -109,8 +121,9 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           + "".join(f"; {label}: {v:.3f}" for label, v in timing["c"].items() if _family(info, label) == "eagle")
           + "); "
           f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
-          + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
-          f"Greedy decoding in {info['dtype']}, EOS ignored by every method (each prompt gets exactly its max_new_tokens), "
+          + "  ", floor_line(timing) + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
+          f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its "
+          "max_new_tokens), "
           f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
           "the methods in a fresh random order for every prompt. Speedup is against our autoregressive baseline: the "
           "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "

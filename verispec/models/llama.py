@@ -13,6 +13,7 @@ from verispec.errors import ContextLengthError
 from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
+from verispec.models.linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -117,13 +118,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
+        self.qkv: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
+        self.o: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
@@ -132,7 +136,7 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
                                                enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return (self.o or self.o_proj)(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -141,9 +145,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
+        self.down: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return (self.down or self.down_proj)(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -178,6 +185,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
+
+    def pack(self, rows: int) -> None:
+        """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
+        fused (see models/linear.py): an inference-only fast path. The parameters keep their names and values."""
+        for block in self.model.layers:
+            attention, mlp = block.self_attn, block.mlp
+            attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows)
+            attention.o = PackedLinear([attention.o_proj], rows)
+            mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
+            mlp.down = PackedLinear([mlp.down_proj], rows)
+        self.head = PackedLinear([self.lm_head], rows)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, layers: Sequence[int] | None = None,
@@ -242,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             x = self.model.layers[i](x, cos, sin, cache, attn_mask)
             states[i] = x
         states[-1] = self.model.norm(x)
-        logits = self.lm_head(states[-1])
+        logits = (self.head or self.lm_head)(states[-1])
         return logits if hidden is None else (logits, torch.stack([states[i] for i in hidden], dim=2))
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,

@@ -14,6 +14,7 @@ from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
+from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
@@ -92,9 +93,13 @@ class NativeModel:
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", *, exact: bool = False) -> NativeModel:
+               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
-    `exact`: batch-invariant forwards (see `NativeModel`)."""
+    `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
+    projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`), laid out for the row
+    count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
+    float32 outside exact mode) and they run in inference mode only: gradients and autocast get the plain linears.
+    Elsewhere it changes nothing."""
     folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
@@ -112,4 +117,6 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
+    if fast and packable(torch_dtype, device):
+        module.pack(EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)

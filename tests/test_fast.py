@@ -1,0 +1,100 @@
+"""The fast path (`load_model(fast=True)`: prepacked, fused matmuls) computes what the plain path computes, from the
+same checkpoint layout, in every way the runtime is called."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.models.native import NativeModel, load_model
+from verispec.models.random_init import random_checkpoint, tiny_config
+
+TOKENS = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
+CONFIGS = {"gqa": tiny_config(num_hidden_layers=2), "tied": tiny_config(num_hidden_layers=2, tie_word_embeddings=True),
+           "biases": tiny_config(num_hidden_layers=2, qkv_bias=True, o_bias=True)}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(single_thread: None) -> None:
+    """One thread, for speed on a shared machine."""
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param], seed=3)
+
+
+def pair(folder: Path, dtype: torch.dtype, exact: bool = False) -> tuple[NativeModel, NativeModel]:
+    return (load_model(folder, dtype=dtype, exact=exact, fast=False),
+            load_model(folder, dtype=dtype, exact=exact, fast=True))
+
+
+def decode(model: NativeModel, **kwargs) -> torch.Tensor:
+    """Logits (T, V) of a prefill of 20 tokens, then 4 tokens decoded one at a time."""
+    cache = model.new_cache()
+    logits = [model(TOKENS[:, :20], cache, **kwargs)[0]]
+    logits += [model(TOKENS[:, i: i + 1], cache, **kwargs)[0] for i in range(20, 24)]
+    return torch.cat(logits)
+
+
+def test_fast_loading_packs_and_plain_does_not(folder: Path) -> None:
+    plain, fast = pair(folder, torch.float32)
+    assert plain.module.head is None and fast.module.head is not None
+    assert fast.module.model.layers[0].self_attn.qkv is not None and fast.module.model.layers[0].mlp.gate_up is not None
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["ordinary", "exact"])
+def test_bfloat16_fast_logits_are_bitwise_the_plain_ones(folder: Path, exact: bool) -> None:
+    """oneDNN's prepacked bfloat16 matmul is the kernel F.linear runs, fused or not."""
+    plain, fast = pair(folder, torch.bfloat16, exact)
+    assert torch.equal(decode(fast), decode(plain))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["ordinary", "exact"])
+def test_float32_fast_logits_match_the_plain_ones(folder: Path, exact: bool) -> None:
+    """In float32 the packed kernels sum in another order: equal to rounding."""
+    plain, fast = pair(folder, torch.float32, exact)
+    torch.testing.assert_close(decode(fast), decode(plain), rtol=1e-5, atol=1e-5)
+
+
+def test_the_checkpoint_layout_and_values_are_unchanged(folder: Path) -> None:
+    """The fused weights are built from the on-disk q, k, v and gate, up weights, which keep their names and
+    values (views of the fused weight), so state dicts and the LM head readers see what plain loading gives."""
+    plain, fast = pair(folder, torch.float32)
+    a, b = plain.module.state_dict(), fast.module.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[name], b[name]) for name in a)
+    assert torch.equal(fast.lm_head_weight, plain.lm_head_weight)
+    attention = fast.module.model.layers[1].self_attn
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.qkv.weight.untyped_storage().data_ptr()
+
+
+def test_hidden_states_layer_subsets_and_tree_masks_take_the_fast_path(folder: Path) -> None:
+    plain, fast = pair(folder, torch.float32)
+    close = lambda x, y: torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    close(decode(fast, layers=[1]), decode(plain, layers=[1]))
+    for model_out in zip(*(m(TOKENS, m.new_cache(), hidden=[0, -1]) for m in (fast, plain))):
+        close(*model_out)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    outs = []
+    for model in (fast, plain):
+        cache = model.new_cache()
+        model(TOKENS[:, :8], cache)
+        outs.append(model(TOKENS[:, 8:11], cache, mask, torch.tensor([8, 9, 9])))
+    close(*outs)
+
+
+def test_only_cpu_float32_and_bfloat16_are_packed(folder: Path) -> None:
+    assert load_model(folder, dtype=torch.float64).module.head is None
+
+
+def test_outside_inference_mode_the_plain_linears_run(folder: Path) -> None:
+    """Head training reads a loaded target's module under autocast, and with gradients into a head through its LM
+    head: there the packed kernels (no backward, no autocast) stand aside."""
+    plain, fast = pair(folder, torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(fast.module(TOKENS, None), plain.module(TOKENS, None))
+    feature = torch.randn(2, 3, fast.hidden_size, requires_grad=True)
+    fast.module.head(feature).sum().backward()
+    torch.testing.assert_close(feature.grad, plain.lm_head_weight.sum(0).expand(2, 3, -1))

@@ -1,0 +1,48 @@
+"""`verispec bench --profile` and the weight-read floor: what a 1-token forward reads, and where its time goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verispec.bench import profile_forward
+from verispec.bench.bandwidth import weight_bytes
+from verispec.cli import main
+from verispec.models.native import load_model
+from verispec.models.random_init import random_checkpoint, tiny_config
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_count_what_a_forward_reads(tmp_path: Path, tied: bool) -> None:
+    model = load_model(random_checkpoint(tmp_path, tiny_config(tie_word_embeddings=tied)), dtype="bfloat16")
+    c = model.config
+    embedding = c.vocab_size * c.hidden_size
+    params = sum(p.numel() for p in model.module.parameters())  # a tied table once
+    assert weight_bytes(model) == 2 * (params if tied else params - embedding)
+
+
+def test_profile_labels_every_kind_of_work(target) -> None:
+    setting = profile_forward._Setting(target, context=8)
+    setting.time(2)
+    setting.profile()
+    wall, kinds = setting.result()
+    assert wall > 0 and list(kinds) == profile_forward.ORDER
+    matmuls = [kind for kind in kinds if kind.startswith("matmul")]
+    attention = profile_forward.BY_CLASS[profile_forward.llama.Attention]
+    assert len(matmuls) == 5 and all(kinds[kind] > 0 for kind in [*matmuls, "rotary", "norms", attention])
+
+
+def test_bench_profile_writes_every_setting(tmp_path: Path, pair_dirs, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(profile_forward, "profile_all",
+                        lambda target_dir, rounds: ORIGINAL(target_dir, context=8, rounds=2, per_round=1))
+    assert main(["bench", "--profile", "--target", str(pair_dirs[0]), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "forward-profile.md").read_text()
+    assert text == capsys.readouterr().out.rstrip("\n") + "\n"
+    for dtype in ("float32", "bfloat16"):
+        for mode in ("ordinary", "exact"):
+            assert f"| {dtype} {mode} plain |" in text and f"| {dtype} {mode} fast |" in text
+    assert "Read bandwidth:" in text and "weight-read time" in text and "| matmul LM head |" in text
+
+
+ORIGINAL = profile_forward.profile_all

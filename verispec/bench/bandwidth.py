@@ -1,0 +1,31 @@
+"""The floor under a 1-token forward: the bytes of weights it reads, over the memory's read bandwidth."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.models.native import NativeModel
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second one thread reads: the median time of a sum over a float32 tensor far larger than the
+    caches (the same memory the weights stream from)."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()  # touch every page before timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / sorted(times)[len(times) // 2]
+
+
+def weight_bytes(model: NativeModel) -> int:
+    """Bytes of weights one forward reads: every parameter once (an LM head tied to the embeddings counted once);
+    an untied embedding table not at all, as a forward reads only its tokens' rows."""
+    module = model.module
+    untied_embedding = None if model.config.tie_word_embeddings else module.model.embed_tokens.weight
+    return sum(param.numel() * param.element_size() for param in module.parameters()  # a shared one once
+               if param is not untied_embedding)

@@ -1,0 +1,196 @@
+"""`verispec bench --profile`: where a 1-token forward's time goes, by kind of work, beside the time it takes to
+read the weights once, in float32 and bfloat16, ordinary and exact mode, with and without the fast path."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from verispec.bench.bandwidth import read_bandwidth, weight_bytes
+from verispec.bench.report import machine
+from verispec.models import llama
+from verispec.models.native import NativeModel, load_model
+
+MARK = "verispec/"  # the prefix of our labels among the profiler's events
+MATMULS = {"q_proj": "matmul q, k, v", "k_proj": "matmul q, k, v", "v_proj": "matmul q, k, v", "qkv": "matmul q, k, v",
+           "o_proj": "matmul o", "o": "matmul o", "gate_proj": "matmul gate, up", "up_proj": "matmul gate, up",
+           "gate_up": "matmul gate, up", "down_proj": "matmul down", "down": "matmul down", "lm_head": "matmul LM head",
+           "head": "matmul LM head"}
+BY_CLASS = {llama.RMSNorm: "norms", llama.Attention: "attention (scores, softmax, values, cache writes)",
+            llama.MLP: "silu(gate) * up", llama.Block: "residual adds", nn.Embedding: "embedding"}
+OTHER = "other ops (exact mode's row layout and padding, slicing)"
+OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops)"
+REST = "wall time less all ops (Python and dispatch, at least)"
+FORWARD = "forward"
+ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
+         "residual adds", "embedding", OTHER, OVERHEAD]
+
+
+@dataclass
+class ForwardProfile:
+    """One setting's 1-token forward: the median wall time (no profiler) and the median ms of each kind of work."""
+
+    dtype: str
+    exact: bool
+    fast: bool
+    wall_ms: float
+    kinds_ms: dict[str, float]
+    weight_bytes: int
+
+
+def _label(name: str, module: nn.Module) -> str | None:
+    attribute = name.rsplit(".", 1)[-1]
+    if attribute in MATMULS and not isinstance(module, nn.Embedding):
+        return MATMULS[attribute]
+    return next((label for cls, label in BY_CLASS.items() if isinstance(module, cls)), None)
+
+
+def _labelled(model: NativeModel, stack: ExitStack) -> None:
+    """Wrap each module's forward, and the rotary functions, in a profiler range named for its kind of work."""
+    def enter(label: str):
+        def hook(*_) -> None:
+            ranges.append(record_function(MARK + label).__enter__())
+        return hook
+
+    def leave(*_) -> None:
+        ranges.pop().__exit__(None, None, None)
+
+    def wrapped(function, label: str):
+        def call(*args, **kwargs):
+            with record_function(MARK + label):
+                return function(*args, **kwargs)
+        return call
+
+    ranges: list = []
+    for name, module in model.module.named_modules():
+        label = _label(name, module)
+        if label is not None:
+            stack.callback(module.register_forward_pre_hook(enter(label)).remove)
+            stack.callback(module.register_forward_hook(leave).remove)
+    for function in ("rotary", "apply_rotary"):
+        stack.enter_context(mock.patch.object(llama, function, wrapped(getattr(llama, function), "rotary")))
+
+
+def _kinds(events) -> dict[str, float]:
+    """ms of op self time by the innermost labelled range around each op."""
+    kinds: dict[str, float] = {}
+    for event in events:
+        if event.name == MARK + FORWARD:
+            kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) + event.cpu_time_total / 1e3
+        if event.name.startswith(MARK):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(MARK):
+            parent = parent.cpu_parent
+        label = OTHER if parent is None or parent.name == MARK + FORWARD else parent.name[len(MARK):]
+        kinds[label] = kinds.get(label, 0.0) + event.self_cpu_time_total / 1e3
+        kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) - event.self_cpu_time_total / 1e3
+    return kinds
+
+
+class _Setting:
+    """A loaded model with a cache of `context` tokens, ready to time and profile its 1-token forward."""
+
+    def __init__(self, model: NativeModel, context: int) -> None:
+        self.model, self.context, self.token = model, context, torch.tensor([[1]])
+        self.cache = model.new_cache(context + 1)
+        model(torch.arange(context)[None] % model.vocab_size, self.cache)
+        self.walls: list[float] = []
+        self.profiles: list[dict[str, float]] = []
+        for _ in range(3):  # warm-up: first calls choose and prepare kernels
+            self.step()
+
+    def step(self) -> None:
+        self.model(self.token, self.cache)
+        self.cache.truncate(self.context)
+
+    def time(self, forwards: int) -> None:
+        for _ in range(forwards):
+            start = time.perf_counter()
+            self.step()
+            self.walls.append((time.perf_counter() - start) * 1e3)
+
+    def profile(self) -> None:
+        with ExitStack() as stack:
+            _labelled(self.model, stack)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with record_function(MARK + FORWARD):
+                    self.step()
+        self.profiles.append(_kinds(prof.events()))
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        kinds = {k: statistics.median(p.get(k, 0.0) for p in self.profiles) for k in ORDER}
+        return statistics.median(self.walls), kinds
+
+
+def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
+                ) -> tuple[list[ForwardProfile], float]:
+    """Every setting (float32 and bfloat16, ordinary and exact mode, plain and fast), loaded side by side and
+    measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
+    measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
+    Returns the settings' profiles and the read bandwidth (bytes per second)."""
+    keys = [(dtype, exact, fast) for dtype in ("float32", "bfloat16") for exact in (False, True)
+            for fast in (False, True)]
+    settings = {key: _Setting(load_model(target_dir, dtype=key[0], exact=key[1], fast=key[2]), context) for key in keys}
+    bandwidths = []
+    for _ in range(rounds):
+        bandwidths.append(read_bandwidth(repeats=3))
+        for setting in settings.values():
+            setting.time(per_round)
+            setting.profile()
+    out = []
+    for (dtype, exact, fast), setting in settings.items():
+        wall, kinds = setting.result()
+        out.append(ForwardProfile(dtype, exact, fast, wall, kinds, weight_bytes(setting.model)))
+    return out, statistics.median(bandwidths)
+
+
+def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], bandwidth: float,
+                  command: str) -> Path:
+    """forward-profile.md: the settings side by side, ms per kind of work, and each against its weight-read time."""
+    m = machine()
+    names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {'fast' if p.fast else 'plain'}" for p in profiles]
+    lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
+             f"Target: {target_dir.name}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
+             f"torch {m['torch']}.  ",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, one thread; the "
+             "median over the rounds below).\n",
+             "One token after 256 cached ones; the eight settings loaded side by side and measured in turns (each "
+             "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
+             "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
+             "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
+             "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
+             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. Plain: eager "
+             "F.linear per projection; fast: `load_model(fast=True)`, prepacked and fused matmuls "
+             "(models/linear.py).\n",
+             "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
+             "|---|---|---|---|---|"]
+    for name, p in zip(names, profiles):
+        read_ms = p.weight_bytes / bandwidth * 1e3
+        lines.append(f"| {name} | {p.wall_ms:.2f} | {p.weight_bytes / 1e6:.0f} MB | {read_ms:.2f} ms | "
+                     f"{p.wall_ms / read_ms:.1f}x |")
+    lines += ["\n## ms per forward by kind of work\n", "| kind | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    for kind in ORDER:
+        lines.append(f"| {kind} | " + " | ".join(f"{p.kinds_ms[kind]:.2f}" for p in profiles) + " |")
+    rest = [max(0.0, p.wall_ms - sum(v for k, v in p.kinds_ms.items() if k != OVERHEAD)) for p in profiles]
+    lines.append(f"| {REST} | " + " | ".join(f"{r:.2f}" for r in rest) + " |")
+    lines.append("| **wall** | " + " | ".join(f"**{p.wall_ms:.2f}**" for p in profiles) + " |")
+    path = out / "forward-profile.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_profile(target_dir: Path, out: Path, command: str, rounds: int = 15) -> Path:
+    """Measure the read bandwidth, profile every setting, write forward-profile.md into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    profiles, bandwidth = profile_all(target_dir, rounds=rounds)
+    return write_profile(out, target_dir, profiles, bandwidth, command)
