@@ -291,8 +291,9 @@ def _bench(args: argparse.Namespace) -> None:
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
-        shipped = MODELS / "stdlib-eagle"
-        args.head = args.head or (shipped if (shipped / "config.json").is_file() else None)
+        shipped = {kind: MODELS / f"stdlib-{kind}" for kind in ("eagle", "medusa")}
+        shipped = {kind: folder if (folder / "config.json").is_file() else None for kind, folder in shipped.items()}
+        args.head, args.medusa_head = args.head or shipped["eagle"], args.medusa_head or shipped["medusa"]
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.profile:
@@ -309,6 +310,7 @@ def _bench(args: argparse.Namespace) -> None:
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
+                               medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
                                unrelated=args.unrelated)
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))

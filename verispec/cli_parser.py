@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
     bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
                                       "with the shipped target, where it exists)")
+    bench.add_argument("--medusa-head", help="Medusa heads folder, which adds the Medusa rows (default: "
+                                             "models/stdlib-medusa with the shipped target, where it exists)")
     bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
     bench.add_argument("--repeats", type=int,
                        help="repeats of each run (default 3); with --profile, rounds of forwards (default 15)")

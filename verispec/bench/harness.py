@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +28,7 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.draft_vocab import VOCAB_FILE
 from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.timing import forward_seconds, head_step_seconds
 from verispec.threads import torch_threads
 
@@ -81,7 +82,8 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
 class BenchOptions:
     """How `run_bench` runs. Everything at a fixed thread count (one by default: at batch one on a shared 2-core
     machine, a second thread mostly waits at barriers). `exact`: our models in exact mode (the peers cannot be).
-    `only`: the methods to run, by label. `head_dir`: an EAGLE head for the target, which adds the EAGLE rows.
+    `only`: the methods to run, by label. `head_dir`: an EAGLE head for the target, which adds the EAGLE rows;
+    `medusa_dir`: Medusa heads, which add the Medusa rows.
     `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
     random weights (the same cost as the real draft; it agrees by chance)."""
 
@@ -93,6 +95,7 @@ class BenchOptions:
     exact: bool = False
     only: Sequence[str] | None = None
     head_dir: Path | None = None
+    medusa_dir: Path | None = None
     unrelated: bool = False
 
 
@@ -114,9 +117,11 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir)
     eagle_vocab = head_dir is not None and (head_dir / VOCAB_FILE).is_file()
-    methods = [ours(target, method, resources)
+    medusa = options.medusa_dir
+    methods = [ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
-                                         eagle_vocab=eagle_vocab)]
+                                         eagle_vocab=eagle_vocab, medusa=medusa is not None,
+                                         medusa_vocab=medusa is not None and (medusa / VOCAB_FILE).is_file())]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype, exact=exact), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
@@ -170,8 +175,11 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         torch.manual_seed(0)
         head = EagleHead(head_config(target.config))  # random: its rows check the machinery, not acceptance
         head_dir = save_head(head, Path(tmp) / "eagle", target_dir.name)
+        medusa_dir = save_heads(MedusaHeads.from_target(target.lm_head_weight.detach().float(), 3), Path(tmp) / "medusa",
+                                target_dir.name)
         return run_bench(target_dir, draft_dir, out, quick_suite(),
-                         BenchOptions(repeats=2, progress=progress, threads=threads, head_dir=head_dir, unrelated=True))
+                         BenchOptions(repeats=2, progress=progress, threads=threads, head_dir=head_dir,
+                                      medusa_dir=medusa_dir, unrelated=True))
 
 
 

@@ -67,12 +67,12 @@ EAGLE_VOCAB = 2048  # the reduced draft vocabulary's row: the most frequent quar
 
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
-                eagle_vocab: bool = False) -> list[Method]:
+                eagle_vocab: bool = False, medusa: bool = False, medusa_vocab: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
     layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
-    tree 5 deep; with its saved token frequencies, also the chain over the EAGLE_VOCAB most frequent tokens) when
-    asked."""
+    tree 5 deep; with its saved token frequencies, also the chain over the EAGLE_VOCAB most frequent tokens) and
+    Medusa (its default tree, and over the EAGLE_VOCAB most frequent tokens) when asked."""
     methods = [Method("autoregressive")]
     if draft is not None:
         methods += [Method("draft", k) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2})]
@@ -84,6 +84,10 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
         methods += [Method("eagle", 4), Method("eagle", AUTO), Method("eagle", 5, EAGLE_TREE)]
     if eagle_vocab:
         methods.append(Method("eagle", 4, {"draft_vocab": EAGLE_VOCAB}))
+    if medusa:
+        methods.append(Method("medusa"))
+    if medusa_vocab:
+        methods.append(Method("medusa", None, {"draft_vocab": EAGLE_VOCAB}))
     return methods
 
 
