@@ -20,6 +20,7 @@ from verispec.cli import main
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.draft_model_batch import DraftModelBatch
+from verispec.errors import DrafterError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
@@ -291,7 +292,7 @@ class _BreaksOnce(DraftModel):
         def breaking(contexts: dict, ks: dict) -> dict[int, Proposal]:
             if next(calls) == 2 and not self.broke:
                 self.broke = True
-                raise RuntimeError("the drafter broke")
+                raise DrafterError("the drafter broke")  # a VerispecError, yet the server's failure: a 500
             return propose(contexts, ks)
 
         session.propose = breaking
@@ -300,7 +301,8 @@ class _BreaksOnce(DraftModel):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_failed_engine_step_fails_its_request_only(models: tuple, stream: bool) -> None:
-    """A non-streamed request gets a 500, a stream an error event; the server serves on with a fresh engine."""
+    """A non-streamed request gets a 500 (a drafter breaking its protocol is the server's failure, not bad input), a
+    stream an error event; the engine rolled back, and the server serves on with it."""
     target_dir, target, draft = models
     app = serving_app(target, _BreaksOnce(draft, 2), target_dir, name="t", adaptive=False)
     with torch_threads(1), ServerThread(app) as srv:

@@ -21,7 +21,6 @@ from verispec.adaptive import (PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, 
                                expected_tokens)
 from verispec.engine.forward_costs import CostCurve
 
-CALIBRATION_REPEATS = 1  # forwards of each width timed where the steps have not reached a size (the steps add more)
 
 
 class DraftLength:
@@ -71,10 +70,8 @@ class DraftLength:
             return self.fixed_costs(batch)
         for width in (1, self.max_k + 1):
             if not self.forward.near(batch * width):
-                for _ in range(CALIBRATION_REPEATS):
-                    seconds = measure(width)
-                    if seconds is None:  # some row is too near the end of its context: try again at a later step
-                        break
+                seconds = measure(width)  # one forward per width: the steps add more timings as they run
+                if seconds is not None:  # None: some row is too near the end of its context; try at a later step
                     self.forward.observe(batch * width, seconds)
         one, drafting = self.forward(batch), self.drafting(batch)
         if not one:  # nothing timed yet (no room for it): a prior

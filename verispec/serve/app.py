@@ -31,17 +31,13 @@ from verispec.serve.metrics import RequestClock, ServerMetrics
 from verispec.serve.prepare import Prepared, ServedModel, UnknownModelError, prepare_chat, prepare_completion
 from verispec.serve.responses import DONE, Reply, sse, usage
 from verispec.serve.schema import ChatRequest, CompletionRequest, error_body
-from verispec.serve.worker import EngineWorker, Ticket
+from verispec.serve.worker import EngineFailure, EngineWorker, Ticket
 
 log = logging.getLogger("verispec.serve")
 
 
 class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
-
-
-class EngineFailure(Exception):
-    """The engine failed while running a request (the worker logged why); answered with a 500, the server goes on."""
 
 
 def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
@@ -51,12 +47,12 @@ def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | No
     step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step."""
     chat = load_chat_template(target_dir) if target_dir is not None else None
     model = ServedModel(name or target.name, target, chat, int(time.time()))
-    return create_app(model, lambda: Engine(target, drafter, max_batch=max_batch, adaptive=adaptive))
+    return create_app(model, Engine(target, drafter, max_batch=max_batch, adaptive=adaptive))
 
 
-def create_app(model: ServedModel, make_engine: Callable[[], Engine]) -> FastAPI:
-    """The app serving `model` with engines from `make_engine` (built here, so a bad setup fails before serving)."""
-    worker = EngineWorker(make_engine)
+def create_app(model: ServedModel, engine: Engine) -> FastAPI:
+    """The app serving `model` with `engine` (built before serving, so that a bad setup fails first)."""
+    worker = EngineWorker(engine)
     metrics = ServerMetrics(lambda: worker.snapshot)
 
     @asynccontextmanager
@@ -140,8 +136,9 @@ async def _disconnect(request: Request) -> None:
 
 
 def _raise_failure(item: Update | Exception) -> None:
-    """A refusal of the request is bad input (400); anything else is the engine's failure (500)."""
-    if isinstance(item, VerispecError):
+    """The engine's refusal of the request is bad input (400); its failure while running it (EngineFailure, as the
+    worker delivers it) or anything else is the server's (500)."""
+    if isinstance(item, (VerispecError, EngineFailure)):
         raise item
     if isinstance(item, Exception):
         raise EngineFailure(f"generation failed: {type(item).__name__}: {item}") from item

@@ -78,7 +78,7 @@ def _prepared(model: ServedModel, body: ApiRequest, ids: list[int], limit: int, 
         raise ContextLengthError(f"this model's maximum context length is {context} tokens; the prompt has "
                                  f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)")
     sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-                              body.top_k or 0, 1.0 if body.top_p is None else body.top_p)
+                              0 if body.top_k in (None, -1) else body.top_k, 1.0 if body.top_p is None else body.top_p)
     request = Request(ids, limit, sampling, seed=seed_value(body.seed), stop=tuple(stop_strings(body.stop)),
                       ignore_eos=body.ignore_eos)
     return Prepared(request, len(ids))

@@ -49,12 +49,15 @@ class Snapshot:
     queued: int
 
 
+class EngineFailure(Exception):
+    """The engine failed while running a request (the worker logged why); answered with a 500, the server goes on."""
+
+
 class EngineWorker:
     """Owns the engine and the thread that drives it; `start`, `submit`, `abort`, `drain`, `stop`."""
 
-    def __init__(self, make_engine: Callable[[], Engine]) -> None:
-        self._make_engine = make_engine  # a fresh engine replaces one whose step failed
-        self._engine = engine = make_engine()
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
         self._live: dict[int, Ticket] = {}  # engine id -> ticket; touched by the worker thread only
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
@@ -106,7 +109,7 @@ class EngineWorker:
                     self._end_all()
                 elif command == "add":
                     self._add(ticket, stopping)
-                elif self._live.get(ticket.engine_id) is ticket:  # not an id a fresh engine has given again
+                elif self._live.get(ticket.engine_id) is ticket:  # still running (not failed, not finished)
                     self._engine.abort(ticket.engine_id)
             if self._drain_at is not None and time.monotonic() >= self._drain_at:
                 self._end_all()
@@ -129,11 +132,14 @@ class EngineWorker:
         try:
             updates = self._engine.step()
         except Exception as err:  # a bug or a drafter breaking its protocol: fail what is in flight, keep serving
+            # The engine rolled every slot back to its committed tokens (and put joining requests back in its queue),
+            # so it serves on; the requests it was running end here, as the server's failure (a 500), not bad input.
             log.exception("engine step failed; ending the %d requests in flight", len(self._live))
-            for ticket in self._live.values():
-                self._deliver(ticket, err)
+            failure = EngineFailure(f"generation failed: {type(err).__name__}: {err}")
+            for engine_id, ticket in self._live.items():
+                self._engine.abort(engine_id)
+                self._deliver(ticket, failure)
             self._live.clear()
-            self._engine = self._make_engine()
             return
         for update in updates:
             ticket = self._live.get(update.request_id)
