@@ -4,7 +4,8 @@ from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, 
                                PromptLookup, Proposal, Resources, SideBranch, Verdict, build_drafter)
 from verispec.adaptive import AdaptiveK  # after the drafters: the registry imports it
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
-                             InvalidArgumentError, TokenizerMismatchError, UnsupportedArchitectureError, VerispecError)
+                             InvalidArgumentError, PeerError, TokenizerMismatchError, UnsupportedArchitectureError,
+                             VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
 from verispec.engine import Engine, Request, Update, generate_batch
 from verispec.models.auto import load
@@ -17,9 +18,10 @@ from verispec.threads import default_threads, set_threads, torch_threads
 
 __all__ = [
     "AdaptiveK", "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
-    "DrafterError", "Engine", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError", "LayerSkip",
-    "Lookahead", "Method", "NativeModel", "Needs", "PromptLookup", "Proposal", "Request", "Resources", "SamplingParams",
-    "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel", "UnsupportedArchitectureError",
-    "Update", "Verdict", "VerispecError", "build_drafter", "default_threads", "generate", "generate_batch", "load", "load_default", "load_model",
+    "DrafterError", "Engine", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError",
+    "LayerSkip", "Lookahead", "Method", "NativeModel", "Needs", "PeerError", "PromptLookup", "Proposal", "Request",
+    "Resources", "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel",
+    "UnsupportedArchitectureError", "Update", "Verdict", "VerispecError", "build_drafter", "default_threads", "generate",
+    "generate_batch", "load", "load_default", "load_model",
     "load_transformers_model", "set_threads", "stream", "torch_threads",
 ]

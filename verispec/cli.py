@@ -283,6 +283,7 @@ def _init_random(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     from verispec.bench.harness import BenchOptions, run_bench, run_quick  # loads matplotlib and tqdm on demand
+    from verispec.bench.llamacpp import find_llama_cpp
     from verispec.bench.report import format_summary
     from verispec.bench.suite import SUITE, read_suite
 
@@ -311,7 +312,7 @@ def _bench(args: argparse.Namespace) -> None:
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
                                medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
-                               unrelated=args.unrelated)
+                               unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp))
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")

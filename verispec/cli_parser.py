@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "random draft of the draft's shape and tokenizer (--quick always does)")
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
+    bench.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's binaries (llama-completion, "
+                       "llama-speculative-simple, llama-lookup), which add its rows as peers (default: "
+                       "$VERISPEC_LLAMA_CPP; neither: no llama.cpp rows); see docs/bench/llama-cpp.md")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
     trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa",
                                      "medusa-card"),

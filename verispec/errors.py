@@ -33,3 +33,7 @@ class TokenizerMismatchError(IncompatibleTargetError):
 class DrafterError(VerispecError):
     """A drafter broke its protocol: a proposal deeper than asked or wider than it declared, siblings the rule
     cannot verify losslessly."""
+
+
+class PeerError(VerispecError):
+    """A benchmark peer outside verispec (llama.cpp's binaries) is missing, failed, or printed what cannot be read."""

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
+from verispec.bench.llamacpp import llama_cpp_methods
 from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import floor_line, machine, write_report
@@ -85,7 +86,8 @@ class BenchOptions:
     `only`: the methods to run, by label. `head_dir`: an EAGLE head for the target, which adds the EAGLE rows;
     `medusa_dir`: Medusa heads, which add the Medusa rows.
     `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
-    random weights (the same cost as the real draft; it agrees by chance)."""
+    random weights (the same cost as the real draft; it agrees by chance). `llama_cpp`: llama.cpp's binaries, which
+    add its rows as peers (bench/llamacpp.py)."""
 
     repeats: int = 3
     peers: bool = True
@@ -97,6 +99,7 @@ class BenchOptions:
     head_dir: Path | None = None
     medusa_dir: Path | None = None
     unrelated: bool = False
+    llama_cpp: Path | None = None
 
 
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
@@ -127,6 +130,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
     if options.peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
+    if options.llama_cpp is not None:
+        methods += llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, dtype, options.threads)
     labels = [m.label for m in methods]
     if only is not None:
         unknown = sorted(set(only) - set(labels))
@@ -139,7 +144,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         print(floor_line(times))
     prompts = prompts_for(target, suite)
     records = run_suite({m.label: m.run for m in methods}, prompts, options.repeats, options.progress)
-    summary = summarize(records, times["c"], times["r"])
+    summary = summarize(records, times["c"], times["r"], target.tokenizer.decode)
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,

@@ -30,6 +30,7 @@ class Run:
     target_calls: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    text: str | None = None  # a peer that prints text, not token ids (llama.cpp): its output, and `tokens` is empty
 
 
 Runner = Callable[[list[int], int], Run]

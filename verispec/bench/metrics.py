@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from typing import Callable
 
 BASELINE = "autoregressive"
 
@@ -17,10 +18,12 @@ def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
     return {key: runs[0] | {t: statistics.median(r[t] for r in runs) for t in times} for key, runs in groups.items()}
 
 
-def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> dict:
+def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
+              detokenize: Callable[[list[int]], str] | None = None) -> dict:
     """Per method and per category ("all" included): speed, speedup, tau, acceptance, exactness, prediction.
 
-    c[method]: draft step time / target step time; r[n]: target time for n new tokens / for 1.
+    c[method]: draft step time / target step time; r[n]: target time for n new tokens / for 1. `detokenize`: token ids
+    to text, for the exactness of peers that print text (a record with `text`), which counts the baseline's tokens.
     The prediction prices each step at the width actually drafted (proposals are often shorter than k), and
     efficiency compares it with the decoding-only speedup, since the model does not cover the prompt's prefill.
     """
@@ -33,7 +36,7 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
         for category in categories:
             ids = [i for (m, i), row in rows.items() if m == method and category in ("all", row["category"])]
             mine, base = [rows[method, i] for i in ids], [rows[BASELINE, i] for i in ids]
-            new = sum(len(x["tokens"]) for x in mine)
+            new = sum(_new_tokens(x, b) for x, b in zip(mine, base))
             calls = sum(x["target_calls"] for x in mine)
             proposed = _sum_lists(x["proposed_by_position"] for x in mine)
             accepted = _sum_lists(x["accepted_by_position"] for x in mine)
@@ -42,7 +45,7 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
                 "tokens_per_second": new / sum(x["seconds"] for x in mine),
                 "speedup_mean": statistics.mean(b["seconds"] / x["seconds"] for x, b in zip(mine, base)),
                 "speedup_total": sum(b["seconds"] for b in base) / sum(x["seconds"] for x in mine),
-                "exact_match": sum(x["tokens"] == b["tokens"] for x, b in zip(mine, base)) / len(ids),
+                "exact_match": sum(_same(x, b, detokenize) for x, b in zip(mine, base)) / len(ids),
             }
             if calls:  # our loop: counts and a split of its time exist
                 total = sum(x["seconds"] for x in mine)
@@ -62,6 +65,23 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float]) -> 
                     entry["efficiency"] = entry["decode_speedup"] / entry["predicted_speedup"]
             out[method][category] = entry
     return out
+
+
+def _new_tokens(run: dict, base: dict) -> int:
+    """How many tokens a run wrote; a peer that prints text is counted as writing as many as the baseline, since
+    every method is asked for the same max_new_tokens with EOS ignored."""
+    return len(base["tokens"] if run.get("text") is not None else run["tokens"])
+
+
+def _same(run: dict, base: dict, detokenize: Callable[[list[int]], str] | None) -> bool:
+    """Token-identical to the baseline; for a peer that prints text, its text begins with the baseline's (a
+    speculative binary may write past max_new_tokens; a character that the baseline's last token leaves unfinished
+    is left out)."""
+    if run.get("text") is None:
+        return run["tokens"] == base["tokens"]
+    if detokenize is None:
+        raise ValueError("a record with text needs `detokenize` to compare it with the baseline")
+    return run["text"].startswith(detokenize(base["tokens"]).rstrip("\ufffd"))
 
 
 def _width_histogram(proposed_by_position: list[int], calls: int) -> list[int]:

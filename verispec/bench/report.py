@@ -9,6 +9,14 @@ from pathlib import Path
 
 import torch
 
+LLAMA_CPP_NOTE = (
+    " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on GGUF copies of the same checkpoints "
+    "in this dtype, one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
+    "llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time is llama.cpp's own "
+    "decode-only timing (completion's `eval time` line, the others' `decoded N tokens` line), without the prompt's "
+    "prefill that our rows' time includes; their exact match compares their text with our autoregressive output's.")
+
+
 def machine() -> dict:
     import transformers
 
@@ -130,7 +138,8 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "of tokens it actually drafted; efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
           "Peers: transformers greedy; assisted with its defaults (adaptive number of assistant tokens) and at k = 4 "
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
-          "Peak memory is the whole process's.\n",
+          "Peak memory is the whole process's."
+          + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "") + "\n",
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]

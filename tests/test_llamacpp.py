@@ -1,0 +1,182 @@
+"""llama.cpp as a bench peer, without llama.cpp: its command lines, the reading of its real output (captured from the
+shipped pair in tests/data/llamacpp), stand-in binaries that replay that output, and no rows without it."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from verispec.bench import harness
+from verispec.bench.harness import BenchOptions, quick_suite, run_bench
+from verispec.bench.llamacpp import (BINARIES, ENV, TRIES, LlamaCppPeer, Setup, command, find_llama_cpp,
+                                     parse_output)
+from verispec.bench.metrics import summarize
+from verispec.cli import main
+from verispec.errors import InvalidArgumentError, PeerError
+
+DATA = Path(__file__).parent / "data" / "llamacpp"
+PROMPT = b"def parse_header(line):\n"  # what the captured runs were given, 16 new tokens each
+GENERATED = b'\ndef _get_header(text):\n    """Return a string of the'  # the first 16, as verispec writes them too
+
+
+def captured(kind: str) -> tuple[bytes, str]:
+    return (DATA / f"{kind}.stdout").read_bytes(), (DATA / f"{kind}.stderr").read_text()
+
+
+@pytest.mark.parametrize("kind, tokens, seconds", [
+    ("plain", 15, 0.12140),  # eval time = 121.40 ms / 15 runs (the first token comes out of the prefill)
+    ("speculative", 21, 21 / 198.005),  # decoded 21 tokens ..., speed: 198.005 t/s (it overshoots 16)
+    ("lookup", 17, 17 / 123.008),
+])
+def test_captured_output_is_read(kind, tokens, seconds) -> None:
+    out = parse_output(kind, *captured(kind), PROMPT)
+    assert out.tokens == tokens and out.seconds == pytest.approx(seconds, rel=1e-9)
+    assert out.text.startswith(GENERATED) and not out.text.endswith(b"\n\n")
+    assert out.text == GENERATED if kind == "plain" else len(out.text) > len(GENERATED)
+
+
+@pytest.mark.parametrize("kind", BINARIES)
+def test_output_cut_short_before_its_timing_is_none(kind) -> None:
+    """llama.cpp's logger thread can lose the last lines at exit: no timing, so the run is repeated."""
+    stdout, stderr = captured(kind)
+    lines = stderr.splitlines(keepends=True)
+    cut = "".join(lines[:next(i for i, line in enumerate(lines) if "threadpool init" in line) + 1])
+    assert parse_output(kind, stdout[:20], cut, PROMPT) is None
+
+
+def test_output_without_the_echoed_prompt_is_refused() -> None:
+    stdout, stderr = captured("speculative")
+    with pytest.raises(PeerError, match="did not echo the prompt"):
+        parse_output("speculative", stdout, stderr, b"another prompt\n")
+
+
+def test_command_lines() -> None:
+    setup = Setup(Path("/bin/llama"), Path("t.gguf"), Path("d.gguf"), context=512, threads=1)
+    plain, spec, lookup = (command(kind, setup, Path("p.txt"), 128) for kind in ("plain", "speculative", "lookup"))
+    shared = ["-m", "t.gguf", "--binary-file", "p.txt", "--no-escape", "-n", "128", "-c", "522", "-t", "1", "-tb",
+              "1", "--temp", "0", "--ignore-eos"]
+    assert plain == ["/bin/llama/llama-completion", *shared, "-no-cnv", "--no-display-prompt"]
+    assert spec == ["/bin/llama/llama-speculative-simple", *shared, "-md", "d.gguf", "--spec-type", "draft-simple",
+                    "-td", "1", "-tbd", "1", "--spec-draft-n-max", "4"]
+    assert lookup == ["/bin/llama/llama-lookup", *shared, "--spec-draft-n-max", "4"]
+    with pytest.raises(InvalidArgumentError, match="needs a draft"):
+        command("speculative", Setup(Path("/bin/llama"), Path("t.gguf"), None, 512), Path("p.txt"), 8)
+
+
+def test_llama_cpp_is_found_by_option_then_environment(monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    assert find_llama_cpp(None) is None
+    monkeypatch.setenv(ENV, "/from/env")
+    assert find_llama_cpp(None) == Path("/from/env") and find_llama_cpp("/opt") == Path("/opt")
+
+
+def test_no_llama_cpp_means_no_rows_and_no_error(monkeypatch, capsys, tmp_path) -> None:
+    calls = []
+    monkeypatch.setattr(harness, "run_bench", lambda *args: calls.append(args[4]) or {})
+    monkeypatch.setattr("verispec.bench.report.format_summary", lambda summary: "")
+    monkeypatch.delenv(ENV, raising=False)
+    assert main(["bench", "--target", "t", "--out", str(tmp_path)]) == 0
+    monkeypatch.setenv(ENV, str(tmp_path))
+    assert main(["bench", "--target", "t", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--target", "t", "--out", str(tmp_path), "--llama-cpp", "/opt/bin"]) == 0
+    assert [options.llama_cpp for options in calls] == [None, tmp_path, Path("/opt/bin")]
+
+
+def fake_binaries(folder: Path, cut_short: int = 0, exit_code: int = 0) -> Path:
+    """Stand-ins for the three binaries that replay the captured output around the prompt they are given; the
+    first `cut_short` runs lose their last lines, as llama.cpp's logger can."""
+    folder.mkdir()
+    for kind, name in BINARIES.items():
+        stdout, stderr = captured(kind)
+        script = folder / name
+        script.write_text(f"""#!{sys.executable}
+import sys
+from pathlib import Path
+args, runs = sys.argv, Path(__file__).with_suffix(".runs")
+n = int(runs.read_text()) + 1 if runs.exists() else 1
+runs.write_text(str(n))
+prompt = Path(args[args.index("--binary-file") + 1]).read_bytes()
+stdout, stderr = {stdout!r}, {stderr!r}
+stdout = stdout if {kind == "plain"} else stdout.replace({PROMPT!r}, prompt, 1)
+if n <= {cut_short}:
+    stdout, stderr = stdout[:20], stderr[:200]
+sys.stdout.buffer.write(stdout)
+sys.stderr.write(stderr)
+sys.exit({exit_code})
+""")
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return folder
+
+
+def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, tmp_path) -> None:
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin", cut_short=2), *pair_dirs)
+    prompt = peer.tokenizer.encode("def f(x):\n").ids
+    assert peer.kinds == ["plain", "speculative", "lookup"]
+    for kind, per_token in (("plain", 0.12140 / 15), ("speculative", 1 / 198.005), ("lookup", 1 / 123.008)):
+        run = peer.run(kind, prompt, 16)
+        assert run.tokens == [] and run.text.startswith(GENERATED.decode())
+        assert run.seconds == pytest.approx(16 * per_token)
+        assert (tmp_path / "bin" / f"{BINARIES[kind]}.runs").read_text() == "3"  # two cut short, run again
+    assert peer.setup.target.is_file() and peer.setup.draft.is_file()
+
+
+def test_a_binary_that_fails_or_never_prints_its_timing_is_an_error(pair_dirs, tmp_path) -> None:
+    failing = LlamaCppPeer(fake_binaries(tmp_path / "fails", exit_code=1), *pair_dirs)
+    prompt = failing.tokenizer.encode("def f(x):\n").ids
+    with pytest.raises(PeerError, match="llama-completion exited with 1: .*graphs reused"):
+        failing.run("plain", prompt, 16)
+    cut = LlamaCppPeer(fake_binaries(tmp_path / "cut", cut_short=TRIES), *pair_dirs)
+    with pytest.raises(PeerError, match=f"llama-lookup ended {TRIES} times without its decode timing"):
+        cut.run("lookup", prompt, 16)
+
+
+def test_a_prompt_that_would_reach_llama_cpp_as_other_tokens_is_refused(pair_dirs, tmp_path) -> None:
+    """llama.cpp takes text: ids whose text does not read back as them (here half a UTF-8 character) cannot go."""
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs)
+    half = peer.tokenizer.encode("é").ids[:1]
+    with pytest.raises(PeerError, match="does not tokenize back"):
+        peer.run("plain", peer.tokenizer.encode("x = ").ids + half, 16)
+    assert not (tmp_path / "bin" / "llama-completion.runs").exists()
+
+
+def test_missing_binaries_and_float64_are_refused(pair_dirs, tmp_path) -> None:
+    with pytest.raises(PeerError, match="no llama-completion, llama-speculative-simple, llama-lookup"):
+        LlamaCppPeer(tmp_path, *pair_dirs)
+    with pytest.raises(InvalidArgumentError, match="float64"):
+        LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs, dtype="float64")
+    target_only = LlamaCppPeer(fake_binaries(tmp_path / "bin2"), pair_dirs[0], None)
+    assert target_only.kinds == ["plain", "lookup"] and target_only.setup.draft is None
+
+
+def test_text_rows_count_the_baseline_and_compare_text() -> None:
+    base = {"method": "autoregressive", "id": "p", "category": "code", "repeat": 0, "tokens": [1, 2, 3],
+            "seconds": 3.0, "prefill_seconds": 0.0, "draft_seconds": 0.0, "verify_seconds": 0.0, "target_calls": 3,
+            "proposed_by_position": [], "accepted_by_position": [], "text": None}
+    same = base | {"method": "llama.cpp plain", "tokens": [], "seconds": 1.0, "target_calls": 0, "text": "abcd"}
+    other = same | {"method": "llama.cpp lookup", "text": "abd"}
+    decode = {(1, 2, 3): "abc\ufffd"}  # its last token leaves a character unfinished
+    summary = summarize([base, same, other], {}, {}, lambda ids: decode[tuple(ids)])
+    assert summary["llama.cpp plain"]["all"]["tokens_per_second"] == 3.0
+    assert summary["llama.cpp plain"]["all"]["speedup_total"] == 3.0
+    assert summary["llama.cpp plain"]["all"]["exact_match"] == 1.0
+    assert summary["llama.cpp lookup"]["all"]["exact_match"] == 0.0
+    with pytest.raises(ValueError, match="detokenize"):
+        summarize([base, same], {}, {})
+
+
+def test_bench_adds_the_rows_as_peers(pair_dirs, tmp_path) -> None:
+    suite = quick_suite(per_category=1, max_new_tokens=8)
+    only = ["autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"]
+    summary = run_bench(*pair_dirs, tmp_path / "out", suite,
+                        BenchOptions(repeats=1, peers=False, progress=False, only=only,
+                                     llama_cpp=fake_binaries(tmp_path / "bin")))
+    assert set(summary) == {"autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"}
+    assert summary["llama.cpp plain"]["all"]["tokens_per_second"] == pytest.approx(15 / 0.12140)
+    assert summary["llama.cpp plain"]["all"]["exact_match"] == 0.0  # the replayed text is not the random model's
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["info"]["methods"]["llama.cpp plain"] is None
+    assert "llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md)" in (tmp_path / "out" / "report.md").read_text()
