@@ -20,12 +20,14 @@ from verispec.cli import main
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.draft_model_batch import DraftModelBatch
+from verispec.engine import Engine
 from verispec.errors import DrafterError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
 from verispec.serve.server import ServerThread
+from verispec.serve.worker import EngineWorker
 from verispec.threads import torch_threads
 
 CONTEXT = 2048  # long enough that a stream with ignore_eos outlives the client killed in the middle of it
@@ -322,3 +324,13 @@ def test_serve_cli_refuses_bad_options(option: list[str], capsys: pytest.Capture
     assert main(["serve", "--target", "/nonexistent", *option]) == 2
     err = capsys.readouterr().err
     assert err.startswith("verispec: error: ") and err.count("\n") == 1 and option[0] in err
+
+
+def test_a_second_signal_never_moves_the_drain_deadline_later(models: tuple) -> None:
+    worker = EngineWorker(Engine(models[1], None, max_batch=1))
+    worker.drain(5.0)
+    first = worker._drain_at
+    worker.drain(60.0)  # a second Ctrl-C with the same grace, later: the first deadline stands
+    assert worker._drain_at == first
+    worker.drain(0.0)
+    assert worker._drain_at < first

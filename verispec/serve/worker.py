@@ -87,7 +87,8 @@ class EngineWorker:
 
         Only sets a number, so a signal handler may call it while the thread it interrupted holds any lock.
         """
-        self._drain_at = time.monotonic() + grace
+        deadline = time.monotonic() + grace  # a second signal never moves an earlier deadline later
+        self._drain_at = deadline if self._drain_at is None else min(self._drain_at, deadline)
 
     def stop(self, timeout: float = 10.0) -> None:
         """End every request and the thread."""
