@@ -9,6 +9,7 @@ from typing import Generator, Iterator, Sequence
 import torch
 
 from verispec.arguments import generation_args
+from verispec.commit import commit_step
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import DrafterError
@@ -16,7 +17,7 @@ from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 from verispec.step import speculative_step
-from verispec.tree import cut_after_eos, depth, through_eos
+from verispec.tree import cut_after_eos, depth
 
 
 @dataclass
@@ -138,18 +139,11 @@ def _decode(run: _Run) -> Generator[Piece, None, Generation]:
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
             stats.target_calls += 1
             new = [*(proposal.tokens[i] for i in step.path), step.next_token]
-            drafted = [True] * len(step.path) + [False]
-            cut = through_eos(new, eos)  # nothing after an end-of-sequence token is kept
-            if new[cut - 1] in eos:
-                new, drafted, stop_reason = new[:cut], drafted[:cut], "eos"
-            new = new[: text.add(new, drafted)]
-            if text.stopped:
-                stop_reason = "stop_string"
-            stats.record_step(depth(proposal), sum(drafted[: len(new)]))  # a draft cut by a stop is not accepted
-            tokens += new
-            stats.new_tokens += len(new)
+            committed = commit_step(new, [True] * len(step.path) + [False], depth(proposal), eos, text, stats)
+            tokens += committed.tokens
             yield from text.ready()
-            if stop_reason in ("eos", "stop_string"):
+            if committed.stop_reason is not None:
+                stop_reason = committed.stop_reason
                 break
     finally:  # also when the stream is abandoned: the cache holds exactly the committed tokens but the last
         cache.truncate(min(cache.length, len(tokens) - 1))

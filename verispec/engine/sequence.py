@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.adaptive import Acceptance
+from verispec.commit import commit_step
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
 from verispec.stats import GenerationStats
-from verispec.tree import through_eos
 
 
 @dataclass
@@ -46,23 +46,16 @@ class Sequence:
         """The verdict on a chain `proposal`: its first `accepted` tokens and the target's `next_token`, cut at an
         end-of-sequence token or a stop string as `generate` cuts them; ends the sequence when it stops or has no
         room left. Returns the number of proposal tokens that were kept."""
-        new, drafted = [*proposal[:accepted], next_token], [True] * accepted + [False]
-        cut = through_eos(new, self.eos)  # nothing after an end-of-sequence token is kept
-        if new[cut - 1] in self.eos:
-            new, drafted, self.finish_reason = new[:cut], drafted[:cut], "eos"
-        new = new[: self.text.add(new, drafted)]
-        if self.text.stopped:
-            self.finish_reason = "stop_string"
-        kept = sum(drafted[: len(new)])  # a draft cut by a stop is not accepted
-        self.stats.record_step(len(proposal), kept)
-        self.tokens += new
-        self.stats.new_tokens += len(new)
-        self._tokens += new
-        self._drafted += drafted[: len(new)]
+        committed = commit_step([*proposal[:accepted], next_token], [True] * accepted + [False], len(proposal),
+                                self.eos, self.text, self.stats)
+        self.finish_reason = committed.stop_reason
+        self.tokens += committed.tokens
+        self._tokens += committed.tokens
+        self._drafted += committed.drafted
         if self.finish_reason is None and self.room(context_length) <= 0:
             full = self.generated >= self.request.max_new_tokens
             self.finish_reason = "max_new_tokens" if full else "context_length"
-        return kept
+        return sum(committed.drafted)
 
     def update(self) -> Update | None:
         """What happened since the last update (None if nothing did); the last one releases all the text."""
