@@ -93,7 +93,8 @@ def test_truncate_is_o1_and_returns_removed_count() -> None:
     # Nothing reallocated, copied or cleared: only `length` moved.
     assert cache.k is k and cache.v is v
     assert cache.k.data_ptr() == k_ptr and cache.v.data_ptr() == v_ptr
-    assert torch.equal(cache.k, before)
+    # bitwise: the slots never written are uninitialised memory, which may hold NaNs (never equal to themselves)
+    assert torch.equal(cache.k.view(torch.uint8), before.view(torch.uint8))
     assert cache.truncate(0) == 4 and cache.length == 0
 
 
