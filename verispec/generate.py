@@ -14,7 +14,7 @@ from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import DrafterError
 from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, seeded_generator
 from verispec.stats import GenerationStats
 from verispec.step import speculative_step
 from verispec.tree import cut_after_eos, depth
@@ -53,11 +53,7 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     sampling = SamplingParams(temperature, top_k, top_p)
     ids, max_new_tokens, seed, stop = generation_args(target, prompt, max_new_tokens=max_new_tokens, seed=seed,
                                                       stop=stop)
-    generator = torch.Generator(target.device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator = seeded_generator(target.device, seed)
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
         check_target(drafter, target)
     eos = frozenset() if ignore_eos else target.eos_token_ids

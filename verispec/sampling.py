@@ -70,3 +70,13 @@ def draw(logits: torch.Tensor, params: SamplingParams,
         return int(logits.argmax()), None
     q = logits_to_probs(logits, params)
     return int(sample(q, generator)), q
+
+
+def seeded_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
+    """The generator one generation draws from: seeded with `seed`, or from the OS when it is None."""
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

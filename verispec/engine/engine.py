@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from verispec.adaptive import Acceptance, Costs
-from verispec.arguments import prompt_ids, seed_value, stop_strings, whole_number
+from verispec.arguments import generation_args, whole_number
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
 from verispec.drafters.batch import SequenceStart
@@ -21,7 +21,7 @@ from verispec.engine.request import Request, Update
 from verispec.engine.sequence import Sequence
 from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, seeded_generator
 from verispec.tree import cut_after_eos
 
 POOLED_WEIGHT = 4.0  # tries of its own that the pooled acceptance counts for, as a new sequence's prior
@@ -78,14 +78,9 @@ class Engine:
             raise InvalidArgumentError(f"expected a verispec.engine.Request, got {type(request).__name__}")
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams, got {type(request.sampling).__name__}")
-        prompt = prompt_ids(self.target, request.prompt)
-        whole_number(request.max_new_tokens, "max_new_tokens", 1)
-        seed, stop = seed_value(request.seed), stop_strings(list(request.stop))
-        generator = torch.Generator(self.target.device)  # seeded as `generate` seeds it
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        prompt, _, seed, stop = generation_args(self.target, request.prompt, max_new_tokens=request.max_new_tokens,
+                                                seed=request.seed, stop=request.stop)
+        generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
         sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
                             list(prompt), len(prompt))
