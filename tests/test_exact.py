@@ -232,7 +232,7 @@ METHODS = {
 @pytest.fixture(scope="module")
 def bf16_pair(pair_dirs: tuple[Path, Path]) -> tuple[NativeModel, NativeModel]:
     return (load_model(pair_dirs[0], dtype=torch.bfloat16, exact=True),
-            load_model(pair_dirs[1], dtype=torch.bfloat16, exact=True))
+            load_model(pair_dirs[1], dtype=torch.bfloat16))  # the draft runs ordinarily, as the CLI loads it
 
 
 @pytest.fixture(scope="module")

@@ -141,8 +141,8 @@ def _load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Dr
     options."""
     target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
     draft = None
-    if method.family == "draft" and args.draft:
-        draft = load(args.draft, args.backend, args.device, args.dtype, exact=args.exact)
+    if method.family == "draft" and args.draft:  # never exact: the target decides every token
+        draft = load(args.draft, args.backend, args.device, args.dtype)
     head = Path(args.head) if args.head else None
     return target, build_drafter(method, Resources(draft, Path(args.target), target, head))
 

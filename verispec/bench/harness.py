@@ -115,7 +115,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
          unrelated_dir: Path | None) -> dict:
     dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
     target = load_model(target_dir, dtype=dtype, exact=exact)
-    draft = load_model(draft_dir, dtype=dtype, exact=exact) if draft_dir else None
+    draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir)
@@ -126,7 +126,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                                          eagle_vocab=eagle_vocab, medusa=medusa is not None,
                                          medusa_vocab=medusa is not None and (medusa / VOCAB_FILE).is_file())]
     if unrelated_dir is not None:
-        never = Resources(load_model(unrelated_dir, dtype=dtype, exact=exact), target_dir, target, head_dir)
+        never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
     if options.peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)

@@ -25,9 +25,10 @@ def default_paths() -> tuple[Path, Path]:
 
 def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *,
                  exact: bool = False) -> tuple[NativeModel, NativeModel]:
-    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default."""
+    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default. `exact` is the
+    target's mode (see `NativeModel`); the draft runs ordinarily either way, since the target decides every token."""
     target_dir, draft_dir = default_paths()
-    return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype, exact=exact)
+    return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)
 
 
 def default_head(target_dir: Path | None, kind: str) -> Path:

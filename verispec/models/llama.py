@@ -88,18 +88,20 @@ class Rows:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
 
-        Explicit matmuls of fixed shapes, not scaled_dot_product_attention: its float32 CPU kernel gives a row a
-        different result on another thread, and which thread takes a row depends on the row's index. A score is
-        one dot product, the same whatever the number of keys and wherever its key sits (measured), so the scores
-        are taken against the slots that some row sees, the tail's gathered from them, and the prefix's padded
-        to the fixed width W. The softmax runs jointly over [prefix | tail] in float32; the prefix's values are
-        used in place, in one matmul of width W for all rows (an unseen slot adds an exact zero: the cache is
-        zeroed, so its values are finite), and each row's tail values are gathered.
+        Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
+        on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
+        the same whatever the number of keys and wherever its key sits (measured), so the scores are taken
+        against the slots that some row sees, the tail's gathered from them, and the prefix's padded to the fixed
+        width W. The softmax runs jointly over [prefix | tail] in float32; the prefix's values are used in place,
+        in one matmul of width W for all rows (an unseen slot adds an exact zero: the cache is zeroed, so its
+        values are finite), and each row's tail values are gathered. The three matmuls run at the forward's row
+        count, at or above the floor that `row_floor` measured for them at load.
         """
         _, H, R, D = q.shape
         Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
-        q = q[0].view(Hkv, H // Hkv, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
-        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, -1, span)
+        G = H // Hkv
+        q = q[0].view(Hkv, G, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
+        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
         tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
         prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
         p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
@@ -186,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
+        # Exact mode pads a forward to this many rows (None: to the cache's `rows`); `load_model(exact=True)` sets
+        # it from this machine's kernels (models/row_floor.py).
+        self.row_floor: int | None = None
 
     def pack(self, rows: int) -> None:
         """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
@@ -214,9 +219,10 @@ class LlamaForCausalLM(nn.Module):
         `hidden` (block indices, or -1 for the final-normed state) asks for (logits, hidden (B, T, len(hidden), D)):
         the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
 
-        Into a static cache (`cache.rows` set: exact mode) every forward runs `cache.rows` rows, padded or in
-        chunks, laid out by `Rows`, so that a position's logits are bitwise the same however many tokens share
-        the forward; a chunk sees earlier chunks through the cache, so no token may see a later chunk's.
+        Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks of at most `cache.rows` rows,
+        each padded up to `row_floor` rows and laid out by `Rows`, so that a position's logits are bitwise the
+        same however many tokens share the forward; a chunk sees earlier chunks through the cache, so no token
+        may see a later chunk's.
         """
         B, T = tokens.shape
         start = 0
@@ -267,11 +273,13 @@ class LlamaForCausalLM(nn.Module):
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
                layers: Sequence[int] | None, hidden: Sequence[int] | None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward into a static cache: chunks of R rows, the last padded, each laid out by `Rows`."""
+        """The forward into a static cache: chunks of at most R rows, each padded to the row floor and laid out
+        by `Rows`."""
         B, T = tokens.shape
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         R, start, slots, device = cache.rows, cache.length, cache.slots, tokens.device
+        floor = min(R, self.row_floor or R)
         visible = torch.zeros(T, slots, dtype=torch.bool, device=device)  # (T, P) the cache slots each token sees
         if mask is not None and mask.shape[-1] == start + T:
             visible[:, : start + T] = mask.to(device)
@@ -287,10 +295,10 @@ class LlamaForCausalLM(nn.Module):
                 n = min(R, T - c)
                 # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
                 # written past the real rows, where no real row looks.
-                rows = torch.zeros(R, slots, dtype=torch.bool, device=device)  # (R, P)
+                rows = torch.zeros(max(n, floor), slots, dtype=torch.bool, device=device)  # (rows, P)
                 rows[n:, 0] = True
                 rows[:n] = visible[c: c + n]
-                pad = (0, R - n)  # padding token 0 at position 0
+                pad = (0, len(rows) - n)  # padding token 0 at position 0
                 x, where = F.pad(tokens[:, c: c + n], pad), F.pad(positions[c: c + n], pad)
                 out = self._run(x, where, cache, Rows.of(rows, cache.width), layers, hidden)
                 outs.append([o[:, :n] for o in ((out,) if hidden is None else out)])

@@ -1,0 +1,75 @@
+"""Exact mode's row floor (models/row_floor.py): measured from the kernels, and what makes every row count exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.models.default import default_paths
+from verispec.threads import torch_threads
+from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.row_floor import _largest_differing_count
+
+SAMPLES = 48
+
+
+def test_a_kernel_that_changes_path_below_four_rows_has_floor_four() -> None:
+    """The check finds a kernel whose reduction order changes with the row count, and only where it does."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(SAMPLES, 256, generator=generator), torch.randn(256, 8, generator=generator)
+
+    def changes_path(lo: int, hi: int) -> torch.Tensor:  # from 4 rows on, sums in float64 and rounds once
+        return (x[lo:hi, :, None] * w).sum(1) if hi - lo < 4 else (x[lo:hi].double() @ w.double()).float()
+
+    assert _largest_differing_count(changes_path, SAMPLES, EXACT_ROWS) == 3
+    assert _largest_differing_count(lambda lo, hi: (x[lo:hi].double() @ w.double()).float(), SAMPLES,
+                                    EXACT_ROWS) == 0
+
+
+@pytest.fixture(autouse=True)
+def one_thread(single_thread: None) -> None:
+    """One thread, the count the row floor is measured at below."""
+
+
+@pytest.fixture(scope="module")
+def shipped_exact() -> NativeModel:
+    with torch_threads(1):
+        return load_model(default_paths()[0], dtype="bfloat16", exact=True)
+
+
+def in_chunks(model: NativeModel, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
+    """Logits (T, V) of tokens[start:] after tokens[:start], run as forwards of `sizes` tokens."""
+    cache = model.new_cache()
+    model(tokens[:, :start], cache)
+    out, at = [], start
+    for n in sizes:
+        out.append(model(tokens[:, at: at + n], cache)[0])
+        at += n
+    return torch.cat(out)
+
+
+# Every row count from 1 to 16 at several row offsets: 16 tokens as one forward, as m + rest, and one at a time.
+PARTITIONS = [[16]] + [[m, 16 - m] for m in range(1, 16)]
+
+
+def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(shipped_exact: NativeModel) -> None:
+    """On real weights, where this machine's bfloat16 matmul over 1,408 inputs changes path at one row."""
+    tokens = torch.randint(1, shipped_exact.vocab_size, (1, 116), generator=torch.Generator().manual_seed(0))
+    alone = in_chunks(shipped_exact, tokens, [1] * 16, 100)
+    for sizes in PARTITIONS:
+        assert torch.equal(in_chunks(shipped_exact, tokens, sizes, 100), alone), sizes
+
+
+def test_without_its_floor_the_shipped_target_is_not_exact_here(shipped_exact: NativeModel) -> None:
+    """So the test above can fail: at one row (below the floor measured here) some position's logits differ."""
+    floor = shipped_exact.module.row_floor
+    if floor == 1:
+        pytest.skip("this machine's kernels give a row the same bits at every count: no floor to take away")
+    tokens = torch.randint(1, shipped_exact.vocab_size, (1, 116), generator=torch.Generator().manual_seed(0))
+    together = in_chunks(shipped_exact, tokens, [16], 100)
+    try:
+        shipped_exact.module.row_floor = 1
+        alone = in_chunks(shipped_exact, tokens, [1] * 16, 100)
+    finally:
+        shipped_exact.module.row_floor = floor
+    assert not torch.equal(together, alone)
