@@ -127,11 +127,24 @@ def test_save_and_load_round_trip(tmp_path, target, head) -> None:
     folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["hidden_size"] == target.hidden_size
-    loaded = load_head(folder, target.config, torch.float32)
+    loaded = load_head(folder, target.config, torch.float32, fast=False)  # the same kernels as `head`
     drafts = [generate(target, PROMPT, Eagle(h, 4), max_new_tokens=N, ignore_eos=True) for h in (head, loaded)]
     assert drafts[0].tokens == drafts[1].tokens and drafts[0].drafted == drafts[1].drafted
     via_registry = build_drafter(Method("eagle", 4), Resources(target=target, head_dir=folder))
     assert generate(target, PROMPT, via_registry, max_new_tokens=N, ignore_eos=True).drafted == drafts[0].drafted
+
+
+def test_the_packed_head_drafts_exactly_as_the_plain_one_in_bfloat16(tmp_path, pair_dirs, head) -> None:
+    """`load_head` prepacks the head's matmuls (and the drafter its LM head) where it can: in bfloat16 the oneDNN
+    kernels give the same bits as eager F.linear, so the drafts are the same."""
+    target = load_model(pair_dirs[0], dtype=torch.bfloat16)
+    folder = save_head(head, tmp_path / "head", "tiny")
+    packed, plain = load_head(folder, target.config, torch.bfloat16), load_head(folder, target.config, torch.bfloat16,
+                                                                                 fast=False)
+    assert packed.mix is not None and plain.mix is None
+    for tree in (None, (2, 6)):
+        proposals = [start_session(Eagle(h, 4, tree=tree), target, PROMPT).propose(PROMPT, 4) for h in (packed, plain)]
+        assert proposals[0].tokens == proposals[1].tokens and proposals[0].parents == proposals[1].parents
 
 
 def test_a_reduced_draft_vocabulary_from_saved_frequencies(tmp_path, target, head) -> None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError
 from verispec.models.eagle import EagleHead
+from verispec.models.linear import matmul_by
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.sampling import draw
 
@@ -64,7 +64,7 @@ class EagleSession:
         self.sampling, self.generator = context.sampling, context.generator
         weight = self.target.lm_head_weight
         self.vocab = drafter.vocab
-        self.lm_head = weight if self.vocab is None else weight[self.vocab]  # (V or |subset|, D), taken once
+        self.lm_head = matmul_by(weight if self.vocab is None else weight[self.vocab])  # over V or |subset| rows
         self.tree = drafter.tree
         extra = drafter.k * (1 if self.tree is None else self.tree[0])  # the drafts' entries, cut after the verdict
         self.cache = self.head.new_cache(context.cache.max_len + extra, weight.dtype, weight.device)
@@ -144,12 +144,12 @@ class EagleSession:
 
     def _log_q(self, features: torch.Tensor) -> torch.Tensor:
         """(F, draft vocabulary) log-probabilities of the head's next token after each feature."""
-        logits = F.linear(features, self.lm_head)
+        logits = self.lm_head(features)
         return torch.log_softmax((logits if self.vocab is not None else logits[:, : self.target.vocab_size]).float(), -1)
 
     def _draw(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """A draft token (in the target's ids) and its q over the full vocabulary when sampling."""
-        logits = F.linear(feature, self.lm_head)
+        logits = self.lm_head(feature)
         if self.vocab is None:
             return draw(logits[: self.target.vocab_size], self.sampling, self.generator)
         full = torch.full((self.target.vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)

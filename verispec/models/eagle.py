@@ -21,6 +21,7 @@ from verispec.errors import CheckpointError
 from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
+from verispec.models.linear import PackedLinear, packable
 from verispec.models.llama import Block, rotary
 
 
@@ -37,6 +38,13 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.layers = nn.ModuleList([Block(config, 0)])
         self.layers[0].input_layernorm = nn.Identity()  # the target's features arrive normed already
+        self.mix: PackedLinear | None = None  # set by `pack`, used instead of fc
+
+    def pack(self, rows: int) -> None:
+        """Run fc and the layer's projections as prepacked matmuls laid out for `rows` rows (models/linear.py), as
+        `load_model` does for the target: an inference-only fast path."""
+        self.mix = PackedLinear([self.fc], rows)
+        self.layers[0].pack(rows)
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
         c = self.config
@@ -55,7 +63,7 @@ class EagleHead(nn.Module):
             cache.reserve(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=features.device)
-        x = self.fc(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
+        x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         if cache is not None and mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
@@ -87,14 +95,18 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torc
     return folder
 
 
-def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
-              ) -> EagleHead:
-    """A head saved by `save_head`, checked against the target it will draft for."""
+def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+              fast: bool = True) -> EagleHead:
+    """A head saved by `save_head`, checked against the target it will draft for; `fast`: with prepacked matmuls
+    for one row where this build has them (see `load_model`)."""
     folder = Path(folder)
     raw, weights = read_head(folder, "an EAGLE head")
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
     wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
     if wrong:
         raise CheckpointError(f"{folder}: this EAGLE head was not made for this target ({', '.join(wrong)})")
-    return fill_head(EagleHead(head_config(target)), weights, folder, "an EAGLE head", dtype, device)
+    head = fill_head(EagleHead(head_config(target)), weights, folder, "an EAGLE head", dtype, device)
+    if fast and packable(dtype, torch.device(device)):
+        head.pack(1)
+    return head
 

@@ -15,9 +15,11 @@ row's result independent of the other rows at a fixed row count, as exact mode n
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -83,3 +85,13 @@ class PackedLinear(nn.Module):
         if not _packed_here(x):
             return tuple(linear(x) for linear in self.linears)
         return self(x).split(self.sizes, -1)
+
+
+def matmul_by(weight: torch.Tensor, rows: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> x @ weight.T` for a weight that belongs to no linear of its own (a drafter's LM head over a reduced
+    vocabulary, taken once per generation): prepacked where this build can, else eager."""
+    if not packable(weight.dtype, weight.device):
+        return partial(F.linear, weight=weight)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return PackedLinear([linear], rows)

@@ -163,6 +163,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+    def pack(self, rows: int) -> None:
+        """Run the projections as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up fused (see
+        models/linear.py): an inference-only fast path."""
+        attention, mlp = self.self_attn, self.mlp
+        attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows)
+        attention.o = PackedLinear([attention.o_proj], rows)
+        mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
+        mlp.down = PackedLinear([mlp.down_proj], rows)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
@@ -196,11 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
         fused (see models/linear.py): an inference-only fast path. The parameters keep their names and values."""
         for block in self.model.layers:
-            attention, mlp = block.self_attn, block.mlp
-            attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows)
-            attention.o = PackedLinear([attention.o_proj], rows)
-            mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
-            mlp.down = PackedLinear([mlp.down_proj], rows)
+            block.pack(rows)
         self.head = PackedLinear([self.lm_head], rows)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
