@@ -72,11 +72,7 @@ def test_formulas_agree_with_logged_counts(quick) -> None:
         assert entry["speedup_total"] == pytest.approx(total)
         # Each step priced at the width it verified: a step with w drafts costs w*c + r(w+1) target steps.
         calls = sum(r["target_calls"] for r in runs)
-        widths = [0] * (len(runs[0]["proposed_by_position"]) + 2)
-        for r in runs:
-            steps_at_least = [r["target_calls"], *r["proposed_by_position"], 0]
-            for w in range(len(steps_at_least) - 1):
-                widths[w] += steps_at_least[w] - steps_at_least[w + 1]
+        widths = _steps_by_depth(runs)
         cost = sum(n * (w * timing["c"][method] + timing["r"][str(w + 1)]) for w, n in enumerate(widths) if n) / calls
         assert entry["predicted_speedup"] == pytest.approx(tau / cost)
         decode = lambda m: sum(median(m, i) - statistics.median(r["prefill_seconds"] for r in records
@@ -85,6 +81,41 @@ def test_formulas_agree_with_logged_counts(quick) -> None:
         assert entry["efficiency"] == pytest.approx(entry["decode_speedup"] / (tau / cost))
         split = entry["time_split"]
         assert sum(split.values()) == pytest.approx(1.0) and split["verify"] > 0 and split["other"] >= -1e-9
+
+
+def _steps_by_depth(runs: list[dict]) -> list[int]:
+    """[d]: the runs' steps whose proposal was d deep, from their per-position counts."""
+    depths = [0] * (max(len(r["proposed_by_position"]) for r in runs) + 1)
+    for r in runs:
+        steps_at_least = [r["target_calls"], *r["proposed_by_position"], 0]
+        for d in range(len(steps_at_least) - 1):
+            depths[d] += steps_at_least[d] - steps_at_least[d + 1]
+    return depths
+
+
+def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
+    """A tree's step costs its drafting at the depth recorded plus r of the tokens its forward verifies; r(n) is
+    measured up to the widest forward (the EAGLE and Medusa trees' 15 nodes and the root); lookahead has no model."""
+    out, results = quick
+    records, summary, timing = results["records"], results["summary"], results["timing"]
+    trees = timing["trees"]
+    assert set(trees) == {"draft k=4 branch=2", "eagle k=5 tree_top_k=4 tree_tokens=15", "medusa"}
+    assert trees["draft k=4 branch=2"]["tokens"] == [1, 3, 5, 7, 9] and trees["medusa"]["tokens"][-1] == 16
+    assert set(timing["r"]) == {str(n) for n in range(1, 17)}
+    for method, tree in trees.items():
+        runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
+        calls = sum(r["target_calls"] for r in runs)
+        tau = sum(len(r["tokens"]) for r in runs) / calls
+        cost = sum(n * (tree["draft"][d] + timing["r"][str(tree["tokens"][d])])
+                   for d, n in enumerate(_steps_by_depth(runs))) / calls
+        assert summary[method]["all"]["predicted_speedup"] == pytest.approx(tau / cost)
+    report = (out / "report.md").read_text()
+    table = report[report.index("## All prompts"):report.index("\n## code")]
+    cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
+    assert all(cells[method][-2] != "-" and cells[method][-1] != "- |" for method in trees)  # predicted, efficiency
+    assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-"
+    assert "lookahead window=5 ngram=4 candidates=5: no prediction: its forward holds the Jacobi window" in report
+    assert "medusa: " in report and " + r(16) per step 3 deep" in report
 
 
 def test_summary_of_a_hand_made_log() -> None:

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
-from verispec.bench.bandwidth import read_bandwidth, weight_bytes
+from verispec.bench.costs import timing
 from verispec.bench.llamacpp import llama_cpp_methods
-from verispec.bench.methods import DRAFT_KS, BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
+from verispec.bench.methods import our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.metrics import summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
@@ -28,32 +28,9 @@ from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.draft_vocab import VOCAB_FILE
-from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
-from verispec.models.timing import forward_seconds, head_step_seconds
 from verispec.threads import torch_threads
-
-
-def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod],
-           skip: Sequence[int] | None = None, head_dir: Path | None = None) -> dict:
-    """c per chain method (draft step / target step; prompt lookup runs no model; layer skip runs the target
-    without the layers `skip`) and r(n) for n = 1 .. max k + 1. A tree's or a lookahead window's step is not
-    w c + r(w + 1), so they get no c."""
-    seconds = {n: forward_seconds(target, n) for n in range(1, max(DRAFT_KS) + 2)}
-    one = seconds[1]
-    r = {n: t / one for n, t in seconds.items()}
-    c_draft = forward_seconds(draft, 1) / one if draft is not None else None
-    kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
-    c_skip = forward_seconds(target, 1, layers=kept) / one if skip else None
-    head = load_head(head_dir, target.config, target.dtype) if head_dir else None
-    per_family = {"draft": c_draft, "layerskip": c_skip, "ngram": 0.0}
-    chains = [m for m in methods if m.method is not None and not {"branch", "tree_top_k"} & set(m.method.options)]
-    c = {m.label: per_family[m.method.family] for m in chains if m.method.family in per_family}
-    for m in chains:  # an EAGLE step's cost depends on how wide its LM head is
-        if m.method.family == "eagle" and head is not None:
-            c[m.label] = head_step_seconds(target, head, m.method.options.get("draft_vocab")) / one
-    return {"c": {m: v for m, v in c.items() if v is not None}, "r": r, "target_step_seconds": one,
-            "weight_bytes": weight_bytes(target), "read_bandwidth": read_bandwidth()}
 
 
 def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
@@ -139,12 +116,12 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
                                        f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         methods = [m for m in methods if m.label in only]
-    times = timing(target, draft, methods, skip, head_dir)
+    times = timing(target, draft, methods, skip)
     if options.progress:
         print(floor_line(times))
     prompts = prompts_for(target, suite)
     records = run_suite({m.label: m.run for m in methods}, prompts, options.repeats, options.progress)
-    summary = summarize(records, times["c"], times["r"], target.tokenizer.decode)
+    summary = summarize(records, times["c"], times["r"], target.tokenizer.decode, times["trees"])
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from verispec.drafters.base import Drafter
 from verispec.drafters.medusa import TREE_TOKENS
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
@@ -44,6 +45,7 @@ class BenchMethod:
     run: Runner
     method: Method | None = None
     unrelated: bool = False  # drafted by a random draft of the real one's shape, which never agrees but by chance
+    drafter: Drafter | None = None  # what `run` drafts with (None: autoregressive, or a peer), for the cost model
 
 
 def ours(target: NativeModel, method: Method, resources: Resources, unrelated: bool = False) -> BenchMethod:
@@ -57,7 +59,7 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
                    s.target_calls, s.proposed_by_position, s.accepted_by_position)
 
     label = f"{method.family} (unrelated) k={method.k}" if unrelated else method.label
-    return BenchMethod(label, run, method, unrelated)
+    return BenchMethod(label, run, method, unrelated, drafter)
 
 
 # EAGLE-2's tree at the bench: 4 expanded per depth, 15 verified (with the last committed token, one exact-mode forward)

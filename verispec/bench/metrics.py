@@ -19,13 +19,14 @@ def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
-              detokenize: Callable[[list[int]], str] | None = None) -> dict:
+              detokenize: Callable[[list[int]], str] | None = None, trees: dict[str, dict] | None = None) -> dict:
     """Per method and per category ("all" included): speed, speedup, tau, acceptance, exactness, prediction.
 
-    c[method]: draft step time / target step time; r[n]: target time for n new tokens / for 1. `detokenize`: token ids
-    to text, for the exactness of peers that print text (a record with `text`), which counts the baseline's tokens.
-    The prediction prices each step at the width actually drafted (proposals are often shorter than k), and
-    efficiency compares it with the decoding-only speedup, since the model does not cover the prompt's prefill.
+    c[method]: a chain's draft step time / target step time; r[n]: target time for n new tokens / for 1. `detokenize`:
+    token ids to text, for the exactness of peers that print text (a record with `text`), which counts the baseline's
+    tokens. `trees[method]`: a tree's step cost by depth (bench/costs.py). The prediction prices each step at the depth
+    actually drafted (proposals are often shorter than k), and efficiency compares it with the decoding-only speedup,
+    since the model does not cover the prompt's prefill.
     """
     rows = per_prompt(records)
     methods = list(dict.fromkeys(r_["method"] for r_ in records))
@@ -55,9 +56,10 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
                           "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)]}
-                if method in c:
+                price = _step_price(method, c, trees or {}, r)
+                if price is not None:
                     widths = _width_histogram(proposed, calls)  # widths[j]: steps that verified j drafts
-                    step_cost = sum(w * (j * c[method] + r[j + 1]) for j, w in enumerate(widths)) / calls
+                    step_cost = sum(w * price(j) for j, w in enumerate(widths)) / calls
                     decode = lambda rows: sum(x["seconds"] - x["prefill_seconds"] for x in rows)
                     entry |= {"mean_draft_width": sum(j * w for j, w in enumerate(widths)) / calls,
                               "predicted_speedup": entry["tau"] / step_cost,
@@ -65,6 +67,18 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
                     entry["efficiency"] = entry["decode_speedup"] / entry["predicted_speedup"]
             out[method][category] = entry
     return out
+
+
+def _step_price(method: str, c: dict[str, float], trees: dict[str, dict],
+                r: dict[int, float]) -> Callable[[int], float] | None:
+    """A step's cost in target steps by the depth j recorded for it: j c + r(j + 1) for a chain; for a tree, its
+    drafting at depth j and r of the tokens its forward verifies; None where there is no model of the method."""
+    if method in c:
+        return lambda j: j * c[method] + r[j + 1]
+    if method in trees:
+        tree = trees[method]
+        return lambda j: tree["draft"][j] + r[tree["tokens"][j]]
+    return None
 
 
 def _new_tokens(run: dict, base: dict) -> int:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.bench.costs import LOOKAHEAD_NOTE
+
 LLAMA_CPP_NOTE = (
     " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on GGUF copies of the same checkpoints "
     "in this dtype, one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
@@ -105,6 +107,15 @@ def _goals(summary: dict, info: dict) -> list[str]:
     return lines
 
 
+def _tree_costs(timing: dict, info: dict) -> str:
+    """Each tree's full-size step (its drafting in target steps, and the tokens of its one target forward), and why
+    lookahead has no prediction."""
+    trees = "".join(f"; {label}: {t['draft'][-1]:.3f} + r({t['tokens'][-1]}) per step {len(t['draft']) - 1} deep"
+                    for label, t in timing["trees"].items())
+    lookahead = [label for label in info["methods"] if _family(info, label) == "lookahead"]
+    return trees + "".join(f"; {label}: {LOOKAHEAD_NOTE}" for label in lookahead)
+
+
 def _float64_line(check: dict | None) -> str:
     if check is None:
         return "- float64 check: not run (no draft model)"
@@ -127,7 +138,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
           + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model"
           + "".join(f"; {label}: {v:.3f}" for label, v in timing["c"].items() if _family(info, label) == "eagle")
-          + "); "
+          + _tree_costs(timing, info) + "); "
           f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", floor_line(timing) + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
           f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its "
@@ -135,7 +146,8 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
           "the methods in a fresh random order for every prompt. Speedup is against our autoregressive baseline: the "
           "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "
-          "of tokens it actually drafted; efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
+          "of tokens it actually drafted (a tree's step: its drafting plus r of the tokens its one forward verifies, "
+          "bench/costs.py); efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
           "Peers: transformers greedy; assisted with its defaults (adaptive number of assistant tokens) and at k = 4 "
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
           "Peak memory is the whole process's."

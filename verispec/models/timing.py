@@ -29,15 +29,16 @@ def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, rep
 
 
 def head_step_seconds(target: NativeModel, head, vocab: int | None = None, context: int = 256,
-                      repeats: int = 7) -> float:
-    """Median time of one EAGLE drafting step: the head over one (feature, token) after `context` cached entries,
-    then the target's LM head over its predicted feature (its first `vocab` rows: a reduced draft vocabulary)."""
-    feature = torch.zeros(1, 1, target.hidden_size, dtype=target.dtype, device=target.device)
-    embedding = target.embed(torch.zeros(1, 1, dtype=torch.long, device=target.device))
-    cache = head.new_cache(context + 1, target.dtype, target.device)
+                      repeats: int = 7, width: int = 1) -> float:
+    """Median time of one EAGLE drafting step: the head over `width` (feature, token) pairs after `context` cached
+    entries (a chain's step is one; an EAGLE-2 tree expands its frontier in one such call), then the target's LM head
+    over its `width` predicted features (its first `vocab` rows: a reduced draft vocabulary)."""
+    feature = torch.zeros(1, width, target.hidden_size, dtype=target.dtype, device=target.device)
+    embedding = target.embed(torch.zeros(1, width, dtype=torch.long, device=target.device))
+    cache = head.new_cache(context + width, target.dtype, target.device)
     times, lm_head = [], matmul_by(target.lm_head_weight[:vocab].contiguous())  # as the drafter runs it
     with torch.inference_mode():
-        head(feature.expand(1, context, -1), embedding.expand(1, context, -1), cache)
+        head(feature[:, :1].expand(1, context, -1), embedding[:, :1].expand(1, context, -1), cache)
         for _ in range(repeats):
             start = time.perf_counter()
             predicted = head(feature, embedding, cache)
