@@ -27,7 +27,7 @@ def test_report_files_and_structure(quick) -> None:
     expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead window=5 ngram=4 candidates=5",
                 "transformers greedy", "transformers assisted", "transformers assisted k=4",
                 "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
-                "eagle k=5 tree_top_k=4 tree_tokens=15", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
+                "eagle k=6 tree_top_k=2 tree_tokens=10", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
                 "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
@@ -99,7 +99,7 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
     out, results = quick
     records, summary, timing = results["records"], results["summary"], results["timing"]
     trees = timing["trees"]
-    assert set(trees) == {"draft k=4 branch=2", "eagle k=5 tree_top_k=4 tree_tokens=15", "medusa"}
+    assert set(trees) == {"draft k=4 branch=2", "eagle k=6 tree_top_k=2 tree_tokens=10", "medusa"}
     assert trees["draft k=4 branch=2"]["tokens"] == [1, 3, 5, 7, 9] and trees["medusa"]["tokens"][-1] == 16
     assert set(timing["r"]) == {str(n) for n in range(1, 17)}
     for method, tree in trees.items():

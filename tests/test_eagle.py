@@ -161,6 +161,20 @@ def test_a_reduced_draft_vocabulary_from_saved_frequencies(tmp_path, target, hea
         load_draft_vocab(tmp_path, 5)
 
 
+def test_a_head_folder_chooses_its_default_draft_vocabulary(tmp_path, target, head) -> None:
+    """config.json's verispec.draft_vocab is the default; draft_vocab=0 asks for the full vocabulary."""
+    folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
+    save_draft_vocab(folder, torch.arange(257, 0, -1))
+    resources = Resources(target=target, head_dir=folder)
+    assert build_drafter(Method("eagle", 3), resources).vocab is None  # the folder does not say: full
+    config = json.loads((folder / "config.json").read_text())
+    config["verispec"]["draft_vocab"] = 7
+    (folder / "config.json").write_text(json.dumps(config))
+    assert build_drafter(Method("eagle", 3), resources).vocab.tolist() == list(range(7))
+    assert build_drafter(Method("eagle", 3, {"draft_vocab": 0}), resources).vocab is None
+    assert len(build_drafter(Method("eagle", 3, {"draft_vocab": 9}), resources).vocab) == 9
+
+
 def test_heads_for_other_targets_are_refused(tmp_path, target, unrelated) -> None:
     wide = load_model(random_checkpoint(tmp_path / "wide", tiny_config(hidden_size=96, num_attention_heads=4)))
     folder = save_head(random_head(wide), tmp_path / "head", "wide")

@@ -152,7 +152,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
     parser.add_argument("--draft-vocab", type=int, help="eagle, medusa: draft over this many of the most frequent "
                                                         "tokens only (a cheaper LM head; verification still scores "
-                                                        "them all)")
+                                                        "them all); 0: all of them (default: the head's own, 2048 "
+                                                        "for the shipped heads)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
-from verispec.models.draft_vocab import load_draft_vocab
+from verispec.models.draft_vocab import head_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
@@ -101,9 +101,10 @@ def _medusa(method: Method, res: Resources) -> Medusa:
 
 
 def _draft_vocab(method: Method, folder: Path):
-    """The reduced draft vocabulary a head's method asks for (`draft_vocab` most frequent tokens), or None."""
+    """The reduced draft vocabulary of a head's method: `draft_vocab` most frequent tokens (0: the full vocabulary,
+    None), or by default the head's own (see `head_draft_vocab`)."""
     size = method.options.get("draft_vocab")
-    return None if size is None else load_draft_vocab(folder, whole_number(size, "draft_vocab", 1))
+    return head_draft_vocab(folder, None if size is None else whole_number(size, "draft_vocab", 0))
 
 
 def _reads_features(res: Resources, family: str) -> None:
@@ -127,7 +128,8 @@ FAMILIES: dict[str, Family] = {
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),
     "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
-                    "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens)",
+                    "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens, 0 for all, "
+                    "by default the head's own)",
                     ("tree_top_k", "tree_tokens", "draft_vocab"),
                     _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
     "medusa": Family("heads on the target's last feature guess the tokens after the next one; a tree of tree_tokens "

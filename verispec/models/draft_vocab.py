@@ -4,6 +4,7 @@ scores every token, so verification stays exact."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -30,3 +31,13 @@ def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
         raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary")
     ids = load_file(str(file))["ids"].to(torch.long)
     return ids[:size]
+
+
+def head_draft_vocab(folder: str | Path, size: int | None) -> torch.Tensor | None:
+    """The draft vocabulary a head drafts over: its `size` most frequent tokens; 0 for the full vocabulary (None);
+    and by default (`size` None) the head's own choice, `verispec.draft_vocab` in its config.json, which a head's
+    folder sets where its card measured that drafting over fewer tokens pays (full when it does not say)."""
+    if size is None:
+        config = Path(folder) / "config.json"
+        size = json.loads(config.read_text()).get("verispec", {}).get("draft_vocab") if config.is_file() else None
+    return None if not size else load_draft_vocab(folder, size)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from verispec.bench.methods import EAGLE_TREE, EAGLE_VOCAB
+from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH, EAGLE_VOCAB
+from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
-from verispec.models.draft_vocab import load_draft_vocab
+from verispec.models.draft_vocab import head_draft_vocab, load_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.medusa import load_heads
 from verispec.models.native import NativeModel
@@ -25,12 +26,15 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
     log, head = last_log(run_dir), load_head(head_dir, target.config, target.dtype, target.device)
     prompts = validation_prompts(target, num_prompts)
     chain = measure(target, Eagle(head, 4), prompts)
-    tree = measure(target, Eagle(head, 5, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])), prompts)
+    tree = measure(target, Eagle(head, EAGLE_TREE_DEPTH, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])),
+                   prompts)
     reduced = measure(target, Eagle(head, 4, load_draft_vocab(head_dir, EAGLE_VOCAB)), prompts)
+    default = measure(target, build_drafter(Method("eagle", AUTO), Resources(target=target, head_dir=head_dir)),
+                      prompts)  # what `--method eagle` runs: k = auto over the head's own draft vocabulary
     step = decode_step_time(target)
     cost, reduced_cost = head_step_seconds(target, head) / step, head_step_seconds(target, head, EAGLE_VOCAB) / step
-    numbers = {"head": log, "chain": chain, "tree": tree, "reduced_vocab_chain": reduced, "draft_cost_ratio": cost,
-               "reduced_vocab_cost_ratio": reduced_cost}
+    numbers = {"head": log, "chain": chain, "tree": tree, "reduced_vocab_chain": reduced, "default": default,
+               "draft_cost_ratio": cost, "reduced_vocab_cost_ratio": reduced_cost}
     by_position = _by_position(chain)
     (head_dir / "README.md").write_text(
         f"# verispec EAGLE head for {target.name}\n\nEAGLE-1/2 draft head (Li et al. 2024): fc over [embedding; "
@@ -46,9 +50,12 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
         f"{log['val_top1_depth2']:.1%} at depth 2 (from its own predicted feature).\n\n"
         f"Measured (`verispec train eagle-card --threads 1`; {chain['prompts']} validation prompts of 64 tokens, 64 new "
         f"tokens, greedy):\n"
-        f"- chain, k = 4: acceptance {chain['acceptance_rate']:.1%} (by position {by_position}), tau "
+        f"- the default, `--method eagle` (k = auto, over {_default_vocab(head_dir)}): acceptance "
+        f"{default['acceptance_rate']:.1%}, tau {default['tau']:.2f}; identical on "
+        f"{default['identical_to_autoregressive']:.0%}\n"
+        f"- chain, k = 4, full vocabulary: acceptance {chain['acceptance_rate']:.1%} (by position {by_position}), tau "
         f"{chain['tau']:.2f}; token-identical to plain decoding on {chain['identical_to_autoregressive']:.0%}\n"
-        f"- EAGLE-2 tree (5 deep, {EAGLE_TREE['tree_top_k']} expanded per depth, {EAGLE_TREE['tree_tokens']} nodes "
+        f"- EAGLE-2 tree ({EAGLE_TREE_DEPTH} deep, {EAGLE_TREE['tree_top_k']} expanded per depth, {EAGLE_TREE['tree_tokens']} nodes "
         f"verified): tau {tree['tau']:.2f}; identical on {tree['identical_to_autoregressive']:.0%}\n"
         f"- chain, k = 4, drafting over the {EAGLE_VOCAB} most frequent training tokens (`--draft-vocab "
         f"{EAGLE_VOCAB}`): acceptance {reduced['acceptance_rate']:.1%}, tau {reduced['tau']:.2f}; identical on "
@@ -85,7 +92,8 @@ def write_medusa_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pr
         f"next-token distribution at each head's position (self-distillation), head i weighted 0.8**i. Validation "
         f"top-1 agreement with the target's choice, by head: {top1}.\n\n"
         f"Measured (`verispec train medusa-card --threads 1`; {full['prompts']} validation prompts of 64 tokens, 64 "
-        f"new tokens, greedy), the default tree of {TREE_TOKENS} nodes shaped by that table:\n"
+        f"new tokens, greedy), the default tree of {TREE_TOKENS} nodes shaped by that table (`--method medusa` drafts "
+        f"over {_default_vocab(head_dir)}):\n"
         f"- full vocabulary: acceptance by depth {_by_position(full)}, tau {full['tau']:.2f}; token-identical to plain "
         f"decoding on {full['identical_to_autoregressive']:.0%}\n"
         f"- drafting over the {EAGLE_VOCAB} most frequent training tokens (`--draft-vocab {EAGLE_VOCAB}`): acceptance "
@@ -94,3 +102,9 @@ def write_medusa_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pr
         f"- one drafting step (all heads, once per target step) costs {cost:.3f} of a target decoding step with full "
         f"LM heads, {reduced_cost:.3f} with {EAGLE_VOCAB}-row ones (one thread)\n")
     return numbers
+
+
+def _default_vocab(head_dir: Path) -> str:
+    """The draft vocabulary a head's folder chooses (config.json's verispec.draft_vocab), in words."""
+    vocab = head_draft_vocab(head_dir, None)
+    return "the full vocabulary" if vocab is None else f"its {len(vocab)} most frequent training tokens"
