@@ -173,6 +173,11 @@ def test_a_head_folder_chooses_its_default_draft_vocabulary(tmp_path, target, he
     assert build_drafter(Method("eagle", 3), resources).vocab.tolist() == list(range(7))
     assert build_drafter(Method("eagle", 3, {"draft_vocab": 0}), resources).vocab is None
     assert len(build_drafter(Method("eagle", 3, {"draft_vocab": 9}), resources).vocab) == 9
+    for bad in (-5, "2048", 2048.0, True):
+        config["verispec"]["draft_vocab"] = bad
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match="verispec.draft_vocab"):
+            build_drafter(Method("eagle", 3), resources)
 
 
 def test_heads_for_other_targets_are_refused(tmp_path, target, unrelated) -> None:

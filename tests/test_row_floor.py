@@ -8,7 +8,8 @@ import torch
 from verispec.bench.suite import read_suite
 from verispec.models.default import default_paths
 from verispec.threads import torch_threads
-from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.native import EXACT_ROWS, NativeModel, exact_width, load_model
+from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.models.row_floor import _largest_differing_count
 
 SAMPLES = 48
@@ -69,12 +70,24 @@ def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(
 
 def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_exact: NativeModel, code: torch.Tensor) -> None:
     """So the test above can fail: one row below the floor measured here, some position's logits differ."""
-    floor = shipped_exact.module.row_floor
+    module, key = shipped_exact.module, (1, EXACT_ROWS, exact_width(shipped_exact.context_length))
+    alone = in_chunks(shipped_exact, code, [1] * 16, START)
+    floor = module.row_floors[key]  # measured by the forwards above, at this one thread
     if floor == 1:
         pytest.skip("this machine's kernels give a row the same bits at every count: no floor to go below")
-    alone = in_chunks(shipped_exact, code, [1] * 16, START)
     try:
-        shipped_exact.module.row_floor = floor - 1
+        module.row_floors[key] = floor - 1
         assert any(not torch.equal(in_chunks(shipped_exact, code, sizes, START), alone) for sizes in PARTITIONS)
     finally:
-        shipped_exact.module.row_floor = floor
+        module.row_floors[key] = floor
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["packed", "plain"])
+def test_an_mlp_width_off_the_vector_length_stays_exact(tmp_path, fast: bool) -> None:
+    """With the plain kernels, silu over a contiguous (rows x 100) tensor ends its vector loop on a row that depends
+    on the count, so they pad every forward to 16 rows; packed, it runs row by row, and the measured floor holds."""
+    model = load_model(random_checkpoint(tmp_path, tiny_config(intermediate_size=100)), exact=True, fast=fast)
+    tokens = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(0))
+    alone = in_chunks(model, tokens, [1] * 16, 20)
+    for sizes in PARTITIONS:
+        assert torch.equal(in_chunks(model, tokens, sizes, 20), alone), sizes

@@ -27,7 +27,7 @@ from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
-from verispec.models.draft_vocab import VOCAB_FILE
+from verispec.models.draft_vocab import default_size
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.threads import torch_threads
@@ -96,12 +96,12 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir)
-    eagle_vocab = head_dir is not None and (head_dir / VOCAB_FILE).is_file()
+    eagle_vocab = default_size(head_dir) if head_dir is not None else 0
     medusa = options.medusa_dir
     methods = [ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
                                          eagle_vocab=eagle_vocab, medusa=medusa is not None,
-                                         medusa_vocab=medusa is not None and (medusa / VOCAB_FILE).is_file())]
+                                         medusa_vocab=default_size(medusa) if medusa is not None else 0)]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]

@@ -71,12 +71,13 @@ EAGLE_VOCAB = 2048  # the reduced draft vocabulary's size: the most frequent qua
 
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
-                eagle_vocab: bool = False, medusa: bool = False, medusa_vocab: bool = False) -> list[Method]:
+                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
     layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
-    tree) and Medusa (its default tree) when asked, each over the head's own draft vocabulary; with saved token
-    frequencies, also over the full one (draft_vocab=0) for comparison."""
+    tree) and Medusa (its default tree) when asked, each over the draft vocabulary its folder chooses
+    (`eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the full one), and then over the full one too
+    (draft_vocab=0), for comparison."""
     methods = [Method("autoregressive")]
     if draft is not None:
         methods += [Method("draft", k) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2})]
@@ -85,13 +86,15 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
         methods.append(Method("layerskip", 4))
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     if eagle:
-        methods += [Method("eagle", AUTO), Method("eagle", 4), Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE)]
-    if eagle_vocab:
-        methods.append(Method("eagle", 4, {"draft_vocab": 0}))
+        vocab = {"draft_vocab": eagle_vocab} if eagle_vocab else {}
+        methods += [Method("eagle", AUTO, vocab), Method("eagle", 4, vocab),
+                    Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE | vocab)]
+        if eagle_vocab:
+            methods.append(Method("eagle", 4, {"draft_vocab": 0}))
     if medusa:
-        methods.append(Method("medusa"))
-    if medusa_vocab:
-        methods.append(Method("medusa", None, {"draft_vocab": 0}))
+        methods.append(Method("medusa", None, {"draft_vocab": medusa_vocab} if medusa_vocab else {}))
+        if medusa_vocab:
+            methods.append(Method("medusa", None, {"draft_vocab": 0}))
     return methods
 
 

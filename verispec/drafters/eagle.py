@@ -20,7 +20,7 @@ still scores the full vocabulary; a token outside the subset is simply never pro
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,6 +46,14 @@ class Eagle:
                                                whole_number(tree[1], "tree total tokens", 1))
         self.width = self.k if tree is None else self.tree[1]
         self.needs = Needs(hidden_states=(FINAL,), tree_masks=tree is not None)
+        self._lm_head: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+    def lm_head(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The target's LM head over the draft vocabulary, as a prepacked matmul built once per target weight
+        (packing takes milliseconds: not once per generation)."""
+        if self._lm_head is None or self._lm_head[0] is not weight:
+            self._lm_head = weight, matmul_by(weight if self.vocab is None else weight[self.vocab])
+        return self._lm_head[1]
 
     def check(self, target: CausalLM) -> None:
         c = self.head.config
@@ -64,7 +72,7 @@ class EagleSession:
         self.sampling, self.generator = context.sampling, context.generator
         weight = self.target.lm_head_weight
         self.vocab = drafter.vocab
-        self.lm_head = matmul_by(weight if self.vocab is None else weight[self.vocab])  # over V or |subset| rows
+        self.lm_head = drafter.lm_head(weight)  # over V or |subset| rows
         self.tree = drafter.tree
         extra = drafter.k * (1 if self.tree is None else self.tree[0])  # the drafts' entries, cut after the verdict
         self.cache = self.head.new_cache(context.cache.max_len + extra, weight.dtype, weight.device)

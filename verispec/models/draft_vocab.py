@@ -25,19 +25,29 @@ def save_draft_vocab(folder: str | Path, token_counts: torch.Tensor) -> Path:
 
 
 def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids saved beside a head (for a draft LM head over them only)."""
+    """The `size` most frequent token ids saved beside a head (for a draft LM head over them only); all of them
+    where fewer than `size` tokens occur in its training data."""
     file = Path(folder) / VOCAB_FILE
     if not file.is_file():
-        raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary")
-    ids = load_file(str(file))["ids"].to(torch.long)
-    return ids[:size]
+        raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary "
+                              f"(draft_vocab {size}; 0 drafts over the full vocabulary)")
+    return load_file(str(file))["ids"].to(torch.long)[:size]
+
+
+def default_size(folder: str | Path) -> int:
+    """The draft vocabulary size a head's folder chooses: `verispec.draft_vocab` in its config.json, set where its
+    card measured that drafting over fewer tokens pays; 0 (the full vocabulary) when it does not say."""
+    config = Path(folder) / "config.json"
+    section = json.loads(config.read_text()).get("verispec", {}) if config.is_file() else {}
+    size = section.get("draft_vocab", 0) if isinstance(section, dict) else 0
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CheckpointError(f"{config}: verispec.draft_vocab must be a whole number of tokens (0: all), got "
+                              f"{size!r}")
+    return size
 
 
 def head_draft_vocab(folder: str | Path, size: int | None) -> torch.Tensor | None:
-    """The draft vocabulary a head drafts over: its `size` most frequent tokens; 0 for the full vocabulary (None);
-    and by default (`size` None) the head's own choice, `verispec.draft_vocab` in its config.json, which a head's
-    folder sets where its card measured that drafting over fewer tokens pays (full when it does not say)."""
-    if size is None:
-        config = Path(folder) / "config.json"
-        size = json.loads(config.read_text()).get("verispec", {}).get("draft_vocab") if config.is_file() else None
+    """The draft vocabulary a head drafts over: its `size` most frequent tokens, 0 for the full vocabulary (None),
+    and by default (`size` None) the size its folder chooses (`default_size`)."""
+    size = default_size(folder) if size is None else size
     return None if not size else load_draft_vocab(folder, size)

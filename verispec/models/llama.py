@@ -95,7 +95,7 @@ class Rows:
         width W. The softmax runs jointly over [prefix | tail] in float32; the prefix's values are used in place,
         in one matmul of width W for all rows (an unseen slot adds an exact zero: the cache is zeroed, so its
         values are finite), and each row's tail values are gathered. The three matmuls run at the forward's row
-        count, at or above the floor that `row_floor` measured for them at load.
+        count, at or above the model's row floor (models/row_floor.py).
         """
         _, H, R, D = q.shape
         Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
@@ -197,9 +197,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
-        # Exact mode pads a forward to this many rows (None: to the cache's `rows`); `load_model(exact=True)` sets
-        # it from this machine's kernels (models/row_floor.py).
-        self.row_floor: int | None = None
+        # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
+        self.row_floors: dict[tuple[int, int, int], int] = {}
 
     def pack(self, rows: int) -> None:
         """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
@@ -207,6 +206,20 @@ class LlamaForCausalLM(nn.Module):
         for block in self.model.layers:
             block.pack(rows)
         self.head = PackedLinear([self.lm_head], rows)
+
+    def row_floor(self, rows: int, width: int) -> int:
+        """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
+        this machine's kernels at the current thread count, once per count (models/row_floor.py). Unpacked, every
+        forward pads to `rows`: the plain projections leave contiguous (rows x width) outputs, over which an
+        elementwise kernel (silu) ends its vector loop on a row that depends on the count; the packed ones leave
+        strided views, taken row by row."""
+        if self.head is None:
+            return rows
+        key = (torch.get_num_threads(), rows, width)
+        if key not in self.row_floors:
+            from verispec.models.row_floor import row_floor  # here: it imports this module's Rows and rotary
+            self.row_floors[key] = row_floor(self, rows, width)
+        return self.row_floors[key]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, layers: Sequence[int] | None = None,
@@ -225,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
 
         Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks of at most `cache.rows` rows,
-        each padded up to `row_floor` rows and laid out by `Rows`, so that a position's logits are bitwise the
+        each padded up to the `row_floor` and laid out by `Rows`, so that a position's logits are bitwise the
         same however many tokens share the forward; a chunk sees earlier chunks through the cache, so no token
         may see a later chunk's.
         """
@@ -284,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         R, start, slots, device = cache.rows, cache.length, cache.slots, tokens.device
-        floor = min(R, self.row_floor or R)
+        floor = self.row_floor(R, cache.width)
         visible = torch.zeros(T, slots, dtype=torch.bool, device=device)  # (T, P) the cache slots each token sees
         if mask is not None and mask.shape[-1] == start + T:
             visible[:, : start + T] = mask.to(device)

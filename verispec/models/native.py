@@ -17,7 +17,6 @@ from verispec.models.config import ModelConfig, read_config
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.protocol import Capabilities
-from verispec.models.row_floor import row_floor
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -38,8 +37,8 @@ class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`.
 
     `exact`: its caches are static (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`), so every
-    forward attends over the same key width in chunks of at most 16 rows, padded up to the row floor that
-    `load_model` measured for this machine's kernels (models/row_floor.py), and a position's logits are bitwise
+    forward attends over the same key width in chunks of at most 16 rows, padded up to the row floor measured for
+    this machine's kernels on the first exact forward (models/row_floor.py), and a position's logits are bitwise
     the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill chunk): greedy
     speculative output is then identical to plain greedy decoding in any dtype. It costs the padding to the floor
     and attention over the whole context width each forward; a token tree may be at most 32 deep (see `Rows`).
@@ -102,8 +101,7 @@ def exact_width(context_length: int) -> int:
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
-    `exact`: batch-invariant forwards (see `NativeModel`), at the row floor measured here for this model's
-    kernels (a fraction of a second). `fast`: on a CPU in float32 or bfloat16, run the
+    `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`), laid out for the row
     count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 outside exact mode) and they run in inference mode only: gradients and autocast get the plain linears.
@@ -127,6 +125,4 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     module.eval()
     if fast and packable(torch_dtype, device):
         module.pack(EXACT_ROWS if exact else 1)
-    if exact:
-        module.row_floor = row_floor(module, EXACT_ROWS, exact_width(config.max_position_embeddings))
     return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)
