@@ -14,6 +14,8 @@ Estimates, per generation, from this generation's own steps only:
   proposal's return to the verdict, which is the target's forward), keeping the median of the last few steps per
   forward width (a median shrugs off a stall on a shared machine). Widths not yet seen come from a line through the
   seen ones (a prior slope while only one width is known); a wider forward never counts as cheaper than one token.
+  The loop's own work per step (from a verdict to the next proposal: commit, stops, text, the drafter's bookkeeping)
+  is timed too, as a median, and priced into every step, plain or not: a step that yields more tokens spreads it.
   Online rather than a table measured up front: a CLI generation is one process, and timing nine widths first would
   cost a visible share of it; and these timings are taken under the load the steps themselves run in.
 - While k = 0 is best, a probe (k = 1; a tree or window drafter's full size) runs every so many plain steps, so a
@@ -63,13 +65,14 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], choices: Sequence[int],
-           width: Callable[[int], int] = lambda k: k) -> int:
-    """The k in `choices` with the highest predicted speed E(k) / (k c + r(width(k) + 1)), the smaller on a tie;
-    k = 0 is a plain step (speed 1)."""
-    best, speed = 0, 1.0
+           width: Callable[[int], int] = lambda k: k, overhead: float = 0.0) -> int:
+    """The k in `choices` with the highest predicted speed E(k) / (k c + r(width(k) + 1) + overhead), the smaller on
+    a tie; k = 0 is a plain step (speed 1 / (1 + overhead)). `overhead` is what every step costs besides drafting and
+    the target's forward (the loop's own work), so it favours steps that yield more tokens."""
+    best, speed = 0, 1.0 / (1.0 + overhead)
     for k in sorted(choices):
         if k > 0:
-            predicted = expected_tokens(acceptance, k) / (k * c + r(width(k) + 1))
+            predicted = expected_tokens(acceptance, k) / (k * c + r(width(k) + 1) + overhead)
             if predicted > speed * (1 + 1e-9):  # a tie (up to rounding) goes to the cheaper k
                 best, speed = k, predicted
     return best
@@ -111,11 +114,19 @@ class Timings:
         self.window = window
         self.verify: dict[int, deque[float]] = {}
         self.draft: deque[float] = deque(maxlen=window)
+        self.between: deque[float] = deque(maxlen=window)  # seconds from a verdict to the next proposal
 
     def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
         self.verify.setdefault(width, deque(maxlen=self.window)).append(verify_seconds)
         if drafted:
             self.draft.append(draft_seconds / drafted)
+
+    def overhead(self) -> float:
+        """The loop's own work per step (from a verdict to the next proposal), per one-token target forward."""
+        one = self.verify.get(1)
+        if not self.between or not one:
+            return 0.0
+        return statistics.median(self.between) / statistics.median(one)
 
     def costs(self) -> Costs:
         """(c, r) per one-token target forward."""
@@ -179,6 +190,7 @@ class AdaptiveSession:
         self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
         self._drafted_last = False  # whether the previous step drafted: if not, this one's drafting includes a catch-up
         self._probe_again = False  # the last probe was accepted: probe again at once while plain decoding still wins
+        self._verdict_at: float | None = None  # when the last verdict reached this session
 
     def choose(self, limit: int) -> int:
         """The k for the next step, at most `limit`."""
@@ -193,7 +205,8 @@ class AdaptiveSession:
         choices = range(limit + 1) if self.chain else (0, limit)
         on = round(statistics.median(self.on_widths)) if self.on_widths else self.width  # a tree's usual size
         width = (lambda k: k) if self.chain else (lambda k: on if k else 0)
-        k = best_k(self.acceptance.rates(), c, r, choices, width)
+        overhead = 0.0 if self.fixed_costs else self.timings.overhead()
+        k = best_k(self.acceptance.rates(), c, r, choices, width, overhead)
         self._probing, self._next_probe = False, None
         if k > 0:
             self.plain_run, self.probe_every, self._probe_again = 0, PROBE_FIRST, False
@@ -209,6 +222,8 @@ class AdaptiveSession:
         return 0
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
+        if self._verdict_at is not None:
+            self.timings.between.append(time.perf_counter() - self._verdict_at)
         k = self.choose(k)
         self.chosen.append(k)
         start = time.perf_counter()
@@ -233,4 +248,5 @@ class AdaptiveSession:
             if self._probing:
                 self._probe_again = verdict.num_accepted > 0
                 self.probe_every = PROBE_FIRST if verdict.num_accepted else min(2 * self.probe_every, PROBE_MAX)
+        self._verdict_at = time.perf_counter()  # the drafter's own bookkeeping below counts as the step's overhead
         self.inner.accepted(verdict)
