@@ -63,7 +63,9 @@ def _method(args: argparse.Namespace) -> Method:
     return Method(args.method, k, options)
 
 
-AUTO_BY_DEFAULT = ("draft", "ngram", "eagle")  # chains, whose draft length auto chooses step by step
+# Chains whose draft length auto chooses step by step. Not EAGLE's: on the shipped pair (bfloat16 exact mode, the
+# bench's 42 prompts) its auto drafted shorter than it should (tau 3.24, 1.75x) where k = 4 held tau 3.62 and 1.81x.
+AUTO_BY_DEFAULT = ("draft", "ngram")
 
 
 def _k_arg(text: str | None) -> int | str | None:

@@ -138,7 +138,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
                                    "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
-                                   "pay (default auto for draft, ngram and eagle chains; 4 for trees; layerskip: the "
+                                   "pay (default auto for draft and ngram chains; 4 for eagle and trees; layerskip: the "
                                    "k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or "
                                    "off)")
     parser.add_argument("--branch", type=int,

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH, EAGLE_VOCAB
-from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
+from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.models.draft_vocab import head_draft_vocab, load_draft_vocab
@@ -29,8 +29,8 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
     tree = measure(target, Eagle(head, EAGLE_TREE_DEPTH, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])),
                    prompts)
     reduced = measure(target, Eagle(head, 4, load_draft_vocab(head_dir, EAGLE_VOCAB)), prompts)
-    default = measure(target, build_drafter(Method("eagle", AUTO), Resources(target=target, head_dir=head_dir)),
-                      prompts)  # what `--method eagle` runs: k = auto over the head's own draft vocabulary
+    default = measure(target, build_drafter(Method("eagle"), Resources(target=target, head_dir=head_dir)),
+                      prompts)  # what `--method eagle` runs: k = 4 over the head's own draft vocabulary
     step = decode_step_time(target)
     cost, reduced_cost = head_step_seconds(target, head) / step, head_step_seconds(target, head, EAGLE_VOCAB) / step
     numbers = {"head": log, "chain": chain, "tree": tree, "reduced_vocab_chain": reduced, "default": default,
@@ -50,7 +50,7 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
         f"{log['val_top1_depth2']:.1%} at depth 2 (from its own predicted feature).\n\n"
         f"Measured (`verispec train eagle-card --threads 1`; {chain['prompts']} validation prompts of 64 tokens, 64 new "
         f"tokens, greedy):\n"
-        f"- the default, `--method eagle` (k = auto, over {_default_vocab(head_dir)}): acceptance "
+        f"- the default, `--method eagle` (k = 4, over {_default_vocab(head_dir)}): acceptance "
         f"{default['acceptance_rate']:.1%}, tau {default['tau']:.2f}; identical on "
         f"{default['identical_to_autoregressive']:.0%}\n"
         f"- chain, k = 4, full vocabulary: acceptance {chain['acceptance_rate']:.1%} (by position {by_position}), tau "
