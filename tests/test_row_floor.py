@@ -10,7 +10,7 @@ from verispec.models.default import default_paths
 from verispec.threads import torch_threads
 from verispec.models.native import EXACT_ROWS, NativeModel, exact_width, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.models.row_floor import _largest_differing_count
+from verispec.models.row_floor import largest_differing_count
 
 SAMPLES = 48
 
@@ -23,8 +23,8 @@ def test_a_kernel_that_changes_path_below_four_rows_has_floor_four() -> None:
     def changes_path(lo: int, hi: int) -> torch.Tensor:  # from 4 rows on, sums in float64 and rounds once
         return (x[lo:hi, :, None] * w).sum(1) if hi - lo < 4 else (x[lo:hi].double() @ w.double()).float()
 
-    assert _largest_differing_count(changes_path, SAMPLES, EXACT_ROWS) == 3
-    assert _largest_differing_count(lambda lo, hi: (x[lo:hi].double() @ w.double()).float(), SAMPLES,
+    assert largest_differing_count(changes_path, SAMPLES, EXACT_ROWS) == 3
+    assert largest_differing_count(lambda lo, hi: (x[lo:hi].double() @ w.double()).float(), SAMPLES,
                                     EXACT_ROWS) == 0
 
 

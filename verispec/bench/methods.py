@@ -11,7 +11,6 @@ from typing import Callable
 import torch
 
 from verispec.drafters.base import Drafter
-from verispec.drafters.medusa import TREE_TOKENS
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.models.native import NativeModel, parse_dtype
@@ -65,9 +64,6 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
 # EAGLE-2's tree at the bench, 6 deep: 2 expanded per depth, 10 verified (measured on the shipped pair in bfloat16
 # exact mode, where a forward's rows cost: ahead of 4 expanded and 15 verified, and of 8 or 12 verified)
 EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
-
-
-EAGLE_VOCAB = 2048  # the reduced draft vocabulary's size: the most frequent quarter of the shipped tokenizer
 
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,

@@ -132,14 +132,14 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     categories = [c for c in next(iter(summary.values())) if c != "all"]
     m = info["machine"]
     c_draft = next((v for label, v in timing["c"].items() if _family(info, label) == "draft"), None)
-    md = [f"# verispec bench\n", f"Command: `{info['command']}`  ",
+    md = ["# verispec bench\n", f"Command: `{info['command']}`  ",
           f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
           + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model"
           + "".join(f"; {label}: {v:.3f}" for label, v in timing["c"].items() if _family(info, label) == "eagle")
           + _tree_costs(timing, info) + "); "
-          f"r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
+          "r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", floor_line(timing) + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
           f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its "
           "max_new_tokens), "

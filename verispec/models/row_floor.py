@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from verispec.models.cache import KVCache
+from verispec.models.config import ModelConfig
 from verispec.models.llama import Rows, rotary
 
 CHAIN = 32  # positions per span class: whole chunks of 16, and of every m at least once
@@ -37,11 +38,12 @@ def row_floor(module: torch.nn.Module, rows: int, width: int) -> int:
     generator = torch.Generator().manual_seed(0)
     floor = 1
     for run in [*_block_chains(module, rows, width, generator), _head(module, generator)]:
-        floor = max(floor, 1 + _largest_differing_count(run, CHAIN, rows, floor))
+        floor = max(floor, 1 + largest_differing_count(run, CHAIN, rows, floor))
     return floor
 
 
-def _largest_differing_count(run: Callable[[int, int], torch.Tensor], samples: int, rows: int, floor: int = 1) -> int:
+def largest_differing_count(run: Callable[[int, int], torch.Tensor], samples: int, rows: int,
+                            floor: int = 1) -> int:
     """The largest count m in [floor, rows) at which running the sample rows m at a time, in order, gives some row
     other bits than running them `rows` at a time (0: none). Every call runs exactly m rows: the rows past the last
     whole chunk are left out."""
@@ -84,7 +86,7 @@ def _block_chains(module: torch.nn.Module, rows: int, width: int,
     return runs
 
 
-def _chain_rows(block: torch.nn.Module, config, cache: KVCache, x: torch.Tensor, start: int, lo: int,
+def _chain_rows(block: torch.nn.Module, config: ModelConfig, cache: KVCache, x: torch.Tensor, start: int, lo: int,
                 hi: int) -> torch.Tensor:
     """Rows lo..hi-1 of the chain at start + lo.., through the block in one forward, as `_exact` lays them out."""
     if lo == 0:

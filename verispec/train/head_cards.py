@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH, EAGLE_VOCAB
+from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
@@ -15,6 +15,8 @@ from verispec.models.medusa import load_heads
 from verispec.models.native import NativeModel
 from verispec.models.timing import head_step_seconds, medusa_step_seconds
 from verispec.train.card import decode_step_time, last_log, measure, validation_prompts
+
+EAGLE_VOCAB = 2048  # the reduced draft vocabulary a card measures: the most frequent quarter of the shipped tokenizer
 
 def _by_position(numbers: dict) -> str:
     return " ".join(f"{rate:.2f}" for rate in numbers["acceptance_by_position"])
@@ -55,7 +57,8 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
         f"{default['identical_to_autoregressive']:.0%}\n"
         f"- chain, k = 4, full vocabulary: acceptance {chain['acceptance_rate']:.1%} (by position {by_position}), tau "
         f"{chain['tau']:.2f}; token-identical to plain decoding on {chain['identical_to_autoregressive']:.0%}\n"
-        f"- EAGLE-2 tree ({EAGLE_TREE_DEPTH} deep, {EAGLE_TREE['tree_top_k']} expanded per depth, {EAGLE_TREE['tree_tokens']} nodes "
+        f"- EAGLE-2 tree ({EAGLE_TREE_DEPTH} deep, {EAGLE_TREE['tree_top_k']} expanded per depth, "
+        f"{EAGLE_TREE['tree_tokens']} nodes "
         f"verified): tau {tree['tau']:.2f}; identical on {tree['identical_to_autoregressive']:.0%}\n"
         f"- chain, k = 4, drafting over the {EAGLE_VOCAB} most frequent training tokens (`--draft-vocab "
         f"{EAGLE_VOCAB}`): acceptance {reduced['acceptance_rate']:.1%}, tau {reduced['tau']:.2f}; identical on "
