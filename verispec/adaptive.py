@@ -145,7 +145,12 @@ class Timings:
             one = seen.get(1, t_mean - slope * (n_mean - 1))
             if one <= 0:
                 one = min(ts)
-        line = lambda n: seen.get(n, one + slope * (n - 1))
+        # Past the widest forward seen, never steeper than the prior slope from it: a line through one costly narrow
+        # width (float32's 2-token forward takes another kernel) would otherwise price every wider step out unseen,
+        # and a step never tried is never measured.
+        widest = max(seen)
+        line = lambda n: seen.get(n, min(one + slope * (n - 1), seen[widest] + PRIOR_SLOPE * one * (n - widest))
+                                  if n > widest else one + slope * (n - 1))
         c = statistics.median(self.draft) / one if self.draft else PRIOR_C
         # Verifying n tokens never costs more than n one-token forwards: a stalled timing must not price speculation
         # out for good (plain steps measure nothing that could correct it).
