@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 
 from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH
-from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
-from verispec.models.draft_vocab import head_draft_vocab, load_draft_vocab
+from verispec.models.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.medusa import load_heads
 from verispec.models.native import NativeModel
@@ -17,6 +16,7 @@ from verispec.models.timing import head_step_seconds, medusa_step_seconds
 from verispec.train.card import decode_step_time, last_log, measure, validation_prompts
 
 EAGLE_VOCAB = 2048  # the reduced draft vocabulary a card measures: the most frequent quarter of the shipped tokenizer
+
 
 def _by_position(numbers: dict) -> str:
     return " ".join(f"{rate:.2f}" for rate in numbers["acceptance_by_position"])
@@ -30,11 +30,11 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
     chain = measure(target, Eagle(head, 4), prompts)
     tree = measure(target, Eagle(head, EAGLE_TREE_DEPTH, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])),
                    prompts)
-    reduced = measure(target, Eagle(head, 4, load_draft_vocab(head_dir, EAGLE_VOCAB)), prompts)
-    default = measure(target, build_drafter(Method("eagle"), Resources(target=target, head_dir=head_dir)),
-                      prompts)  # what `--method eagle` runs: k = 4 over the head's own draft vocabulary
+    size = default_size(head_dir) or EAGLE_VOCAB  # the folder's own reduced vocabulary where it chooses one
+    reduced = measure(target, Eagle(head, 4, load_draft_vocab(head_dir, size)), prompts)
+    default = reduced if default_size(head_dir) else chain  # what `--method eagle` runs: k = 4, its vocabulary
     step = decode_step_time(target)
-    cost, reduced_cost = head_step_seconds(target, head) / step, head_step_seconds(target, head, EAGLE_VOCAB) / step
+    cost, reduced_cost = head_step_seconds(target, head) / step, head_step_seconds(target, head, size) / step
     numbers = {"head": log, "chain": chain, "tree": tree, "reduced_vocab_chain": reduced, "default": default,
                "draft_cost_ratio": cost, "reduced_vocab_cost_ratio": reduced_cost}
     by_position = _by_position(chain)
@@ -52,19 +52,18 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
         f"{log['val_top1_depth2']:.1%} at depth 2 (from its own predicted feature).\n\n"
         f"Measured (`verispec train eagle-card --threads 1`; {chain['prompts']} validation prompts of 64 tokens, 64 new "
         f"tokens, greedy):\n"
-        f"- the default, `--method eagle` (k = 4, over {_default_vocab(head_dir)}): acceptance "
-        f"{default['acceptance_rate']:.1%}, tau {default['tau']:.2f}; identical on "
-        f"{default['identical_to_autoregressive']:.0%}\n"
+        f"- the default, `--method eagle`, is the chain at k = 4 over {_default_vocab(head_dir)}: tau "
+        f"{default['tau']:.2f} (below)\n"
         f"- chain, k = 4, full vocabulary: acceptance {chain['acceptance_rate']:.1%} (by position {by_position}), tau "
         f"{chain['tau']:.2f}; token-identical to plain decoding on {chain['identical_to_autoregressive']:.0%}\n"
         f"- EAGLE-2 tree ({EAGLE_TREE_DEPTH} deep, {EAGLE_TREE['tree_top_k']} expanded per depth, "
         f"{EAGLE_TREE['tree_tokens']} nodes "
         f"verified): tau {tree['tau']:.2f}; identical on {tree['identical_to_autoregressive']:.0%}\n"
-        f"- chain, k = 4, drafting over the {EAGLE_VOCAB} most frequent training tokens (`--draft-vocab "
-        f"{EAGLE_VOCAB}`): acceptance {reduced['acceptance_rate']:.1%}, tau {reduced['tau']:.2f}; identical on "
+        f"- chain, k = 4, drafting over the {size} most frequent training tokens (`--draft-vocab "
+        f"{size}`): acceptance {reduced['acceptance_rate']:.1%}, tau {reduced['tau']:.2f}; identical on "
         f"{reduced['identical_to_autoregressive']:.0%}\n"
         f"- one drafting step costs {cost:.3f} of a target decoding step with the full {target.config.vocab_size}-wide "
-        f"LM head, {reduced_cost:.3f} with the {EAGLE_VOCAB}-token one (one thread)\n")
+        f"LM head, {reduced_cost:.3f} with the {size}-token one (one thread)\n")
     return numbers
 
 
