@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec import kernels
 from verispec.bench.harness import torch_threads
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.errors import ContextLengthError
@@ -31,9 +32,19 @@ def one_thread(single_thread: None) -> None:
     """One thread, for speed on a shared machine (exactness was also checked with two)."""
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
+def own_kernels(request: pytest.FixtureRequest) -> bool:
+    """Exact mode on verispec's kernels (matmul and `KeyRows` attention) and on PyTorch's (oneDNN, `Rows`)."""
+    if request.param and not kernels.available(torch.float32):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def exact(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> NativeModel:
-    return load_model(pair_dirs[0], dtype=dtype, exact=True)
+def exact(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
+    model = load_model(pair_dirs[0], dtype=dtype, exact=True, fast=False)
+    model.module.pack(EXACT_ROWS, own_kernels)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +137,11 @@ def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: Native
         assert torch.equal(logits[node], plain[-1]), f"node {node}"
 
 
-def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper(exact: NativeModel) -> None:
-    """A branch under the root's second child sits one slot past its positions: its keys are out of place."""
+def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact: NativeModel) -> None:
+    """A branch under the root's second child sits one slot past its positions: its keys are out of place. `Rows`
+    gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
+    if exact.module.own_kernels:
+        pytest.skip("verispec's attention takes a row's keys wherever they sit: see the test below")
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
     tokens = torch.randint(0, 256, (1, len(parents) + 1), generator=torch.Generator().manual_seed(4))
     cache = exact.new_cache()
@@ -140,6 +154,17 @@ def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper(exact: NativeModel) -> 
     with pytest.raises(ValueError, match=f"more than {TAIL} deep"):
         exact(tokens, cache, mask, depths + PREFIX)
     assert cache.length == PREFIX
+
+
+def test_own_kernels_take_a_tree_of_any_depth(exact: NativeModel) -> None:
+    """`KeyRows` skips the slots a row does not see, so a branch 40 deep, one slot past its positions, is exact."""
+    if not exact.module.own_kernels:
+        pytest.skip("PyTorch's kernels take trees up to TAIL deep: see the test above")
+    parents = [-1, 0, 0] + list(range(2, 2 + TAIL + 7))
+    tokens = torch.randint(0, 256, (1, len(parents)), generator=torch.Generator().manual_seed(4))
+    mask, depths = tree(parents)
+    deepest = after_prefix(exact, tokens, mask, depths)[-1]
+    assert torch.equal(deepest, alone(exact, torch.cat((SEQ[:, :PREFIX], tokens[:, paths(parents)[-1]]), 1))[-1])
 
 
 def test_a_mask_covering_the_cache_as_a_draft_tree_passes_it(exact: NativeModel) -> None:
@@ -163,10 +188,13 @@ def test_two_threads_are_exact_too(exact: NativeModel) -> None:
     assert torch.equal(whole, halves)
 
 
-def test_exact_mode_takes_the_fast_path_by_default(exact: NativeModel) -> None:
-    """So every test here checks the prepacked, fused matmuls (laid out for exact mode's rows) for batch invariance."""
-    assert exact.module.head is not None and exact.module.head.rows == EXACT_ROWS
-    assert all(block.self_attn.qkv is not None and block.mlp.gate_up is not None for block in exact.module.model.layers)
+def test_exact_mode_takes_the_fast_path_by_default(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
+    """So the tests here check the prepacked, fused matmuls (laid out for exact mode's rows), on verispec's kernels
+    where this machine has them, for batch invariance."""
+    model = load_model(pair_dirs[0], dtype=dtype, exact=True)
+    assert model.module.head is not None and model.module.head.rows == EXACT_ROWS
+    assert all(block.self_attn.qkv is not None and block.mlp.gate_up is not None for block in model.module.model.layers)
+    assert model.module.own_kernels == kernels.available(dtype)
 
 
 def test_the_plain_kernels_are_exact_too(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
@@ -175,8 +203,10 @@ def test_the_plain_kernels_are_exact_too(pair_dirs: tuple[Path, Path], dtype: to
 
 
 def test_the_ordinary_path_differs_where_exact_mode_does_not(pair_dirs: tuple[Path, Path]) -> None:
-    """Without exact mode bfloat16 logits change with the forward's width: the tests above can fail."""
-    ordinary = load_model(pair_dirs[0], dtype=torch.bfloat16)
+    """Without exact mode, on PyTorch's kernels, bfloat16 logits change with the forward's width: the tests above
+    can fail."""
+    ordinary = load_model(pair_dirs[0], dtype=torch.bfloat16, fast=False)
+    ordinary.module.pack(1, own_kernels=False)
     assert not torch.equal(ordinary(SEQ, ordinary.new_cache())[0], alone(ordinary))
 
 

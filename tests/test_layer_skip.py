@@ -63,6 +63,8 @@ def partial_model(target: NativeModel, kept: list[int]) -> LlamaForCausalLM:
             name = name.replace(f"model.layers.{layer}.", f"model.layers.{kept.index(layer)}.", 1)
         state[name] = value
     model.load_state_dict(state)
+    if target.module.head is not None:  # the same kernels as the target's, so that only the layers differ
+        model.pack(1, target.module.own_kernels)
     return model
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from verispec import kernels
 from verispec.bench import profile_forward
 from verispec.bench.bandwidth import weight_bytes
 from verispec.cli import main
@@ -22,8 +24,12 @@ def test_weight_bytes_count_what_a_forward_reads(tmp_path: Path, tied: bool) -> 
     assert weight_bytes(model) == 2 * (params if tied else params - embedding)
 
 
-def test_profile_labels_every_kind_of_work(target) -> None:
-    setting = profile_forward._Setting(target, context=8)
+@pytest.mark.parametrize("own", [True, False], ids=["own-kernels", "torch-kernels"])
+def test_profile_labels_every_kind_of_work(pair_dirs, own: bool) -> None:
+    if own and not kernels.available(torch.float32):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    setting = profile_forward._Setting(profile_forward._load(pair_dirs[0], "float32", False, "own" if own else "fast"),
+                                       context=8)
     setting.time(2)
     setting.profile()
     wall, kinds = setting.result()
@@ -42,6 +48,7 @@ def test_bench_profile_writes_every_setting(tmp_path: Path, pair_dirs, capsys, m
     for dtype in ("float32", "bfloat16"):
         for mode in ("ordinary", "exact"):
             assert f"| {dtype} {mode} plain |" in text and f"| {dtype} {mode} fast |" in text
+            assert (f"| {dtype} {mode} own |" in text) == kernels.available(torch.float32)
     assert "Read bandwidth:" in text and "weight-read time" in text and "| matmul LM head |" in text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec import kernels
 from verispec.bench.suite import read_suite
 from verispec.models.default import default_paths
 from verispec.threads import torch_threads
@@ -33,10 +34,14 @@ def one_thread(single_thread: None) -> None:
     """One thread, the count the row floor is measured at below."""
 
 
-@pytest.fixture(scope="module")
-def shipped_exact() -> NativeModel:
-    with torch_threads(1):
-        return load_model(default_paths()[0], dtype="bfloat16", exact=True)
+@pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
+def shipped_exact(request: pytest.FixtureRequest) -> NativeModel:
+    """The shipped target in exact bfloat16, on verispec's kernels and on PyTorch's."""
+    if request.param and not kernels.available(torch.bfloat16):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    model = load_model(default_paths()[0], dtype="bfloat16", exact=True, fast=False)
+    model.module.pack(EXACT_ROWS, own_kernels=request.param)
+    return model
 
 
 def in_chunks(model: NativeModel, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
@@ -68,13 +73,23 @@ def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(
         assert torch.equal(in_chunks(shipped_exact, code, sizes, START), alone), sizes
 
 
+def test_own_kernels_need_no_padding(shipped_exact: NativeModel, code: torch.Tensor) -> None:
+    """verispec's matmul and attention give a row the same bits at any count by construction, and the floor
+    measured over the whole block agrees: a one-token step runs one row."""
+    if not shipped_exact.module.own_kernels:
+        pytest.skip("PyTorch's kernels: see the test below")
+    in_chunks(shipped_exact, code, [1], START)
+    assert shipped_exact.module.row_floors[(1, EXACT_ROWS, exact_width(shipped_exact.context_length))] == 1
+
+
 def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_exact: NativeModel, code: torch.Tensor) -> None:
-    """So the test above can fail: one row below the floor measured here, some position's logits differ."""
+    """So the test above can fail: on PyTorch's kernels, one row below the floor measured here, some position's
+    logits differ."""
     module, key = shipped_exact.module, (1, EXACT_ROWS, exact_width(shipped_exact.context_length))
     alone = in_chunks(shipped_exact, code, [1] * 16, START)
     floor = module.row_floors[key]  # measured by the forwards above, at this one thread
     if floor == 1:
-        pytest.skip("this machine's kernels give a row the same bits at every count: no floor to go below")
+        pytest.skip("these kernels give a row the same bits at every count: no floor to go below")
     try:
         module.row_floors[key] = floor - 1
         assert any(not torch.equal(in_chunks(shipped_exact, code, sizes, START), alone) for sizes in PARTITIONS)
@@ -82,11 +97,15 @@ def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_exact: Nat
         module.row_floors[key] = floor
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["packed", "plain"])
-def test_an_mlp_width_off_the_vector_length_stays_exact(tmp_path, fast: bool) -> None:
+@pytest.mark.parametrize("kind", ["own-kernels", "torch-packed", "plain"])
+def test_an_mlp_width_off_the_vector_length_stays_exact(tmp_path, kind: str) -> None:
     """With the plain kernels, silu over a contiguous (rows x 100) tensor ends its vector loop on a row that depends
     on the count, so they pad every forward to 16 rows; packed, it runs row by row, and the measured floor holds."""
-    model = load_model(random_checkpoint(tmp_path, tiny_config(intermediate_size=100)), exact=True, fast=fast)
+    if kind == "own-kernels" and not kernels.available(torch.float32):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    model = load_model(random_checkpoint(tmp_path, tiny_config(intermediate_size=100)), exact=True, fast=False)
+    if kind != "plain":
+        model.module.pack(EXACT_ROWS, own_kernels=kind == "own-kernels")
     tokens = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(0))
     alone = in_chunks(model, tokens, [1] * 16, 20)
     for sizes in PARTITIONS:

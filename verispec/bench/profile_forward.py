@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import machine
 from verispec.models import llama
@@ -30,6 +31,9 @@ OTHER = "other ops (exact mode's row layout and padding, slicing)"
 OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops)"
 REST = "wall time less all ops (Python and dispatch, at least)"
 FORWARD = "forward"
+KERNEL = "kernel"  # a call into verispec's own kernels (ctypes: no PyTorch op of its own to time)
+KERNEL_CALLS = ("linear", "attend", "rms_norm", "rotary_")
+KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels"}
 ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
          "residual adds", "embedding", OTHER, OVERHEAD]
 
@@ -40,7 +44,7 @@ class ForwardProfile:
 
     dtype: str
     exact: bool
-    fast: bool
+    kind: str  # a key of KINDS
     wall_ms: float
     kinds_ms: dict[str, float]
     weight_bytes: int
@@ -77,22 +81,35 @@ def _labelled(model: NativeModel, stack: ExitStack) -> None:
             stack.callback(module.register_forward_hook(leave).remove)
     for function in ("rotary", "apply_rotary"):
         stack.enter_context(mock.patch.object(llama, function, wrapped(getattr(llama, function), "rotary")))
+    for function in KERNEL_CALLS:
+        call = wrapped(getattr(kernels, function), KERNEL)
+        stack.enter_context(mock.patch.object(kernels, function, wrapped(call, "rotary") if function == "rotary_"
+                                              else call))
+
+
+def _labelled_parent(event):
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith(MARK):
+        parent = parent.cpu_parent
+    return parent
 
 
 def _kinds(events) -> dict[str, float]:
-    """ms of op self time by the innermost labelled range around each op."""
+    """ms of op self time by the innermost labelled range around each op; a call into verispec's kernels counts
+    whole (its ctypes call and the ops inside it) for the range around it."""
     kinds: dict[str, float] = {}
     for event in events:
         if event.name == MARK + FORWARD:
             kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) + event.cpu_time_total / 1e3
-        if event.name.startswith(MARK):
+        if event.name.startswith(MARK) and event.name != MARK + KERNEL:
             continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith(MARK):
-            parent = parent.cpu_parent
+        parent = _labelled_parent(event)
+        if event.name != MARK + KERNEL and parent is not None and parent.name == MARK + KERNEL:
+            continue  # counted with its kernel call
         label = OTHER if parent is None or parent.name == MARK + FORWARD else parent.name[len(MARK):]
-        kinds[label] = kinds.get(label, 0.0) + event.self_cpu_time_total / 1e3
-        kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) - event.self_cpu_time_total / 1e3
+        spent = (event.cpu_time_total if event.name == MARK + KERNEL else event.self_cpu_time_total) / 1e3
+        kinds[label] = kinds.get(label, 0.0) + spent
+        kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) - spent
     return kinds
 
 
@@ -133,13 +150,15 @@ class _Setting:
 
 def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
                 ) -> tuple[list[ForwardProfile], float]:
-    """Every setting (float32 and bfloat16, ordinary and exact mode, plain and fast), loaded side by side and
+    """Every setting (float32 and bfloat16, ordinary and exact mode; plain, packed on PyTorch's kernels and on
+    verispec's own where this machine has them), loaded side by side and
     measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
     measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
     Returns the settings' profiles and the read bandwidth (bytes per second)."""
-    keys = [(dtype, exact, fast) for dtype in ("float32", "bfloat16") for exact in (False, True)
-            for fast in (False, True)]
-    settings = {key: _Setting(load_model(target_dir, dtype=key[0], exact=key[1], fast=key[2]), context) for key in keys}
+    own = ["own"] if kernels.available(torch.float32) else []
+    keys = [(dtype, exact, kind) for dtype in ("float32", "bfloat16") for exact in (False, True)
+            for kind in ["plain", "fast", *own]]
+    settings = {key: _Setting(_load(target_dir, *key), context) for key in keys}
     bandwidths = []
     for _ in range(rounds):
         bandwidths.append(read_bandwidth(repeats=3))
@@ -147,30 +166,39 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
             setting.time(per_round)
             setting.profile()
     out = []
-    for (dtype, exact, fast), setting in settings.items():
+    for (dtype, exact, kind), setting in settings.items():
         wall, kinds = setting.result()
-        out.append(ForwardProfile(dtype, exact, fast, wall, kinds, weight_bytes(setting.model)))
+        out.append(ForwardProfile(dtype, exact, kind, wall, kinds, weight_bytes(setting.model)))
     return out, statistics.median(bandwidths)
+
+
+def _load(target_dir: Path, dtype: str, exact: bool, kind: str) -> NativeModel:
+    model = load_model(target_dir, dtype=dtype, exact=exact, fast=False)
+    if kind != "plain":
+        model.module.pack(16 if exact else 1, own_kernels=kind == "own")
+    return model
 
 
 def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], bandwidth: float,
                   command: str) -> Path:
     """forward-profile.md: the settings side by side, ms per kind of work, and each against its weight-read time."""
     m = machine()
-    names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {'fast' if p.fast else 'plain'}" for p in profiles]
+    names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {p.kind}" for p in profiles]
     lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
              f"Target: {target_dir.name}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
              f"torch {m['torch']}.  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, one thread; the "
              "median over the rounds below).\n",
-             "One token after 256 cached ones; the eight settings loaded side by side and measured in turns (each "
+             f"One token after 256 cached ones; the {len(profiles)} settings loaded side by side and measured in turns (each "
              "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
              "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
              "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
              "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
-             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. Plain: eager "
-             "F.linear per projection; fast: `load_model(fast=True)`, prepacked and fused matmuls "
-             "(models/linear.py).\n",
+             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. A call "
+             "into verispec's kernels counts whole for the kind of work around it. Plain: eager F.linear per "
+             "projection; fast: prepacked and fused matmuls on PyTorch's kernels (oneDNN, MKL; models/linear.py); "
+             "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary; `load_model(fast=True)` "
+             "where the CPU has them, " + kernels.reason() + ").\n",
              "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
              "|---|---|---|---|---|"]
     for name, p in zip(names, profiles):

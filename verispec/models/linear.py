@@ -7,7 +7,9 @@ weight reordered once, at load time, into the kernel's blocked layout reads at 9
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
-Kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`, bitwise equal to F.linear);
+Where verispec's own kernels run (verispec/kernels: AVX-512 with bfloat16 dot products, one thread), a linear uses
+them: they stream the weight once for every four rows and give a row the same bits whatever else shares the call.
+Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`, bitwise equal to F.linear);
 float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN there), and at more rows oneDNN,
 each from its own packed copy (so a float32 model laid out for one row holds its weights three times). Both keep a
 row's result independent of the other rows at a fixed row count, as exact mode needs.
@@ -21,6 +23,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from verispec import kernels
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -36,7 +40,7 @@ MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's
 # faster than a one-row layout at 2 to 9 rows)
 
 
-def _packed_here(x: torch.Tensor) -> bool:
+def packed_here(x: torch.Tensor) -> bool:
     """Whether the packed kernel may run: in inference mode (every NativeModel call), outside autocast. Training,
     gradients and autocast take the plain linears, which the packed weights were built from."""
     return torch.is_inference_mode_enabled() and not torch.is_autocast_enabled(x.device.type)
@@ -45,14 +49,16 @@ def _packed_here(x: torch.Tensor) -> bool:
 class PackedLinear(nn.Module):
     """One matmul for several linears that read the same input: `x @ cat(weights).T + cat(biases)`.
 
-    `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly. The
+    `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly.
+    `own_kernels`: run verispec's matmul (verispec/kernels) instead, which lays the weight out for any count; by
+    default wherever it is available. The
     fused weight is built once from the linears, whose own weights become views of it (no second plain copy), so
     they keep their state-dict names and values. Holds no parameters: built on the model's final device and dtype,
     from weights that do not change afterwards. Outside inference mode, or under autocast, it runs the linears
     themselves (the kernels have no backward and take no part in autocast).
     """
 
-    def __init__(self, linears: Sequence[nn.Linear], rows: int) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], rows: int, own_kernels: bool | None = None) -> None:
         super().__init__()
         self.linears = tuple(linears)  # a tuple, not submodules: the linears stay where the state dict has them
         self.sizes = [linear.out_features for linear in linears]
@@ -66,6 +72,13 @@ class PackedLinear(nn.Module):
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(n, dtype=self.weight.dtype, device=self.weight.device) if b is None else b.detach()
              for b, n in zip(biases, self.sizes)])
+        if own_kernels is None:
+            own_kernels = kernels.available(self.weight.dtype, self.weight.device)
+        self.kernel = kernels.pack(self.weight) if own_kernels else None
+        self.kernel_bias = None if self.bias is None else self.bias.float()
+        if self.kernel is not None:
+            self.one_row = self.packed = None
+            return
         # float32 at one row: MKL's packed sgemm reads fastest; at more rows (verification, prefill) oneDNN does.
         one_row = self.weight.dtype == torch.float32 and rows == 1 and torch.backends.mkl.is_available()
         self.one_row = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1) if one_row else None
@@ -73,16 +86,18 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., sum of the linears' out_features)."""
-        if not _packed_here(x):
+        if not packed_here(x):
             outputs = self.parts(x)
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        if self.kernel is not None:
+            return kernels.linear(x, self.kernel, self.weight.shape[0], self.kernel_bias)
         if self.one_row is not None and x.numel() == x.shape[-1]:
             return torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each linear's output (views of the one matmul's)."""
-        if not _packed_here(x):
+        if not packed_here(x):
             return tuple(linear(x) for linear in self.linears)
         return self(x).split(self.sizes, -1)
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec import kernels
 from verispec.errors import ContextLengthError
 from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
-from verispec.models.linear import PackedLinear
+from verispec.models.linear import PackedLinear, packed_here
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +22,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.own_kernel = False  # set by `Block.pack`: verispec's kernel, in inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel and x.dtype == self.weight.dtype and packed_here(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 at least, as transformers does, so bf16 checkpoints agree with it.
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -86,7 +90,7 @@ class Rows:
         return Rows(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, H, R, D).
+        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D).
 
         Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
         on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
@@ -107,7 +111,22 @@ class Rows:
         p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
         y = (p[..., :W].reshape(Hkv, -1, W) @ v[0, :, :W]).view(Hkv, R, -1, D)  # (Hkv, R, G, D)
         y = y + p[..., W:] @ v[0].index_select(1, self.tail.flatten()).view(Hkv, R, TAIL, D)
-        return y.transpose(1, 2).reshape(1, H, R, D)
+        return y.permute(1, 0, 2, 3).reshape(1, R, H * D)
+
+
+@dataclass
+class KeyRows:
+    """Exact mode's attention through verispec's kernels (verispec/kernels): each row's softmax over exactly the
+    cache slots it sees, taken in slot order, the others skipped rather than masked. A row then adds the same
+    numbers in the same order whether its token is decoded alone, in a chain, in a tree (whose nodes sit past their
+    positions, but in position order) or in a prefill chunk, at no fixed width and with no limit on a tree's depth.
+    """
+
+    visible: torch.Tensor  # (R, P) uint8, 1 where the row sees the cache slot
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D)."""
+        return kernels.attend(q[0], k[0], v[0], self.visible)[None]
 
 
 class Attention(nn.Module):
@@ -122,6 +141,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
         self.qkv: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
         self.o: PackedLinear | None = None
+        self.own_kernels = False  # set by `Block.pack`: rotary in place by verispec's kernel, in inference
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
@@ -130,15 +150,18 @@ class Attention(nn.Module):
         q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.own_kernels and B == 1 and cos.dim() == 2 and packed_here(x):
+            q, k = kernels.rotary_(q[0], cos, sin)[None], kernels.rotary_(k[0], cos, sin)[None]
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
-        if isinstance(mask, Rows):
-            y = mask.attend(q, k, v)
+        if isinstance(mask, (Rows, KeyRows)):
+            y = mask.attend(q, k, v)  # (B, T, H * D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
-                                               enable_gqa=self.heads != self.kv_heads)
-        return (self.o or self.o_proj)(y.transpose(1, 2).reshape(B, T, -1))
+                                               enable_gqa=self.heads != self.kv_heads).transpose(1, 2).reshape(B, T, -1)
+        return (self.o or self.o_proj)(y)
 
 
 class MLP(nn.Module):
@@ -163,14 +186,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def pack(self, rows: int) -> None:
+    def pack(self, rows: int, own_kernels: bool | None = None) -> None:
         """Run the projections as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up fused (see
-        models/linear.py): an inference-only fast path."""
+        models/linear.py; `own_kernels`: verispec's, by default where available): an inference-only fast path."""
         attention, mlp = self.self_attn, self.mlp
-        attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows)
-        attention.o = PackedLinear([attention.o_proj], rows)
-        mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
-        mlp.down = PackedLinear([mlp.down_proj], rows)
+        if own_kernels is None:
+            own_kernels = kernels.available(attention.o_proj.weight.dtype, attention.o_proj.weight.device)
+        attention.own_kernels = self.input_layernorm.own_kernel = self.post_attention_layernorm.own_kernel = own_kernels
+        attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows, own_kernels)
+        attention.o = PackedLinear([attention.o_proj], rows, own_kernels)
+        mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows, own_kernels)
+        mlp.down = PackedLinear([mlp.down_proj], rows, own_kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | None) -> torch.Tensor:
@@ -197,15 +223,25 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
+        self.own_kernels = False  # set by `pack`: verispec's kernels run the matmuls and exact mode's attention
         # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
         self.row_floors: dict[tuple[int, int, int], int] = {}
 
-    def pack(self, rows: int) -> None:
+    def pack(self, rows: int, own_kernels: bool | None = None) -> None:
         """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
-        fused (see models/linear.py): an inference-only fast path. The parameters keep their names and values."""
+        fused (see models/linear.py): an inference-only fast path. The parameters keep their names and values.
+        `own_kernels` (by default: where this machine has them): verispec's kernels run the matmuls, and exact
+        mode's attention (`KeyRows`)."""
+        param = self.lm_head.weight
+        self.own_kernels = kernels.available(param.dtype, param.device) if own_kernels is None else own_kernels
         for block in self.model.layers:
-            block.pack(rows)
-        self.head = PackedLinear([self.lm_head], rows)
+            block.pack(rows, self.own_kernels)
+        self.model.norm.own_kernel = self.own_kernels
+        self.head = PackedLinear([self.lm_head], rows, self.own_kernels)
+
+    def exact_rows(self, visible: torch.Tensor, width: int) -> Rows | KeyRows:
+        """Exact mode's attention layout for rows that see the cache slots `visible` (R, P), keys `width` wide."""
+        return KeyRows(visible.to(torch.uint8).contiguous()) if self.own_kernels else Rows.of(visible, width)
 
     def row_floor(self, rows: int, width: int) -> int:
         """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
@@ -258,6 +294,9 @@ class LlamaForCausalLM(nn.Module):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
+        if self.own_kernels and cache is not None and B == 1:  # verispec's attention: each row over its keys
+            seen = torch.ones(T, start + T, dtype=torch.bool) if attn_mask is None else attn_mask
+            attn_mask = KeyRows(seen.to(torch.uint8).contiguous())
         out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
         if cache is not None:
             cache.advance(T)
@@ -318,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
                 rows[:n] = visible[c: c + n]
                 pad = (0, len(rows) - n)  # padding token 0 at position 0
                 x, where = F.pad(tokens[:, c: c + n], pad), F.pad(positions[c: c + n], pad)
-                out = self._run(x, where, cache, Rows.of(rows, cache.width), layers, hidden)
+                out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden)
                 outs.append([o[:, :n] for o in ((out,) if hidden is None else out)])
                 cache.advance(n)
         except BaseException:

@@ -40,8 +40,10 @@ class NativeModel:
     forward attends over the same key width in chunks of at most 16 rows, padded up to the row floor measured for
     this machine's kernels on the first exact forward (models/row_floor.py), and a position's logits are bitwise
     the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill chunk): greedy
-    speculative output is then identical to plain greedy decoding in any dtype. It costs the padding to the floor
-    and attention over the whole context width each forward; a token tree may be at most 32 deep (see `Rows`).
+    speculative output is then identical to plain greedy decoding in any dtype. On verispec's own kernels
+    (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) the floor is 1 and attention takes each
+    row's own keys (`KeyRows`), so it costs nothing over ordinary decoding; on PyTorch's it costs the padding to the
+    floor and attention over the whole context width each forward, and a token tree may be at most 32 deep (`Rows`).
     """
 
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
@@ -102,10 +104,11 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
-    projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`), laid out for the row
-    count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
-    float32 outside exact mode) and they run in inference mode only: gradients and autocast get the plain linears.
-    Elsewhere it changes nothing."""
+    projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where
+    this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
+    the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
+    float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
+    the plain linears. Elsewhere it changes nothing."""
     folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)

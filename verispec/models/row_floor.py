@@ -25,8 +25,7 @@ from typing import Callable
 import torch
 
 from verispec.models.cache import KVCache
-from verispec.models.config import ModelConfig
-from verispec.models.llama import Rows, rotary
+from verispec.models.llama import rotary
 
 CHAIN = 32  # positions per span class: whole chunks of 16, and of every m at least once
 
@@ -70,7 +69,7 @@ def _block_chains(module: torch.nn.Module, rows: int, width: int,
                   generator: torch.Generator) -> list[Callable[[int, int], torch.Tensor]]:
     """The first block over a chain of CHAIN positions ending at each span class, as `run(lo, hi)`: its output for
     chain rows lo..hi-1 in one forward, after rows 0..lo-1 (run first, in order) and a random cached prefix."""
-    block, config, param = module.model.layers[0], module.config, next(module.parameters())
+    config, param = module.config, next(module.parameters())
     heads, dim = config.num_key_value_heads, config.dim_per_head
     last = width - rows  # the last position a token may take: the rest of the cache is a chunk's padding
     ends = sorted({min(end, last) for end in range(64, width + 64, 64)})
@@ -82,19 +81,19 @@ def _block_chains(module: torch.nn.Module, rows: int, width: int,
         cache.v[:, :, :, :start] = _wide(generator, param, 1, 1, heads, start, dim)
         cache.advance(start)
         x = _wide(generator, param, 1, CHAIN, config.hidden_size)
-        runs.append(lambda lo, hi, start=start, cache=cache, x=x: _chain_rows(block, config, cache, x, start, lo, hi))
+        runs.append(lambda lo, hi, start=start, cache=cache, x=x: _chain_rows(module, cache, x, start, lo, hi))
     return runs
 
 
-def _chain_rows(block: torch.nn.Module, config: ModelConfig, cache: KVCache, x: torch.Tensor, start: int, lo: int,
-                hi: int) -> torch.Tensor:
+def _chain_rows(module: torch.nn.Module, cache: KVCache, x: torch.Tensor, start: int, lo: int, hi: int
+                ) -> torch.Tensor:
     """Rows lo..hi-1 of the chain at start + lo.., through the block in one forward, as `_exact` lays them out."""
     if lo == 0:
         cache.truncate(start)
     positions = torch.arange(start + lo, start + hi, device=x.device)
     visible = torch.arange(cache.slots, device=x.device)[None] <= positions[:, None]  # each row: itself and before
-    cos, sin = rotary(positions, config.dim_per_head, config.rope_theta, x.dtype)
-    out = block(x[:, lo:hi], cos, sin, cache, Rows.of(visible, cache.width))
+    cos, sin = rotary(positions, module.config.dim_per_head, module.config.rope_theta, x.dtype)
+    out = module.model.layers[0](x[:, lo:hi], cos, sin, cache, module.exact_rows(visible, cache.width))
     cache.advance(hi - lo)
     return out[0]
 
