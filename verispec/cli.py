@@ -14,16 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from verispec.drafters.base import Drafter, Needs
 from verispec.arguments import whole_number
 from verispec.cli_parser import build_parser
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
-from verispec.errors import InvalidArgumentError, VerispecError
+from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError, VerispecError
 from verispec.generate import generate, stream
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
 from verispec.models.default import MODELS, default_paths
-from verispec.models.native import load_model
+from verispec.models.native import auto_dtype, load_model, parse_dtype
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
@@ -138,10 +140,24 @@ def _checked_method(args: argparse.Namespace) -> Method:
     return method
 
 
+def _load_target(args: argparse.Namespace) -> CausalLM:
+    """The target, in exact mode if --exact; without --exact or --no-exact, `generate` takes exact mode where the
+    native runtime runs the target on verispec's kernels (there it costs nothing), and the server never does (its
+    batched engine needs ordinary forwards)."""
+    if args.exact is not None or args.command != "generate" or args.backend == "transformers":
+        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact))
+    if auto_dtype(args.device) == "float32" or parse_dtype(args.dtype) not in (torch.bfloat16, torch.float32):
+        return load(args.target, args.backend, args.device, args.dtype)  # no kernels here, or not for this dtype
+    try:
+        return load(args.target, "native", args.device, args.dtype, exact=True)
+    except UnsupportedArchitectureError:
+        return load(args.target, args.backend, args.device, args.dtype)  # auto's fallback, which has no exact mode
+
+
 def _load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Drafter | None]:
     """The target and the method's drafter (None: plain decoding), from `add_model_args`' and `add_runtime_args`'
     options."""
-    target = load(args.target, args.backend, args.device, args.dtype, exact=args.exact)
+    target = _load_target(args)
     draft = None
     if method.family == "draft" and args.draft:  # never exact: the target decides every token
         draft = load(args.draft, args.backend, args.device, args.dtype)
@@ -365,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+        if getattr(args, "dtype", None) == "auto" and args.command != "bench":
+            args.dtype = auto_dtype(args.device)
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
                 "search-layerskip": _search_layerskip, "serve": _serve,
                 "bench-serve": _bench_serve}[args.command](args)

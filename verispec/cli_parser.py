@@ -159,9 +159,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Where and how the models run."""
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--exact", action="store_true",
-                        help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                        help="auto (default): bfloat16 where verispec's own kernels run on this CPU (AVX-512 with "
+                             "bfloat16 dot products), else float32")
+    parser.add_argument("--exact", action=argparse.BooleanOptionalAction,
+                        help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype "
+                             "(default: on for generate where the native target runs on verispec's kernels, which "
+                             "makes it free; off for the batched server)")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="native runtime, transformers, or auto: native where it covers the architecture")
     parser.add_argument("--threads", type=int,

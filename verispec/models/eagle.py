@@ -22,7 +22,7 @@ from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packable
-from verispec.models.llama import Block, rotary
+from verispec.models.llama import Block, KeyRows, rotary
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -67,6 +67,8 @@ class EagleHead(nn.Module):
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         if cache is not None and mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+        if cache is not None and B == 1 and self.layers[0].self_attn.own_kernels:  # as the target attends
+            mask = KeyRows.seeing(mask, T, start)
         x = self.layers[0](x, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(T)

@@ -124,6 +124,13 @@ class KeyRows:
 
     visible: torch.Tensor  # (R, P) uint8, 1 where the row sees the cache slot
 
+    @staticmethod
+    def seeing(mask: torch.Tensor | None, T: int, start: int) -> KeyRows:
+        """For T new tokens after `start` cached ones: `mask` (T, start + T) says which cache slots each sees; None
+        (one token), all of them."""
+        seen = torch.ones(T, start + T, dtype=torch.bool) if mask is None else mask
+        return KeyRows(seen.to(torch.uint8).contiguous())
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D)."""
         return kernels.attend(q[0], k[0], v[0], self.visible)[None]
@@ -295,8 +302,7 @@ class LlamaForCausalLM(nn.Module):
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_kernels and cache is not None and B == 1:  # verispec's attention: each row over its keys
-            seen = torch.ones(T, start + T, dtype=torch.bool) if attn_mask is None else attn_mask
-            attn_mask = KeyRows(seen.to(torch.uint8).contiguous())
+            attn_mask = KeyRows.seeing(attn_mask, T, start)
         out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
         if cache is not None:
             cache.advance(T)

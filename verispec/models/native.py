@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from tokenizers import Tokenizer
 
+from verispec import kernels
 from verispec.arguments import usable_device
 from verispec.errors import InvalidArgumentError
 from verispec.models.batch_cache import BatchKVCache
@@ -28,6 +29,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> str:
+    """The CLI's `--dtype auto`: bfloat16 where verispec's own kernels run on `device` (bfloat16 is then both the
+    fastest and, in exact mode, exact), else float32."""
+    try:
+        return "bfloat16" if kernels.available(torch.bfloat16, device) else "float32"
+    except RuntimeError:  # not a device name: loading says so in its own words
+        return "float32"
 
 
 EXACT_ROWS = 16  # the most rows of a forward in exact mode (longer ones run in chunks), and of its score matmul
