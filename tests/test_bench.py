@@ -10,6 +10,7 @@ import pytest
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench, run_quick
 from verispec.bench.metrics import per_prompt, summarize
 from verispec.cli import main
+from verispec.drafters.medusa import TREE_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +96,13 @@ def _steps_by_depth(runs: list[dict]) -> list[int]:
 
 def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
     """A tree's step costs its drafting at the depth recorded plus r of the tokens its forward verifies; r(n) is
-    measured up to the widest forward (the EAGLE and Medusa trees' 15 nodes and the root); lookahead has no model."""
+    measured up to the widest forward (the EAGLE tree's 10 nodes and the root); lookahead has no model."""
     out, results = quick
     records, summary, timing = results["records"], results["summary"], results["timing"]
     trees = timing["trees"]
     assert set(trees) == {"draft k=4 branch=2", "eagle k=6 tree_top_k=2 tree_tokens=10", "medusa"}
-    assert trees["draft k=4 branch=2"]["tokens"] == [1, 3, 5, 7, 9] and trees["medusa"]["tokens"][-1] == 16
-    assert set(timing["r"]) == {str(n) for n in range(1, 17)}
+    assert trees["draft k=4 branch=2"]["tokens"] == [1, 3, 5, 7, 9] and trees["medusa"]["tokens"][-1] == TREE_TOKENS + 1
+    assert set(timing["r"]) == {str(n) for n in range(1, 12)}
     for method, tree in trees.items():
         runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
         calls = sum(r["target_calls"] for r in runs)
@@ -115,7 +116,7 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
     assert all(cells[method][-2] != "-" and cells[method][-1] != "- |" for method in trees)  # predicted, efficiency
     assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-"
     assert "lookahead window=5 ngram=4 candidates=5: no prediction: its forward holds the Jacobi window" in report
-    assert "medusa: " in report and " + r(16) per step 3 deep" in report
+    assert "medusa: " in report and f" + r({TREE_TOKENS + 1}) per step" in report
 
 
 def test_summary_of_a_hand_made_log() -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ from verispec.cli_parser import build_parser
 from verispec.bench import harness, report
 from verispec.cli import GREEN, main
 from verispec.models.default import default_paths
-from verispec.models.native import auto_dtype
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 from verispec.tokenizer import byte_level_tokenizer
@@ -74,28 +74,35 @@ def test_generate_exact_in_bfloat16_is_identical(capsys, pair_dirs) -> None:
 
 
 def loaded_target(*argv: str):
-    """The target `main` would load for these arguments (--dtype auto resolved as `main` resolves it)."""
-    args = build_parser().parse_args(list(argv))
-    args.dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
-    return cli._load_target(args)
+    """The target `main` loads for these arguments (it hands them to `_load_target` with --dtype resolved)."""
+    loaded = []
+    with mock.patch.object(cli, "_load_target", lambda args: loaded.append(ORIGINAL_LOAD_TARGET(args))), \
+            mock.patch.object(cli, "_generate", lambda args: cli._load_target(args) and 0), \
+            mock.patch.object(cli, "_serve", lambda args: cli._load_target(args) and 0):
+        assert main(list(argv)) == 0
+    return loaded[0]
+
+
+ORIGINAL_LOAD_TARGET = cli._load_target
 
 
 @pytest.mark.parametrize("argv, dtype, exact", [
     ([], "auto", "auto"), (["--no-exact"], "auto", False), (["--exact", "--dtype", "float32"], torch.float32, True)])
 def test_generate_defaults_to_exact_bfloat16_where_the_kernels_run(pair_dirs, argv: list[str], dtype, exact) -> None:
     """Without --dtype and --exact, generate runs bfloat16 in exact mode where verispec's kernels run (there it is
-    free), and float32 ordinarily elsewhere."""
+    free: on one torch thread), and float32 ordinarily elsewhere."""
     here = kernels.available(torch.bfloat16)
-    target = loaded_target("generate", "x", "--target", str(pair_dirs[0]), *argv)
+    target = loaded_target("generate", "x", "--target", str(pair_dirs[0]), "--threads", "1", *argv)
     assert target.dtype == ((torch.bfloat16 if here else torch.float32) if dtype == "auto" else dtype)
     assert target.exact == (here if exact == "auto" else exact)
 
 
 def test_the_server_and_transformers_never_default_to_exact_mode(pair_dirs) -> None:
     """The server's batched engine needs ordinary forwards; transformers has no exact mode."""
-    assert not loaded_target("serve", "--target", str(pair_dirs[0])).exact
-    assert not hasattr(loaded_target("generate", "x", "--target", str(pair_dirs[0]), "--backend", "transformers"),
-                       "exact")
+    assert not loaded_target("serve", "--target", str(pair_dirs[0]), "--threads", "1").exact
+    on_transformers = loaded_target("generate", "x", "--target", str(pair_dirs[0]), "--backend", "transformers")
+    assert not hasattr(on_transformers, "exact")
+    assert next(on_transformers.model.parameters()).dtype == torch.float32  # auto: none of our kernels there
 
 
 def test_generate_without_draft_is_autoregressive(capsys, pair_dirs) -> None:

@@ -14,8 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from verispec.drafters.base import Drafter, Needs
 from verispec.arguments import whole_number
 from verispec.cli_parser import build_parser
@@ -25,7 +23,7 @@ from verispec.generate import generate, stream
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
 from verispec.models.default import MODELS, default_paths
-from verispec.models.native import auto_dtype, load_model, parse_dtype
+from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
@@ -141,17 +139,21 @@ def _checked_method(args: argparse.Namespace) -> Method:
 
 
 def _load_target(args: argparse.Namespace) -> CausalLM:
-    """The target, in exact mode if --exact; without --exact or --no-exact, `generate` takes exact mode where the
-    native runtime runs the target on verispec's kernels (there it costs nothing), and the server never does (its
-    batched engine needs ordinary forwards)."""
-    if args.exact is not None or args.command != "generate" or args.backend == "transformers":
+    """The target, in exact mode if --exact. Without --exact or --no-exact, `generate` takes exact mode where the
+    native runtime runs the target on verispec's kernels (there it costs nothing); the server never does (its
+    batched engine needs ordinary forwards). A target that only transformers runs takes float32 where --dtype was
+    left at auto (its bfloat16 has none of those kernels)."""
+    auto_exact = args.exact is None and args.command == "generate"
+    if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
         return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact))
-    if auto_dtype(args.device) == "float32" or parse_dtype(args.dtype) not in (torch.bfloat16, torch.float32):
-        return load(args.target, args.backend, args.device, args.dtype)  # no kernels here, or not for this dtype
+    exact = own_kernels_run(args.dtype, args.device) if auto_exact else bool(args.exact)
     try:
-        return load(args.target, "native", args.device, args.dtype, exact=True)
+        return load(args.target, "native", args.device, args.dtype, exact=exact)
     except UnsupportedArchitectureError:
-        return load(args.target, args.backend, args.device, args.dtype)  # auto's fallback, which has no exact mode
+        if args.backend == "native" or args.exact:
+            raise
+        # auto's own fallback (it says what both runtimes made of the folder), at no exact mode
+        return load(args.target, "auto", args.device, "float32" if args.auto_dtype else args.dtype)
 
 
 def _load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Drafter | None]:
@@ -381,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
-        if getattr(args, "dtype", None) == "auto" and args.command != "bench":
-            args.dtype = auto_dtype(args.device)
+        args.auto_dtype = getattr(args, "dtype", None) == "auto"
+        if args.auto_dtype:  # the native runtime's choice; `_load_target` gives transformers float32
+            args.dtype = "float32" if args.backend == "transformers" else auto_dtype(args.device)
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
                 "search-layerskip": _search_layerskip, "serve": _serve,
                 "bench-serve": _bench_serve}[args.command](args)

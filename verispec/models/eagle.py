@@ -21,7 +21,7 @@ from verispec.errors import CheckpointError
 from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
-from verispec.models.linear import PackedLinear, packable
+from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.llama import Block, KeyRows, rotary
 
 
@@ -67,7 +67,7 @@ class EagleHead(nn.Module):
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         if cache is not None and mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        if cache is not None and B == 1 and self.layers[0].self_attn.own_kernels:  # as the target attends
+        if cache is not None and B == 1 and self.layers[0].self_attn.own_attention and packed_here(x):  # as the target
             mask = KeyRows.seeing(mask, T, start)
         x = self.layers[0](x, cos, sin, cache, mask)
         if cache is not None:

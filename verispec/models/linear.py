@@ -8,7 +8,8 @@ Fusing the projections that share an input (q, k, v; gate, up) into one matmul h
 and lets each read one longer weight.
 
 Where verispec's own kernels run (verispec/kernels: AVX-512 with bfloat16 dot products, one thread), a linear uses
-them: they stream the weight once for every four rows and give a row the same bits whatever else shares the call.
+them: they stream the weight once for every six rows and give a row the same bits whatever else shares the
+call.
 Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`, bitwise equal to F.linear);
 float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN there), and at more rows oneDNN,
 each from its own packed copy (so a float32 model laid out for one row holds its weights three times). Both keep a
@@ -51,9 +52,8 @@ class PackedLinear(nn.Module):
 
     `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly.
     `own_kernels`: run verispec's matmul (verispec/kernels) instead, which lays the weight out for any count; by
-    default wherever it is available. The
-    fused weight is built once from the linears, whose own weights become views of it (no second plain copy), so
-    they keep their state-dict names and values. Holds no parameters: built on the model's final device and dtype,
+    default `kernels.chosen` (available, one torch thread). The fused weight is built once from the linears, whose own weights become
+    views of it (no second plain copy), so they keep their state-dict names and values. Holds no parameters: built on the model's final device and dtype,
     from weights that do not change afterwards. Outside inference mode, or under autocast, it runs the linears
     themselves (the kernels have no backward and take no part in autocast).
     """
@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
             [torch.zeros(n, dtype=self.weight.dtype, device=self.weight.device) if b is None else b.detach()
              for b, n in zip(biases, self.sizes)])
         if own_kernels is None:
-            own_kernels = kernels.available(self.weight.dtype, self.weight.device)
+            own_kernels = kernels.chosen(self.weight.dtype, self.weight.device)
         self.kernel = kernels.pack(self.weight) if own_kernels else None
         self.kernel_bias = None if self.bias is None else self.bias.float()
         if self.kernel is not None:
@@ -90,6 +90,8 @@ class PackedLinear(nn.Module):
             outputs = self.parts(x)
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
         if self.kernel is not None:
+            if x.dtype != self.weight.dtype:  # as F.linear would, refuse in PyTorch's words
+                return F.linear(x, self.weight, self.bias)
             return kernels.linear(x, self.kernel, self.weight.shape[0], self.kernel_bias)
         if self.one_row is not None and x.numel() == x.shape[-1]:
             return torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)

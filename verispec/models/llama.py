@@ -149,9 +149,10 @@ class Attention(nn.Module):
         self.qkv: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
         self.o: PackedLinear | None = None
         self.own_kernels = False  # set by `Block.pack`: rotary in place by verispec's kernel, in inference
+        self.own_attention = False  # and attention through `KeyRows`, where the kernel takes this head size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
-                mask: torch.Tensor | Rows | None) -> torch.Tensor:
+                mask: torch.Tensor | Rows | KeyRows | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -195,18 +196,25 @@ class Block(nn.Module):
 
     def pack(self, rows: int, own_kernels: bool | None = None) -> None:
         """Run the projections as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up fused (see
-        models/linear.py; `own_kernels`: verispec's, by default where available): an inference-only fast path."""
+        models/linear.py; `own_kernels`: verispec's, by default `kernels.chosen`): an inference-only fast path."""
         attention, mlp = self.self_attn, self.mlp
+        weight = attention.o_proj.weight
         if own_kernels is None:
-            own_kernels = kernels.available(attention.o_proj.weight.dtype, attention.o_proj.weight.device)
-        attention.own_kernels = self.input_layernorm.own_kernel = self.post_attention_layernorm.own_kernel = own_kernels
+            own_kernels = kernels.chosen(weight.dtype, weight.device)
+        elif own_kernels and not kernels.available(weight.dtype, weight.device):
+            raise ValueError(f"verispec's kernels do not run {weight.dtype} here: {kernels.reason()}")
+        attention.own_kernels = own_kernels
+        attention.own_attention = own_kernels and attention.head_dim <= kernels.MAX_HEAD_DIM
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            if isinstance(norm, RMSNorm):  # EAGLE's layer has none at its input
+                norm.own_kernel = own_kernels
         attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows, own_kernels)
         attention.o = PackedLinear([attention.o_proj], rows, own_kernels)
         mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows, own_kernels)
         mlp.down = PackedLinear([mlp.down_proj], rows, own_kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
-                mask: torch.Tensor | Rows | None) -> torch.Tensor:
+                mask: torch.Tensor | Rows | KeyRows | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -230,25 +238,27 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
-        self.own_kernels = False  # set by `pack`: verispec's kernels run the matmuls and exact mode's attention
+        self.own_kernels = False  # set by `pack`: verispec's kernels run the matmuls, norms and rotary
+        self.own_attention = False  # and attention (`KeyRows`), where they take the head size
         # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
         self.row_floors: dict[tuple[int, int, int], int] = {}
 
     def pack(self, rows: int, own_kernels: bool | None = None) -> None:
         """Run every projection and the LM head as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up
         fused (see models/linear.py): an inference-only fast path. The parameters keep their names and values.
-        `own_kernels` (by default: where this machine has them): verispec's kernels run the matmuls, and exact
-        mode's attention (`KeyRows`)."""
+        `own_kernels` (by default `kernels.chosen`: where this machine has them and torch runs one thread): verispec's
+        kernels run the matmuls, norms, rotary and, where they take the head size, attention (`KeyRows`)."""
         param = self.lm_head.weight
-        self.own_kernels = kernels.available(param.dtype, param.device) if own_kernels is None else own_kernels
+        self.own_kernels = kernels.chosen(param.dtype, param.device) if own_kernels is None else own_kernels
         for block in self.model.layers:
             block.pack(rows, self.own_kernels)
+        self.own_attention = self.model.layers[0].self_attn.own_attention if self.model.layers else False
         self.model.norm.own_kernel = self.own_kernels
         self.head = PackedLinear([self.lm_head], rows, self.own_kernels)
 
     def exact_rows(self, visible: torch.Tensor, width: int) -> Rows | KeyRows:
         """Exact mode's attention layout for rows that see the cache slots `visible` (R, P), keys `width` wide."""
-        return KeyRows(visible.to(torch.uint8).contiguous()) if self.own_kernels else Rows.of(visible, width)
+        return KeyRows(visible.to(torch.uint8).contiguous()) if self.own_attention else Rows.of(visible, width)
 
     def row_floor(self, rows: int, width: int) -> int:
         """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
@@ -258,9 +268,11 @@ class LlamaForCausalLM(nn.Module):
         strided views, taken row by row."""
         if self.head is None:
             return rows
+        if self.own_kernels and self.own_attention:
+            return 1  # batch-invariant by construction (verispec/kernels); tests/test_row_floor.py measures it so
         key = (torch.get_num_threads(), rows, width)
         if key not in self.row_floors:
-            from verispec.models.row_floor import row_floor  # here: it imports this module's Rows and rotary
+            from verispec.models.row_floor import row_floor  # here: it imports this module's rotary
             self.row_floors[key] = row_floor(self, rows, width)
         return self.row_floors[key]
 
@@ -281,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
 
         Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks of at most `cache.rows` rows,
-        each padded up to the `row_floor` and laid out by `Rows`, so that a position's logits are bitwise the
+        each padded up to the `row_floor` and laid out by `exact_rows`, so that a position's logits are bitwise the
         same however many tokens share the forward; a chunk sees earlier chunks through the cache, so no token
         may see a later chunk's.
         """
@@ -301,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
-        if self.own_kernels and cache is not None and B == 1:  # verispec's attention: each row over its keys
+        if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
             attn_mask = KeyRows.seeing(attn_mask, T, start)
         out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
         if cache is not None:
@@ -316,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
-             attn_mask: torch.Tensor | Rows | None, layers: Sequence[int] | None,
+             attn_mask: torch.Tensor | Rows | KeyRows | None, layers: Sequence[int] | None,
              hidden: Sequence[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
@@ -337,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
                layers: Sequence[int] | None, hidden: Sequence[int] | None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward into a static cache: chunks of at most R rows, each padded to the row floor and laid out
-        by `Rows`."""
+        by `exact_rows`."""
         B, T = tokens.shape
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")

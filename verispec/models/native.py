@@ -31,13 +31,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def auto_dtype(device: str | torch.device = "cpu") -> str:
-    """The CLI's `--dtype auto`: bfloat16 where verispec's own kernels run on `device` (bfloat16 is then both the
-    fastest and, in exact mode, exact), else float32."""
+def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:
+    """Whether a native model of `dtype` loaded now on `device` runs on verispec's own kernels (`kernels.chosen`:
+    available here, and torch on one thread)."""
     try:
-        return "bfloat16" if kernels.available(torch.bfloat16, device) else "float32"
+        return kernels.chosen(parse_dtype(dtype), device)
     except RuntimeError:  # not a device name: loading says so in its own words
-        return "float32"
+        return False
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> str:
+    """The CLI's `--dtype auto` for the native runtime: bfloat16 where verispec's own kernels run on `device`
+    (bfloat16 is then both the fastest and, in exact mode, exact), else float32."""
+    return "bfloat16" if own_kernels_run(torch.bfloat16, device) else "float32"
 
 
 EXACT_ROWS = 16  # the most rows of a forward in exact mode (longer ones run in chunks), and of its score matmul
@@ -91,6 +97,8 @@ class NativeModel:
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None,
                  hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if mask is not None and mask.dtype != torch.bool:  # a float mask's 0 would mean "seen" to SDPA only
+            raise InvalidArgumentError(f"an attention mask says True where a token sees another; got {mask.dtype}")
         return self.module(tokens, cache, mask, positions, layers, hidden)
 
     @torch.inference_mode()
