@@ -44,21 +44,21 @@ def test_linear_is_right_and_each_row_is_its_own(dtype: torch.dtype, N: int, K: 
     generator = torch.Generator().manual_seed(N + K)
     w, bias = torch.randn(N, K, generator=generator).to(dtype), torch.randn(N, generator=generator)
     x = torch.randn(17, K, generator=generator).to(dtype)
-    y = kernels.linear(x, kernels.pack(w), N, bias)
+    y = kernels.Matmul(w, bias)(x)
     reference = x.double() @ w.double().T + bias.double()
     assert y.dtype == dtype and y.shape == (17, N)
     assert relative_error(y, reference) < (1e-5 if dtype == torch.float32 else 1e-2)
     for lo, hi in [(0, 1), (3, 4), (5, 7), (2, 5), (4, 8), (1, 14), (16, 17)]:
-        assert torch.equal(kernels.linear(x[lo:hi], kernels.pack(w), N, bias), y[lo:hi]), (lo, hi)
+        assert torch.equal(kernels.Matmul(w, bias)(x[lo:hi]), y[lo:hi]), (lo, hi)
 
 
 @needs_kernels
 def test_linear_takes_strided_rows_and_leading_dims() -> None:
     w = torch.randn(70, 48).bfloat16()
     x = torch.randn(2, 3, 96).bfloat16()[..., ::2]  # a last dim with stride 2
-    y = kernels.linear(x, kernels.pack(w), 70)
+    y = kernels.Matmul(w)(x)
     assert y.shape == (2, 3, 70)
-    assert torch.equal(y, kernels.linear(x.contiguous().view(6, 48), kernels.pack(w), 70).view(2, 3, 70))
+    assert torch.equal(y, kernels.Matmul(w)(x.contiguous().view(6, 48)).view(2, 3, 70))
 
 
 def test_pack_lays_out_blocks_of_64_columns_zero_padded() -> None:
@@ -170,12 +170,14 @@ def test_rms_norm_and_rotary_round_as_the_pytorch_model_does(dtype: torch.dtype,
 @needs_kernels
 def test_the_wrappers_refuse_what_would_read_out_of_bounds() -> None:
     w = torch.randn(70, 48).bfloat16()
-    with pytest.raises(ValueError, match="one dtype"):
-        kernels.linear(torch.randn(2, 48), kernels.pack(w), 70)  # float32 rows, bfloat16 weight
-    with pytest.raises(ValueError, match="does not take"):
-        kernels.linear(torch.randn(2, 50).bfloat16(), kernels.pack(w), 70)
+    with pytest.raises(ValueError, match="takes CPU torch.bfloat16 rows of 48"):
+        kernels.Matmul(w)(torch.randn(2, 48))  # float32 rows, bfloat16 weight
+    with pytest.raises(ValueError, match="rows of 48"):
+        kernels.Matmul(w)(torch.randn(2, 50).bfloat16())
     with pytest.raises(ValueError, match="bias"):
-        kernels.linear(torch.randn(2, 48).bfloat16(), kernels.pack(w), 70, torch.zeros(70).bfloat16())
+        kernels.Matmul(w, torch.zeros(69))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.Matmul(w.half())
     q, k = torch.randn(2, 1, 16), torch.randn(2, 9, 16)
     with pytest.raises(ValueError, match="visible"):
         kernels.attend(q, k, k, torch.ones(1, 8, dtype=torch.uint8))

@@ -32,7 +32,7 @@ OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops
 REST = "wall time less all ops (Python and dispatch, at least)"
 FORWARD = "forward"
 KERNEL = "kernel"  # a call into verispec's own kernels (ctypes: no PyTorch op of its own to time)
-KERNEL_CALLS = ("linear", "attend", "rms_norm", "rotary_")
+KERNEL_CALLS = ("attend", "rms_norm", "rotary_")  # and each `kernels.Matmul` call
 KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels"}
 ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
          "residual adds", "embedding", OTHER, OVERHEAD]
@@ -81,6 +81,7 @@ def _labelled(model: NativeModel, stack: ExitStack) -> None:
             stack.callback(module.register_forward_hook(leave).remove)
     for function in ("rotary", "apply_rotary"):
         stack.enter_context(mock.patch.object(llama, function, wrapped(getattr(llama, function), "rotary")))
+    stack.enter_context(mock.patch.object(kernels.Matmul, "__call__", wrapped(kernels.Matmul.__call__, KERNEL)))
     for function in KERNEL_CALLS:
         call = wrapped(getattr(kernels, function), KERNEL)
         stack.enter_context(mock.patch.object(kernels, function, wrapped(call, "rotary") if function == "rotary_"

@@ -14,7 +14,7 @@ import torch
 
 from verispec.kernels.build import library, reason
 
-__all__ = ["available", "chosen", "reason", "pack", "linear", "attend", "rms_norm", "rotary_", "MAX_HEAD_DIM"]
+__all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (cpu.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (cpu.cpp MAX_LANES x 16)
@@ -58,21 +58,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, COLS, padded.shape[1] // pair, pair).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x (..., K) @ weight.T (+ bias) -> (..., N), with the weight as `pack` laid it out and `bias` float32 (N,)."""
-    *lead, K = x.shape
-    kernel = _kernel("linear", x, packed)
-    pair = 2 if x.dtype == torch.bfloat16 else 1
-    if packed.shape != (-(-out_features // COLS), -(-K // pair), COLS, pair) or not packed.is_contiguous():
-        raise ValueError(f"a packed weight {tuple(packed.shape)} does not take {K} inputs to {out_features} outputs")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"the bias must be a contiguous float32 ({out_features},); got {bias.dtype} {tuple(bias.shape)}")
-    rows = _rows(x)
-    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
-    kernel(rows.data_ptr(), rows.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-           out_features, rows.shape[0], out_features, K)
-    return y.view(*lead, out_features)
+class Matmul:
+    """x (..., K) -> x @ weight.T (+ bias) (..., N) on the kernel, the weight (N, K) packed once (`pack`) and the bias
+    kept in float32; checked here once, so that a call checks only its input."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.kernel = _kernel("linear", weight)
+        self.dtype, self.packed = weight.dtype, pack(weight)
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
+            raise ValueError(f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        rows = _rows(x)
+        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        self.kernel(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                    0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features, rows.shape[0],
+                    self.out_features, self.in_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -74,8 +74,7 @@ class PackedLinear(nn.Module):
              for b, n in zip(biases, self.sizes)])
         if own_kernels is None:
             own_kernels = kernels.chosen(self.weight.dtype, self.weight.device)
-        self.kernel = kernels.pack(self.weight) if own_kernels else None
-        self.kernel_bias = None if self.bias is None else self.bias.float()
+        self.kernel = kernels.Matmul(self.weight, self.bias) if own_kernels else None
         if self.kernel is not None:
             self.one_row = self.packed = None
             return
@@ -92,7 +91,7 @@ class PackedLinear(nn.Module):
         if self.kernel is not None:
             if x.dtype != self.weight.dtype:  # as F.linear would, refuse in PyTorch's words
                 return F.linear(x, self.weight, self.bias)
-            return kernels.linear(x, self.kernel, self.weight.shape[0], self.kernel_bias)
+            return self.kernel(x)
         if self.one_row is not None and x.numel() == x.shape[-1]:
             return torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
