@@ -121,7 +121,7 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
 
 def test_summary_of_a_hand_made_log() -> None:
     records = [
-        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s, "prefill_seconds": 0.0,
+        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s, "prefill_seconds": 0.5,
          "draft_seconds": 0.0, "verify_seconds": 0.0,
          "target_calls": calls, "proposed_by_position": prop, "accepted_by_position": acc}
         for rep in range(3)
@@ -138,6 +138,7 @@ def test_summary_of_a_hand_made_log() -> None:
     assert entry["acceptance_by_position"] == [1.0, 0.0]
     assert entry["mean_draft_width"] == 2.0  # both steps of each prompt verified two drafts
     assert entry["predicted_speedup"] == pytest.approx(2.0 / (2 * 0.5 + 2.0))
+    assert entry["decode_tokens_per_second"] == pytest.approx(8 / (4.0 - 2 * 0.5))  # 8 tokens, prefills taken off
 
 
 def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:

@@ -52,6 +52,7 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
                 total = sum(x["seconds"] for x in mine)
                 split = {part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")}
                 entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())},
+                          "decode_tokens_per_second": new / (total - split["prefill"] * total),
                           "steps_by_depth": _width_histogram(proposed, calls)}  # [d]: steps that verified d drafts
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
