@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from verispec import cli, kernels
-from verispec.cli_parser import build_parser
 from verispec.bench import harness, report
 from verispec.cli import GREEN, main
 from verispec.models.default import default_paths

@@ -40,11 +40,28 @@ def own_kernels(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def exact(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
+def exact_on(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
+    """The target in exact mode, packed on verispec's kernels or PyTorch's."""
     model = load_model(pair_dirs[0], dtype=dtype, exact=True, fast=False)
     model.module.pack(EXACT_ROWS, own_kernels)
     return model
+
+
+@pytest.fixture(scope="module")
+def exact(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
+    return exact_on(pair_dirs, dtype, own_kernels)
+
+
+@pytest.fixture(scope="module")
+def exact_torch(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> NativeModel:
+    return exact_on(pair_dirs, dtype, own_kernels=False)
+
+
+@pytest.fixture(scope="module")
+def exact_own(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> NativeModel:
+    if not kernels.available(dtype):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    return exact_on(pair_dirs, dtype, own_kernels=True)
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +154,10 @@ def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: Native
         assert torch.equal(logits[node], plain[-1]), f"node {node}"
 
 
-def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact: NativeModel) -> None:
+def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact_torch: NativeModel) -> None:
     """A branch under the root's second child sits one slot past its positions: its keys are out of place. `Rows`
     gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
-    if exact.module.own_kernels:
-        pytest.skip("verispec's attention takes a row's keys wherever they sit: see the test below")
+    exact = exact_torch
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
     tokens = torch.randint(0, 256, (1, len(parents) + 1), generator=torch.Generator().manual_seed(4))
     cache = exact.new_cache()
@@ -156,10 +172,9 @@ def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact:
     assert cache.length == PREFIX
 
 
-def test_own_kernels_take_a_tree_of_any_depth(exact: NativeModel) -> None:
+def test_own_kernels_take_a_tree_of_any_depth(exact_own: NativeModel) -> None:
     """`KeyRows` skips the slots a row does not see, so a branch 40 deep, one slot past its positions, is exact."""
-    if not exact.module.own_kernels:
-        pytest.skip("PyTorch's kernels take trees up to TAIL deep: see the test above")
+    exact = exact_own
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL + 7))
     tokens = torch.randint(0, 256, (1, len(parents)), generator=torch.Generator().manual_seed(4))
     mask, depths = tree(parents)

@@ -8,7 +8,7 @@ import torch
 from verispec import kernels
 from verispec.bench.suite import read_suite
 from verispec.models.default import default_paths
-from verispec.threads import torch_threads
+from verispec.tokenizer import load_tokenizer
 from verispec.models.native import EXACT_ROWS, NativeModel, exact_width, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.models.row_floor import largest_differing_count, row_floor
@@ -34,14 +34,23 @@ def one_thread(single_thread: None) -> None:
     """One thread, the count the row floor is measured at below."""
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
-def shipped_exact(request: pytest.FixtureRequest) -> NativeModel:
-    """The shipped target in exact bfloat16, on verispec's kernels and on PyTorch's."""
-    if request.param and not kernels.available(torch.bfloat16):
+def shipped_on(own_kernels: bool) -> NativeModel:
+    """The shipped target in exact bfloat16, on verispec's kernels or on PyTorch's."""
+    if own_kernels and not kernels.available(torch.bfloat16):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
     model = load_model(default_paths()[0], dtype="bfloat16", exact=True, fast=False)
-    model.module.pack(EXACT_ROWS, own_kernels=request.param)
+    model.module.pack(EXACT_ROWS, own_kernels=own_kernels)
     return model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
+def shipped_exact(request: pytest.FixtureRequest) -> NativeModel:
+    return shipped_on(request.param)
+
+
+@pytest.fixture(scope="module")
+def shipped_torch() -> NativeModel:
+    return shipped_on(False)
 
 
 def in_chunks(model: NativeModel, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
@@ -61,9 +70,9 @@ START = 420  # after 420 tokens of real code: where differing sums show (a short
 
 
 @pytest.fixture(scope="module")
-def code(shipped_exact: NativeModel) -> torch.Tensor:
+def code() -> torch.Tensor:
     text = "".join(item["prompt"] for item in read_suite()[:3])
-    return torch.tensor([shipped_exact.tokenizer.encode(text).ids[: START + 16]])
+    return torch.tensor([load_tokenizer(default_paths()[0]).encode(text).ids[: START + 16]])
 
 
 def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(shipped_exact: NativeModel,
@@ -73,21 +82,19 @@ def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(
         assert torch.equal(in_chunks(shipped_exact, code, sizes, START), alone), sizes
 
 
-def test_own_kernels_need_no_padding(shipped_exact: NativeModel) -> None:
+def test_own_kernels_need_no_padding() -> None:
     """verispec's matmul and attention give a row the same bits at any count by construction, so the model takes
     floor 1 without measuring, and the measurement over the whole block agrees."""
-    if not shipped_exact.module.own_kernels:
-        pytest.skip("PyTorch's kernels: see the test below")
+    shipped_exact = shipped_on(True)
     width = exact_width(shipped_exact.context_length)
     assert shipped_exact.module.row_floor(EXACT_ROWS, width) == 1 and not shipped_exact.module.row_floors
     assert row_floor(shipped_exact.module, EXACT_ROWS, width) == 1
 
 
-def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_exact: NativeModel, code: torch.Tensor) -> None:
+def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_torch: NativeModel, code: torch.Tensor) -> None:
     """So the test above can fail: on PyTorch's kernels, one row below the floor measured here, some position's
     logits differ."""
-    if shipped_exact.module.own_kernels:
-        pytest.skip("verispec's kernels have floor 1 by construction: nothing to go below (see the test above)")
+    shipped_exact = shipped_torch
     module, key = shipped_exact.module, (1, EXACT_ROWS, exact_width(shipped_exact.context_length))
     alone = in_chunks(shipped_exact, code, [1] * 16, START)
     floor = module.row_floors[key]  # measured by the forwards above, at this one thread
