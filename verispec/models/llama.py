@@ -125,11 +125,15 @@ class KeyRows:
     visible: torch.Tensor  # (R, P) uint8, 1 where the row sees the cache slot
 
     @staticmethod
+    def of(visible: torch.Tensor) -> KeyRows:
+        """Rows that see the cache slots `visible` (R, P), True where seen."""
+        return KeyRows(visible.to(torch.uint8).contiguous())
+
+    @staticmethod
     def seeing(mask: torch.Tensor | None, T: int, start: int) -> KeyRows:
         """For T new tokens after `start` cached ones: `mask` (T, start + T) says which cache slots each sees; None
         (one token), all of them."""
-        seen = torch.ones(T, start + T, dtype=torch.bool) if mask is None else mask
-        return KeyRows(seen.to(torch.uint8).contiguous())
+        return KeyRows.of(torch.ones(T, start + T, dtype=torch.bool) if mask is None else mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D)."""
@@ -258,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
 
     def exact_rows(self, visible: torch.Tensor, width: int) -> Rows | KeyRows:
         """Exact mode's attention layout for rows that see the cache slots `visible` (R, P), keys `width` wide."""
-        return KeyRows(visible.to(torch.uint8).contiguous()) if self.own_attention else Rows.of(visible, width)
+        return KeyRows.of(visible) if self.own_attention else Rows.of(visible, width)
 
     def row_floor(self, rows: int, width: int) -> int:
         """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
@@ -268,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         strided views, taken row by row."""
         if self.head is None:
             return rows
-        if self.own_kernels and self.own_attention:
+        if self.own_attention:  # (implies own_kernels)
             return 1  # batch-invariant by construction (verispec/kernels); tests/test_row_floor.py measures it so
         key = (torch.get_num_threads(), rows, width)
         if key not in self.row_floors:
