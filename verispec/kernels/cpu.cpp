@@ -15,8 +15,6 @@
 
 typedef uint16_t bf16;  // bfloat16 bits
 
-extern "C" int vs_version() { return 1; }
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define VS_KERNELS 1
 extern "C" int vs_available() { return 1; }

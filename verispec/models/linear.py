@@ -8,12 +8,12 @@ Fusing the projections that share an input (q, k, v; gate, up) into one matmul h
 and lets each read one longer weight.
 
 Where verispec's own kernels run (verispec/kernels: AVX-512 with bfloat16 dot products, one thread), a linear uses
-them: they stream the weight once for every six rows and give a row the same bits whatever else shares the
-call.
-Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`, bitwise equal to F.linear);
-float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN there), and at more rows oneDNN,
-each from its own packed copy (so a float32 model laid out for one row holds its weights three times). Both keep a
-row's result independent of the other rows at a fixed row count, as exact mode needs.
+them: they stream the weight once for every six rows and give a row the same bits whatever else shares the call.
+Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`,
+bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN
+there), and at more rows oneDNN, each from its own packed copy (so a float32 model laid out for one row holds its
+weights three times). Both keep a row's result independent of the other rows at a fixed row count, as exact mode
+needs.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class PackedLinear(nn.Module):
 
     `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly.
     `own_kernels`: run verispec's matmul (verispec/kernels) instead, which lays the weight out for any count; by
-    default `kernels.chosen` (available, one torch thread). The fused weight is built once from the linears, whose own weights become
-    views of it (no second plain copy), so they keep their state-dict names and values. Holds no parameters: built on the model's final device and dtype,
-    from weights that do not change afterwards. Outside inference mode, or under autocast, it runs the linears
-    themselves (the kernels have no backward and take no part in autocast).
+    default `kernels.chosen` (available, one torch thread). The fused weight is built once from the linears, whose
+    own weights become views of it (no second plain copy), so they keep their state-dict names and values. Holds no
+    parameters: built on the model's final device and dtype, from weights that do not change afterwards. Outside
+    inference mode, or under autocast, it runs the linears themselves (the kernels have no backward and take no part
+    in autocast).
     """
 
     def __init__(self, linears: Sequence[nn.Linear], rows: int, own_kernels: bool | None = None) -> None:

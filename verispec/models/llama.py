@@ -133,7 +133,7 @@ class KeyRows:
     def seeing(mask: torch.Tensor | None, T: int, start: int) -> KeyRows:
         """For T new tokens after `start` cached ones: `mask` (T, start + T) says which cache slots each sees; None
         (one token), all of them."""
-        return KeyRows.of(torch.ones(T, start + T, dtype=torch.bool) if mask is None else mask)
+        return KeyRows.of(torch.ones(T, start + T, dtype=torch.uint8) if mask is None else mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D)."""
