@@ -76,10 +76,11 @@ def test_timings_fit_a_line_and_take_medians() -> None:
     t = Timings()
     c, r = t.costs()  # nothing measured: the priors
     assert c == pytest.approx(0.1) and r(3) == pytest.approx(1.2)
-    for seconds in (0.010, 0.011, 0.5, 0.010, 0.009):  # one stall: the median ignores it
+    for seconds in (0.030, 0.010, 0.011, 0.5, 0.010, 0.009):  # one stall: the median ignores it
         t.observe(0, 0.0, 1, seconds)
-    for seconds in (0.020, 0.020, 0.021):
+    for seconds in (0.060, 0.020, 0.020, 0.021):  # a width's first timing (one-time work) gives way to the next
         t.observe(4, 0.004, 5, seconds)
+    assert list(t.verify[1]) == [0.010, 0.011, 0.5, 0.010, 0.009] and list(t.verify[5]) == [0.020, 0.020, 0.021]
     c, r = t.costs()
     assert c == pytest.approx(0.1) and r(1) == 1 and r(5) == pytest.approx(2.0)
     assert r(3) == pytest.approx(1.5)

@@ -168,6 +168,46 @@ def test_rms_norm_and_rotary_round_as_the_pytorch_model_does(dtype: torch.dtype,
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_a_residual_is_added_as_residual_plus_the_product(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    w, x = torch.randn(70, 48, generator=generator).to(dtype), torch.randn(1, 9, 48, generator=generator).to(dtype)
+    residual = torch.randn(1, 9, 70, generator=generator).to(dtype)
+    matmul = kernels.Matmul(w, torch.randn(70, generator=generator))
+    assert torch.equal(matmul(x, residual), residual + matmul(x))
+    with pytest.raises(ValueError, match="residual"):
+        matmul(x, residual[..., :69])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_silu_mul_is_right_and_each_row_is_its_own(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 2 * 37, generator=generator) * 4).to(dtype)
+    y = kernels.silu_mul(x)
+    gate, up = x.double().chunk(2, -1)
+    assert y.shape == (7, 37) and relative_error(y, torch.nn.functional.silu(gate) * up) < (
+        1e-6 if dtype == torch.float32 else 1e-2)
+    assert all(torch.equal(kernels.silu_mul(x[i: i + 1]), y[i: i + 1]) for i in range(7))
+
+
+@needs_kernels
+def test_gather_and_store_kv_copy_rows_and_refuse_out_of_range() -> None:
+    import ctypes
+    table = torch.randn(10, 6).bfloat16()
+    assert torch.equal(kernels.gather(table, torch.tensor([3, 0, 9])), table[[3, 0, 9]])
+    with pytest.raises(IndexError, match="outside the 10 rows"):
+        kernels.gather(table, torch.tensor([3, 10]))
+    keys, values = torch.zeros(2, 8, 3), torch.zeros(2, 8, 3)
+    new = torch.randn(2, 12)  # rows of [k heads | v heads]
+    kernels.store_kv(new[:, :6], new[:, 6:], keys, values, ctypes.c_int64(5))
+    assert torch.equal(keys[:, 5:7], new[:, :6].view(2, 2, 3).transpose(0, 1))
+    assert torch.equal(values[:, 5:7], new[:, 6:].view(2, 2, 3).transpose(0, 1)) and not keys[:, :5].any()
+    with pytest.raises(IndexError, match="slots 7 .. 8 outside a cache of 8"):
+        kernels.store_kv(new[:, :6], new[:, 6:], keys, values, ctypes.c_int64(7))
+
+
+@needs_kernels
 def test_the_wrappers_refuse_what_would_read_out_of_bounds() -> None:
     w = torch.randn(70, 48).bfloat16()
     with pytest.raises(ValueError, match="takes CPU torch.bfloat16 rows of 48"):

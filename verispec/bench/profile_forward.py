@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import machine
+from verispec.kernels.capture import Program
 from verispec.models import llama
 from verispec.models.native import NativeModel, load_model
 
@@ -32,10 +33,12 @@ OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops
 REST = "wall time less all ops (Python and dispatch, at least)"
 FORWARD = "forward"
 KERNEL = "kernel"  # a call into verispec's own kernels (ctypes: no PyTorch op of its own to time)
-KERNEL_CALLS = ("attend", "rms_norm", "rotary_")  # and each `kernels.Matmul` call
-KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels"}
+KERNEL_CALLS = ("attend", "rms_norm", "rotary_", "silu_mul", "gather")  # and each `kernels.Matmul` call
+REPLAY = "replayed kernel calls (a captured forward's kernels in one C call)"
+KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels, op by op",
+         "captured": "own kernels, captured and replayed"}
 ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
-         "residual adds", "embedding", OTHER, OVERHEAD]
+         "residual adds", "embedding", REPLAY, OTHER, OVERHEAD]
 
 
 @dataclass
@@ -82,6 +85,7 @@ def _labelled(model: NativeModel, stack: ExitStack) -> None:
     for function in ("rotary", "apply_rotary"):
         stack.enter_context(mock.patch.object(llama, function, wrapped(getattr(llama, function), "rotary")))
     stack.enter_context(mock.patch.object(kernels.Matmul, "__call__", wrapped(kernels.Matmul.__call__, KERNEL)))
+    stack.enter_context(mock.patch.object(Program, "__call__", wrapped(Program.__call__, REPLAY)))
     for function in KERNEL_CALLS:
         call = wrapped(getattr(kernels, function), KERNEL)
         stack.enter_context(mock.patch.object(kernels, function, wrapped(call, "rotary") if function == "rotary_"
@@ -102,13 +106,16 @@ def _kinds(events) -> dict[str, float]:
     for event in events:
         if event.name == MARK + FORWARD:
             kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) + event.cpu_time_total / 1e3
-        if event.name.startswith(MARK) and event.name != MARK + KERNEL:
+        whole = event.name in (MARK + KERNEL, MARK + REPLAY)
+        if event.name.startswith(MARK) and not whole:
             continue
         parent = _labelled_parent(event)
-        if event.name != MARK + KERNEL and parent is not None and parent.name == MARK + KERNEL:
+        if not whole and parent is not None and parent.name in (MARK + KERNEL, MARK + REPLAY):
             continue  # counted with its kernel call
         label = OTHER if parent is None or parent.name == MARK + FORWARD else parent.name[len(MARK):]
-        spent = (event.cpu_time_total if event.name == MARK + KERNEL else event.self_cpu_time_total) / 1e3
+        if event.name == MARK + REPLAY:
+            label = REPLAY
+        spent = (event.cpu_time_total if whole else event.self_cpu_time_total) / 1e3
         kinds[label] = kinds.get(label, 0.0) + spent
         kinds[OVERHEAD] = kinds.get(OVERHEAD, 0.0) - spent
     return kinds
@@ -156,7 +163,7 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
     measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
     measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
     Returns the settings' profiles and the read bandwidth (bytes per second)."""
-    own = ["own"] if kernels.available(torch.float32) else []
+    own = ["own", "captured"] if kernels.available(torch.float32) else []
     keys = [(dtype, exact, kind) for dtype in ("float32", "bfloat16") for exact in (False, True)
             for kind in ["plain", "fast", *own]]
     settings = {key: _Setting(_load(target_dir, *key), context) for key in keys}
@@ -176,7 +183,8 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
 def _load(target_dir: Path, dtype: str, exact: bool, kind: str) -> NativeModel:
     model = load_model(target_dir, dtype=dtype, exact=exact, fast=False)
     if kind != "plain":
-        model.module.pack(16 if exact else 1, own_kernels=kind == "own")
+        model.module.pack(16 if exact else 1, own_kernels=kind in ("own", "captured"))
+    model.module.capture = kind == "captured"
     return model
 
 
@@ -198,8 +206,10 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
              "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. A call "
              "into verispec's kernels counts whole for the kind of work around it. Plain: eager F.linear per "
              "projection; fast: prepacked and fused matmuls on PyTorch's kernels (oneDNN, MKL; models/linear.py); "
-             "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary; `load_model(fast=True)` "
-             "where the CPU has them, " + kernels.reason() + ").\n",
+             "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary, silu(gate) * up, "
+             "embedding rows), called one by one from Python; captured: the same kernel calls, captured once and "
+             "replayed by one C call (models/captured.py), what `load_model(fast=True)` runs where the CPU has "
+             "them (" + kernels.reason() + ").\n",
              "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
              "|---|---|---|---|---|"]
     for name, p in zip(names, profiles):

@@ -1,7 +1,8 @@
-"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, and the RMSNorm
-and rotary embedding around them (one call each instead of a dozen PyTorch ops).
+"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, and the row-wise work
+around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), so that a
+forward on them is nothing but kernel calls and can be captured and replayed (kernels/capture.py).
 
-Each gives a row the same bits whatever else shares the call (see cpu.cpp), and the matmul reads its weight at
+Each gives a row the same bits whatever else shares the call (see simd.h), and the matmul reads its weight at
 about the memory's rate at the row counts decoding uses: in bfloat16 a forward's matmuls read the weights at about
 25 GB/s on one Zen 4 core, against about 14 GB/s for oneDNN's prepacked kernels. They run on one thread.
 `available` says whether this machine has them (kernels/build.py builds them at first use). The wrappers check
@@ -10,14 +11,20 @@ what the C code cannot (dtypes, shapes, strides) and raise ValueError: a wrong c
 
 from __future__ import annotations
 
+import ctypes
+import struct
+from typing import Sequence
+
 import torch
 
 from verispec.kernels.build import library, reason
+from verispec.kernels.capture import NotCapturable, capturing, note
 
-__all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "MAX_HEAD_DIM"]
+__all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
+           "store_kv", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
 
-COLS = 64  # output columns per packed weight block (cpu.cpp)
-MAX_HEAD_DIM = 256  # the attention kernel's largest head (cpu.cpp MAX_LANES x 16)
+COLS = 64  # output columns per packed weight block (linear.cpp)
+MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -32,13 +39,21 @@ def chosen(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     return torch.get_num_threads() == 1 and available(dtype, device)
 
 
-def _kernel(name: str, *tensors: torch.Tensor):
-    """The C function `name` for these tensors' one dtype, after checking that they are CPU tensors of it."""
+def _kernel(name: str, *tensors: torch.Tensor) -> str:
+    """The kernel `name` for these tensors' one dtype, after checking that they are CPU tensors of it."""
     dtype = tensors[0].dtype
     if dtype not in _SUFFIX or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         raise ValueError(f"verispec's {name} takes CPU float32 or bfloat16 tensors of one dtype; got "
                          f"{[(t.dtype, t.device.type) for t in tensors]}")
-    return getattr(library(), f"vs_{name}_{_SUFFIX[dtype]}")
+    return f"{name}_{_SUFFIX[dtype]}"
+
+
+def _call(name: str, args: Sequence[int], *tensors: torch.Tensor | None) -> int:
+    """Run kernel `name` on its arguments (and record the call if a forward is being captured); its status."""
+    status = getattr(library(), f"vs_{name}")((ctypes.c_int64 * len(args))(*args))
+    if status == 0:
+        note(name, args, tensors)
+    return status
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,22 +79,29 @@ class Matmul:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.kernel = _kernel("linear", weight)
+        self.kernel = _kernel("linear", weight)  # checks the dtype
         self.dtype, self.packed = weight.dtype, pack(weight)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), plus `residual` (..., N) if given, added as `residual + (x @ weight.T)` would be."""
         if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
             raise ValueError(f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
-        rows = _rows(x)
+        shape = (*x.shape[:-1], self.out_features)
+        rows, res = _rows(x), None
+        if residual is not None:
+            if residual.shape != shape or residual.dtype != self.dtype or residual.device.type != "cpu":
+                raise ValueError(f"a residual of {residual.dtype} {tuple(residual.shape)} for outputs {shape}")
+            res = _rows(residual)
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        self.kernel(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
-                    0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features, rows.shape[0],
-                    self.out_features, self.in_features)
-        return y.view(*x.shape[:-1], self.out_features)
+        _call(self.kernel, [rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
+                            0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features,
+                            rows.shape[0], self.out_features, self.in_features, 0 if res is None else res.data_ptr(),
+                            0 if res is None else res.stride(0)], rows, self.packed, self.bias, y, res)
+        return y.view(shape)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -99,8 +121,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     if q.stride(-1) != 1:
         q = q.contiguous()
     y = torch.empty(R, H * D, dtype=q.dtype, device=q.device)
-    kernel(q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), visible.data_ptr(), S,
-           y.data_ptr(), R, H, Hkv, D)
+    _call(kernel, [q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), visible.data_ptr(),
+                   S, y.data_ptr(), R, H, Hkv, D], q, k, v, visible, y)
     return y
 
 
@@ -111,7 +133,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"an RMSNorm weight {tuple(weight.shape)} for inputs of {x.shape[-1]}")
     rows = _rows(x)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    kernel(rows.data_ptr(), rows.stride(0), weight.data_ptr(), y.data_ptr(), y.stride(0), *rows.shape, eps)
+    eps_bits = struct.unpack("<I", struct.pack("<f", eps))[0]
+    _call(kernel, [rows.data_ptr(), rows.stride(0), weight.data_ptr(), y.data_ptr(), y.stride(0), *rows.shape,
+                   eps_bits], rows, weight, y)
     return y.view(x.shape)
 
 
@@ -124,5 +148,49 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         raise ValueError(f"rotary embedding of (H, R, D) = {tuple(x.shape)} (D even, unit last stride) by tables of "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     cos, sin = cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous()
-    kernel(x.data_ptr(), x.stride(1), x.stride(0), R, H, D, cos.data_ptr(), sin.data_ptr())
+    _call(kernel, [x.data_ptr(), x.stride(1), x.stride(0), R, H, D, cos.data_ptr(), sin.data_ptr()], x, cos, sin)
     return x
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2I) = [gate | up] -> silu(gate) * up (..., I), silu rounded to x's dtype before the product."""
+    kernel = _kernel("silu_mul", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_mul takes [gate | up] halves; got rows of {x.shape[-1]}")
+    rows = _rows(x)
+    half = rows.shape[1] // 2
+    y = torch.empty(rows.shape[0], half, dtype=x.dtype, device=x.device)
+    _call(kernel, [rows.data_ptr(), rows.stride(0), y.data_ptr(), y.stride(0), rows.shape[0], half], rows, y)
+    return y.view(*x.shape[:-1], half)
+
+
+def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index]: rows (N, D) by int64 indices (R,) -> (R, D); an index outside 0..N-1 raises IndexError (and
+    fails a replay) before anything is read."""
+    if table.dim() != 2 or table.stride(-1) != 1 or table.device.type != "cpu" or table.dtype not in _SUFFIX:
+        raise ValueError(f"gather reads rows of a CPU float32 or bfloat16 table; got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous() or index.device.type != "cpu":
+        raise ValueError(f"gather takes a contiguous CPU int64 index vector; got {index.dtype} {tuple(index.shape)}")
+    R, (N, D) = len(index), table.shape
+    y = torch.empty(R, D, dtype=table.dtype, device=table.device)
+    if _call("gather", [table.data_ptr(), N, table.stride(0), index.data_ptr(), R, D, y.data_ptr(), D,
+                        table.element_size()], table, index, y):
+        raise IndexError(f"an index outside the {N} rows of a table of {tuple(table.shape)}")
+    return y
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: ctypes.c_int64) -> None:
+    """New keys and values k, v (R, Hkv * D) (rows of one stride, unit last stride) into a layer's cache keys, values
+    (Hkv, S, D) (contiguous) at slots start.value .. + R - 1, `start` read when the call runs (or is replayed)."""
+    Hkv, S, D = keys.shape
+    if (k.dtype, v.dtype, values.dtype) != (keys.dtype,) * 3 or keys.dtype not in _SUFFIX or not (
+            keys.is_contiguous() and values.is_contiguous() and values.shape == keys.shape):
+        raise ValueError(f"store_kv: caches of one dtype, contiguous (Hkv, S, D); got {tuple(keys.shape)}")
+    R = k.shape[0]
+    if k.shape != (R, Hkv * D) or v.shape != k.shape or k.stride() != v.stride() or k.stride(-1) != 1:
+        raise ValueError(f"store_kv: new keys and values ({R}, {Hkv * D}) alike; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if _call("store_kv", [k.data_ptr(), v.data_ptr(), k.stride(0), R, Hkv, D, keys.data_ptr(), values.data_ptr(), S,
+                          ctypes.addressof(start), keys.element_size()], k, v, keys, values):
+        raise IndexError(f"store_kv: slots {start.value} .. {start.value + R - 1} outside a cache of {S}")

@@ -1,4 +1,4 @@
-"""Building verispec's CPU kernels (kernels/cpu.cpp) for this machine, once, and loading them with ctypes.
+"""Building verispec's CPU kernels (kernels/*.cpp) for this machine, once, and loading them with ctypes.
 
 The library is compiled at first use with the system's C++ compiler for this very CPU (`-march=native`: the
 kernels need AVX-512 with its bfloat16 dot product, as on Zen 4, Sapphire Rapids and later) and cached under
@@ -20,9 +20,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))  # compiled together into one library, with simd.h
+HEADER = Path(__file__).with_name("simd.h")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but
-# where cpu.cpp asks for one: RMSNorm and rotary round as PyTorch does
+# where the source asks for one: RMSNorm and rotary round as PyTorch does
 
 
 def _cpu_id() -> str:
@@ -51,14 +52,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C++ compiler found (set CXX)"
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
+        texts = [path.read_text() for path in (*SOURCES, HEADER)]
+        key = hashlib.sha256("\0".join([*texts, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
         folder = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec") / "kernels"
         library = folder / f"cpu-{key}.so"
         if not library.exists():
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as scratch:  # compile aside, then move into place at once
                 built = Path(scratch) / library.name
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+                done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode != 0:
                     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
@@ -75,17 +77,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, "built for this CPU"
 
 
+KERNELS = ("linear_bf16", "linear_f32", "attend_bf16", "attend_f32", "rms_norm_bf16", "rms_norm_f32", "rotary_bf16",
+           "rotary_f32", "silu_mul_bf16", "silu_mul_f32", "gather", "store_kv")  # each vs_<name>(const int64_t *)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    pointer, long = ctypes.c_void_p, ctypes.c_long
-    for name in ("vs_linear_bf16", "vs_linear_f32"):  # x, ldx, w, bias, y, ldy, M, N, K
-        getattr(lib, name).argtypes = [pointer, long, pointer, pointer, pointer, long, long, long, long]
-    for name in ("vs_rms_norm_bf16", "vs_rms_norm_f32"):  # x, ldx, w, y, ldy, R, D, eps
-        getattr(lib, name).argtypes = [pointer, long, pointer, pointer, long, long, long, ctypes.c_float]
-    for name in ("vs_rotary_bf16", "vs_rotary_f32"):  # x, row, head, R, H, D, cos, sin
-        getattr(lib, name).argtypes = [pointer, long, long, long, long, long, pointer, pointer]
-    for name in ("vs_attend_bf16", "vs_attend_f32"):  # q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D
-        getattr(lib, name).argtypes = [pointer, long, long, pointer, pointer, long, pointer, long, pointer, long,
-                                       long, long, long]
+    for name in KERNELS:
+        kernel = getattr(lib, f"vs_{name}")
+        kernel.argtypes, kernel.restype = [ctypes.c_void_p], ctypes.c_int
+    lib.vs_replay.argtypes, lib.vs_replay.restype = [ctypes.c_void_p, ctypes.c_long], ctypes.c_long
 
 
 def library() -> ctypes.CDLL | None:

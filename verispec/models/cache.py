@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 
+from verispec import kernels
 from verispec.errors import ContextLengthError
 
 
@@ -18,7 +22,10 @@ class KVCache:
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
                  rows: int | None = None, width: int | None = None) -> None:
-        self.max_len, self.length, self.rows = max_len, 0, rows
+        self._length = ctypes.c_int64(0)  # where verispec's kernels read it when a captured forward is replayed
+        self.max_len, self.rows = max_len, rows
+        # Forwards captured into this cache by key (models/captured.py): they write its slots and read its length.
+        self.captured: dict[Any, Any] = {}
         # A static cache (exact mode, `rows` set) holds `rows` slots more than max_len for a forward's padding rows,
         # and `width` (default max_len + rows) at least: the keys every row attends over, whatever the cache's use.
         self.width = max_len + rows if rows is not None and width is None else width
@@ -32,6 +39,15 @@ class KVCache:
             # Zeros: a static cache's attention reads every slot, masked or not, and 0 * NaN would leak through.
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def length(self) -> int:
+        """The positions filled."""
+        return self._length.value
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length.value = n
 
     def reserve(self, n: int) -> None:
         """Check that `n` more positions fit, before any layer writes them."""
@@ -47,6 +63,14 @@ class KVCache:
         if self.rows is not None:  # static: every slot, for a fixed key width
             return self.k[layer], self.v[layer]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for one sequence by verispec's kernels: k, v (T, Hkv * D) rows (views of a projection's output)
+        into slots length .. length + T - 1, the length read when the kernel runs (a captured forward's replay
+        included); returns every slot's keys and values (Hkv, slots, D)."""
+        keys, values = self.k[layer, 0], self.v[layer, 0]
+        kernels.store_kv(k, v, keys, values, self._length)
+        return keys, values
 
     def advance(self, n: int) -> None:
         self.length += n

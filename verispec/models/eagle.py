@@ -68,7 +68,7 @@ class EagleHead(nn.Module):
         if cache is not None and mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
         if cache is not None and B == 1 and self.layers[0].self_attn.own_attention and packed_here(x):  # as the target
-            mask = KeyRows.seeing(mask, T, start)
+            mask = KeyRows.seeing(mask, T, start, cache.slots)
         x = self.layers[0](x, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(T)

@@ -84,18 +84,20 @@ class PackedLinear(nn.Module):
         self.one_row = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1) if one_row else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, MANY_ROWS if one_row else rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., sum of the linears' out_features)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., in) -> (..., sum of the linears' out_features), plus `residual` if given (as `residual + y`)."""
+        if self.kernel is not None and packed_here(x) and x.dtype == self.weight.dtype:
+            return self.kernel(x, residual)  # the residual added in the kernel, rounded as below
         if not packed_here(x):
             outputs = self.parts(x)
-            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-        if self.kernel is not None:
-            if x.dtype != self.weight.dtype:  # as F.linear would, refuse in PyTorch's words
-                return F.linear(x, self.weight, self.bias)
-            return self.kernel(x)
-        if self.one_row is not None and x.numel() == x.shape[-1]:
-            return torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        elif self.kernel is not None:  # a dtype the weight is not: refuse in PyTorch's words, as F.linear would
+            y = F.linear(x, self.weight, self.bias)
+        elif self.one_row is not None and x.numel() == x.shape[-1]:
+            y = torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y if residual is None else residual + y
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each linear's output (views of the one matmul's)."""

@@ -13,6 +13,7 @@ from verispec import kernels
 from verispec.errors import ContextLengthError
 from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
+from verispec.models.captured import replay
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packed_here
 
@@ -41,6 +42,16 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     freqs = positions.to(compute)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (positions, D) for positions 0 .. positions - 1, for verispec's kernels to read by index. Taken in
+    float64 and rounded, so that a row's values do not depend on the table's length (vectorised float32 cos and sin
+    may round a tensor's last elements differently)."""
+    inv_freq = (1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).double()
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None].double() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,28 +127,28 @@ class Rows:
 
 @dataclass
 class KeyRows:
-    """Exact mode's attention through verispec's kernels (verispec/kernels): each row's softmax over exactly the
-    cache slots it sees, taken in slot order, the others skipped rather than masked. A row then adds the same
-    numbers in the same order whether its token is decoded alone, in a chain, in a tree (whose nodes sit past their
-    positions, but in position order) or in a prefill chunk, at no fixed width and with no limit on a tree's depth.
+    """Attention through verispec's kernels (verispec/kernels), one sequence into a `KVCache`: each row's softmax over
+    exactly the cache slots it sees, taken in slot order, the others skipped rather than masked. A row then adds the
+    same numbers in the same order whether its token is decoded alone, in a chain, in a tree (whose nodes sit past
+    their positions, but in position order) or in a prefill chunk, at no fixed width and with no limit on a tree's
+    depth: exact mode at no cost. A forward laid out this way runs nothing but kernels, so it is captured and replayed
+    (models/captured.py).
     """
 
-    visible: torch.Tensor  # (R, P) uint8, 1 where the row sees the cache slot
+    visible: torch.Tensor  # (R, slots) uint8, 1 where the row sees the cache slot
 
     @staticmethod
     def of(visible: torch.Tensor) -> KeyRows:
-        """Rows that see the cache slots `visible` (R, P), True where seen."""
+        """Rows that see the cache slots `visible` (R, slots), True where seen."""
         return KeyRows(visible.to(torch.uint8).contiguous())
 
     @staticmethod
-    def seeing(mask: torch.Tensor | None, T: int, start: int) -> KeyRows:
-        """For T new tokens after `start` cached ones: `mask` (T, start + T) says which cache slots each sees; None
-        (one token), all of them."""
-        return KeyRows.of(torch.ones(T, start + T, dtype=torch.uint8) if mask is None else mask)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D)."""
-        return kernels.attend(q[0], k[0], v[0], self.visible)[None]
+    def seeing(mask: torch.Tensor | None, T: int, start: int, slots: int) -> KeyRows:
+        """For T new tokens after `start` cached ones, in a cache of `slots`: `mask` (T, start + T) says which slots
+        each sees; None (one token), all of them."""
+        visible = torch.zeros(T, slots, dtype=torch.uint8)
+        visible[:, : start + T] = 1 if mask is None else mask
+        return KeyRows(visible)
 
 
 class Attention(nn.Module):
@@ -152,28 +163,37 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
         self.qkv: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
         self.o: PackedLinear | None = None
-        self.own_kernels = False  # set by `Block.pack`: rotary in place by verispec's kernel, in inference
-        self.own_attention = False  # and attention through `KeyRows`, where the kernel takes this head size
+        self.own_attention = False  # set by `Block.pack`: attention through `KeyRows` on verispec's kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
-                mask: torch.Tensor | Rows | KeyRows | None) -> torch.Tensor:
+                mask: torch.Tensor | Rows | KeyRows | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x)."""
+        if isinstance(mask, KeyRows):
+            return self._own(x, cos, sin, cache, mask, residual)
         B, T, _ = x.shape
         q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.own_kernels and B == 1 and cos.dim() == 2 and packed_here(x):
-            q, k = kernels.rotary_(q[0], cos, sin)[None], kernels.rotary_(k[0], cos, sin)[None]
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
-        if isinstance(mask, (Rows, KeyRows)):
+        if isinstance(mask, Rows):
             y = mask.attend(q, k, v)  # (B, T, H * D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
                                                enable_gqa=self.heads != self.kv_heads).transpose(1, 2).reshape(B, T, -1)
-        return (self.o or self.o_proj)(y)
+        return self.o(y, residual) if self.o is not None else residual + self.o_proj(y)
+
+    def _own(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, rows: KeyRows,
+             residual: torch.Tensor) -> torch.Tensor:
+        """The same on verispec's kernels, one sequence (B = 1): kernel calls on views of the projections' output."""
+        T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
+        kernels.rotary_(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1), cos, sin)  # q and k, in place
+        keys, values = cache.store(self.layer, qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:])
+        y = kernels.attend(qkv[:, : H * D].view(T, H, D).transpose(0, 1), keys, values, rows.visible)  # (T, H * D)
+        return self.o(y[None], residual)
 
 
 class MLP(nn.Module):
@@ -185,9 +205,13 @@ class MLP(nn.Module):
         self.gate_up: PackedLinear | None = None  # set by `LlamaForCausalLM.pack`, used instead of the linears
         self.down: PackedLinear | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + down(silu(gate(x)) * up(x))."""
+        if self.gate_up is not None and self.gate_up.kernel is not None and packed_here(x):
+            return self.down(kernels.silu_mul(self.gate_up(x)), residual)  # verispec's kernels
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return (self.down or self.down_proj)(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up, residual) if self.down is not None else residual + self.down_proj(
+            F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -207,7 +231,6 @@ class Block(nn.Module):
             own_kernels = kernels.chosen(weight.dtype, weight.device)
         elif own_kernels and not kernels.available(weight.dtype, weight.device):
             raise ValueError(f"verispec's kernels do not run {weight.dtype} here: {kernels.reason()}")
-        attention.own_kernels = own_kernels
         attention.own_attention = own_kernels and attention.head_dim <= kernels.MAX_HEAD_DIM
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             if isinstance(norm, RMSNorm):  # EAGLE's layer has none at its input
@@ -219,8 +242,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchRows | None,
                 mask: torch.Tensor | Rows | KeyRows | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Decoder(nn.Module):
@@ -244,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
         self.own_kernels = False  # set by `pack`: verispec's kernels run the matmuls, norms and rotary
         self.own_attention = False  # and attention (`KeyRows`), where they take the head size
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # with own_attention: cos, sin by position
+        self.capture = True  # replay a `KeyRows` forward's captured kernel calls (models/captured.py); False: op by op
         # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
         self.row_floors: dict[tuple[int, int, int], int] = {}
 
@@ -259,10 +284,14 @@ class LlamaForCausalLM(nn.Module):
         self.own_attention = self.model.layers[0].self_attn.own_attention if self.model.layers else False
         self.model.norm.own_kernel = self.own_kernels
         self.head = PackedLinear([self.lm_head], rows, self.own_kernels)
+        self.rope = None
+        if self.own_attention:
+            self.rope = rotary_table(self.config.max_position_embeddings, self.config.dim_per_head,
+                                     self.config.rope_theta, param.dtype)
 
     def exact_rows(self, visible: torch.Tensor, width: int) -> Rows | KeyRows:
         """Exact mode's attention layout for rows that see the cache slots `visible` (R, P), keys `width` wide."""
-        return KeyRows.of(visible) if self.own_attention else Rows.of(visible, width)
+        return KeyRows.of(visible) if self.own_attention else Rows.of(visible.bool(), width)
 
     def row_floor(self, rows: int, width: int) -> int:
         """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
@@ -318,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
-            attn_mask = KeyRows.seeing(attn_mask, T, start)
+            attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
         out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
         if cache is not None:
             cache.advance(T)
@@ -334,20 +363,36 @@ class LlamaForCausalLM(nn.Module):
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
              attn_mask: torch.Tensor | Rows | KeyRows | None, layers: Sequence[int] | None,
              hidden: Sequence[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        x = self.model.embed_tokens(tokens)  # (B, T, D)
-        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
-        if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
-            cos, sin = cos[:, None], sin[:, None]
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
+        if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but verispec's kernels: captured, replayed
+            if self.rope[0].shape[0] < cache.slots:  # a cache past max_position_embeddings: a longer table
+                self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
+                                         self.rope[0].dtype)
+            logits, states = replay(self, cache, (tuple(run), tuple(hidden or ())), tokens, positions, attn_mask)
+        else:
+            logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or ())
+        return logits if hidden is None else (logits, torch.stack(states, dim=2))
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
+                attn_mask: torch.Tensor | Rows | KeyRows | None, run: Sequence[int], hidden: Sequence[int]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits and the residual streams `hidden` asks for, after running the blocks `run`."""
+        if isinstance(attn_mask, KeyRows):  # one sequence: rows of the embedding and rotary tables by verispec's kernel
+            x = kernels.gather(self.model.embed_tokens.weight, tokens[0])[None]  # (1, T, D)
+            cos, sin = kernels.gather(self.rope[0], positions), kernels.gather(self.rope[1], positions)
+        else:
+            x = self.model.embed_tokens(tokens)  # (B, T, D)
+            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+            if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
+                cos, sin = cos[:, None], sin[:, None]
         states = {}
         for i in run:
             x = self.model.layers[i](x, cos, sin, cache, attn_mask)
             states[i] = x
         states[-1] = self.model.norm(x)
-        logits = (self.head or self.lm_head)(states[-1])
-        return logits if hidden is None else (logits, torch.stack([states[i] for i in hidden], dim=2))
+        return (self.head or self.lm_head)(states[-1]), [states[i] for i in hidden]
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
                layers: Sequence[int] | None, hidden: Sequence[int] | None
@@ -359,12 +404,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         R, start, slots, device = cache.rows, cache.length, cache.slots, tokens.device
         floor = self.row_floor(R, cache.width)
-        visible = torch.zeros(T, slots, dtype=torch.bool, device=device)  # (T, P) the cache slots each token sees
+        # (T, P) the cache slots each token sees, as `KeyRows` takes them (uint8) or `Rows` (bool)
+        visible = torch.zeros(T, slots, dtype=torch.uint8 if self.own_attention else torch.bool, device=device)
         if mask is not None and mask.shape[-1] == start + T:
             visible[:, : start + T] = mask.to(device)
         else:
             visible[:, :start] = True
-            visible[:, start: start + T] = torch.ones(T, T, dtype=torch.bool, device=device).tril() if mask is None \
+            visible[:, start: start + T] = torch.ones(T, T, dtype=visible.dtype, device=device).tril() if mask is None \
                 else mask.to(device)
         if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
@@ -372,18 +418,21 @@ class LlamaForCausalLM(nn.Module):
         try:
             for c in range(0, T, R):
                 n = min(R, T - c)
-                # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
-                # written past the real rows, where no real row looks.
-                rows = torch.zeros(max(n, floor), slots, dtype=torch.bool, device=device)  # (rows, P)
-                rows[n:, 0] = True
-                rows[:n] = visible[c: c + n]
-                pad = (0, len(rows) - n)  # padding token 0 at position 0
-                x, where = F.pad(tokens[:, c: c + n], pad), F.pad(positions[c: c + n], pad)
+                rows, x, where = visible[c: c + n], tokens[:, c: c + n], positions[c: c + n]
+                if n < floor:
+                    # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
+                    # written past the real rows, where no real row looks.
+                    rows = torch.cat((rows, torch.zeros(floor - n, slots, dtype=rows.dtype, device=device)))
+                    rows[n:, 0] = True
+                    x, where = F.pad(x, (0, floor - n)), F.pad(where, (0, floor - n))
                 out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden)
-                outs.append([o[:, :n] for o in ((out,) if hidden is None else out)])
+                outs.append([o[:, :n] for o in ((out,) if hidden is None else out)] if n < floor else
+                            ([out] if hidden is None else list(out)))
                 cache.advance(n)
         except BaseException:
             cache.truncate(start)  # as if the forward never ran
             raise
+        if len(outs) == 1:
+            return outs[0][0] if hidden is None else tuple(outs[0])
         logits, *states = (torch.cat(parts, dim=1) for parts in zip(*outs))
         return logits if hidden is None else (logits, states[0])

@@ -1,0 +1,120 @@
+"""Captured forwards (kernels/capture.py, models/captured.py): a forward on verispec's kernels recorded once per
+shape and replayed by one C call gives the same bits as the same kernels called one by one, whatever ran in between;
+a forward that computes outside the kernels is refused for capture and runs op by op."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from verispec import kernels
+from verispec.kernels.capture import Program
+from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+
+needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
+                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+pytestmark = needs_kernels
+PROMPT = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(autouse=True)
+def one_thread(single_thread: None) -> None:
+    """The kernels run on one thread (`kernels.chosen`)."""
+
+
+def on_kernels(folder: Path, dtype: torch.dtype, exact: bool, capture: bool) -> NativeModel:
+    model = load_model(folder, dtype=dtype, exact=exact, fast=False)
+    model.module.pack(EXACT_ROWS if exact else 1, own_kernels=True)
+    model.module.capture = capture
+    return model
+
+
+def session(model: NativeModel) -> list[torch.Tensor]:
+    """Every output of a decoding-like session: prefill, single tokens, a chain, a rollback, a tree with depths as
+    positions, its accepted path compacted, hidden states, a layer-skip forward, and the same shapes again."""
+    cache, out = model.new_cache(), []
+    out.append(model(PROMPT, cache))
+    for token in (5, 9, 5):
+        out.append(model(torch.tensor([[token]]), cache))
+    out += list(model(torch.tensor([[1, 2, 3, 4]]), cache, hidden=[0, -1]))
+    cache.truncate(cache.length - 2)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    start = cache.length
+    out.append(model(torch.tensor([[7, 8, 9, 10]]), cache, mask, positions=start + torch.tensor([0, 1, 1, 2])))
+    cache.keep(start, [0, 2, 3])
+    out.append(model(torch.tensor([[11]]), cache, layers=[0]))
+    cache.truncate(cache.length - 1)
+    for token in (12, 13):
+        out.append(model(torch.tensor([[token]]), cache))
+    return out
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_replays_give_the_bits_of_the_kernels_called_one_by_one(pair_dirs: tuple[Path, Path], dtype: torch.dtype,
+                                                                 exact: bool) -> None:
+    captured, op_by_op = (on_kernels(pair_dirs[0], dtype, exact, capture) for capture in (True, False))
+    with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
+        replayed = session(captured)
+    assert replays.call_count == 4  # the single tokens after the first ran from its capture
+    for a, b in zip(replayed, session(op_by_op), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_capture_lives_in_its_cache_keyed_by_shape(pair_dirs: tuple[Path, Path]) -> None:
+    model = on_kernels(pair_dirs[0], torch.bfloat16, exact=True, capture=True)
+    cache = model.new_cache()
+    model(PROMPT[:, :4], cache)
+    for token in (1, 2, 3):
+        model(torch.tensor([[token]]), cache)
+    model(PROMPT[:, :4], cache, hidden=[-1])
+    assert sorted((key[1], key[3]) for key in cache.captured) == [(1, ()), (4, ()), (4, (-1,))]
+    assert all(captured is not None for captured in cache.captured.values())
+    assert not model.new_cache().captured
+
+
+def test_a_forward_that_computes_outside_the_kernels_runs_op_by_op(pair_dirs: tuple[Path, Path]) -> None:
+    """The final norm on PyTorch's ops: capturing it is refused, and the forward gives what op by op gives."""
+    models = [on_kernels(pair_dirs[0], torch.float32, exact=True, capture=capture) for capture in (True, False)]
+    for model in models:
+        model.module.model.norm.own_kernel = False
+    out = [session(model) for model in models]
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a, b)
+    cache = models[0].new_cache()
+    models[0](PROMPT, cache)
+    assert list(cache.captured.values()) == [None, None]  # chunks of 16 and 5 rows
+
+
+def test_capturing_refuses_pytorch_ops_that_compute_and_lets_views_through() -> None:
+    x = torch.ones(4, 6)
+    with kernels.capturing() as capture:
+        y = x.view(6, 4)[1:].transpose(0, 1)
+        z = torch.empty(3)
+        with pytest.raises(kernels.NotCapturable, match="add"):
+            x + 1
+    assert y.shape == (4, 5) and z.shape == (3,) and capture.calls == []
+
+
+def test_a_replay_reads_new_inputs_and_the_length_when_it_runs() -> None:
+    """Kernel calls recorded on buffers replay on whatever the buffers hold then, the cache's slot included."""
+    table = torch.arange(12, dtype=torch.float32).view(6, 2)
+    index = torch.tensor([1, 4])
+    keys, values = torch.zeros(1, 5, 2), torch.zeros(1, 5, 2)
+    start = ctypes.c_int64(0)
+    with kernels.capturing() as capture:
+        rows = kernels.gather(table, index)  # (2, 2)
+        kernels.store_kv(rows, rows, keys, values, start)
+    program = capture.program()
+    assert torch.equal(keys[0, :2], table[[1, 4]])
+    index.copy_(torch.tensor([5, 0]))  # a replay reads the index tensor the capture saw
+    start.value = 3
+    program()
+    assert torch.equal(rows, table[[5, 0]]) and torch.equal(values[0, 3:], table[[5, 0]])
+    index[0] = 6  # out of the table: the gather refuses, nothing is read
+    with pytest.raises(ValueError, match="refused its inputs"):
+        program()

@@ -1,0 +1,135 @@
+// Attention over each row's own visible keys.
+#include <vector>
+
+#include "simd.h"
+
+#ifdef VS_KERNELS
+// y[r, h] = softmax(q[r, h] . k[s] / sqrt(D) over the slots s that row r sees) @ v, with the keys taken in slot order
+// and the unseen ones skipped, not masked: a row that sees the same keys (a token decoded alone, in a chain, in a
+// tree whose nodes sit past their positions) adds the same numbers in the same order.
+
+static const int MAX_LANES = 16;  // head_dim up to 256
+
+// Sixteen vectors -> one: lane j holds the sum of a[j]'s lanes, by a fixed tree that mixes no two vectors.
+static inline __m512 sum16(const __m512* a) {
+  __m512 s[8], t[4];
+  for (int i = 0; i < 8; i++)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+  __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(t[2], t[3]), _mm512_unpackhi_ps(t[2], t[3]));
+  __m512 v = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
+  // lane 4c + i now holds vector c + 4i
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, v);
+}
+
+// q . k as a vector whose lanes sum to it: bfloat16 pairs by the dot-product instruction, float32 by FMAs. NV: the
+// head's 16-lane vectors, a compile-time count so that the query and the accumulators stay in registers.
+template <int NV>
+struct QueryBF16 {
+  static const int N = (NV + 1) / 2;  // 32 bfloat16 a part
+  __m512bh part[N];
+  __mmask32 mask[N];
+  QueryBF16(const bf16* q, long D) {
+    for (int i = 0; i < N; i++) {
+      const long left = D - i * 32;
+      mask[i] = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << left) - 1);
+      part[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask[i], q + i * 32);
+    }
+  }
+  __m512 dot(const bf16* k) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < N; i++)
+      acc = _mm512_dpbf16_ps(acc, part[i], (__m512bh)_mm512_maskz_loadu_epi16(mask[i], k + i * 32));
+    return acc;
+  }
+};
+template <int NV>
+struct QueryF32 {
+  __m512 part[NV];
+  __mmask16 mask[NV];
+  QueryF32(const float* q, long D) {
+    for (int i = 0; i < NV; i++) {
+      mask[i] = lanes(D - i * 16);
+      part[i] = load_f32(q + i * 16, mask[i]);
+    }
+  }
+  __m512 dot(const float* k) const {
+    __m512 acc = _mm512_mul_ps(part[0], load_f32(k, mask[0]));
+    for (int i = 1; i < NV; i++) acc = _mm512_fmadd_ps(part[i], load_f32(k + i * 16, mask[i]), acc);
+    return acc;
+  }
+};
+template <typename T, int NV> struct Query;
+template <int NV> struct Query<bf16, NV> { typedef QueryBF16<NV> type; };
+template <int NV> struct Query<float, NV> { typedef QueryF32<NV> type; };
+
+template <typename T, int NV>
+static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, long kv_head, const uint8_t* visible,
+                   long S, T* y, long R, long H, long Hkv, long D) {
+  const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
+  std::vector<float> score(S + 16);
+  std::vector<long> slot(S);
+  __mmask16 vmask[NV];
+  for (int i = 0; i < NV; i++) vmask[i] = lanes(D - i * 16);
+  for (long r = 0; r < R; r++) {
+    long n = 0;
+    for (long s = 0; s < S; s++)
+      if (visible[r * S + s]) slot[n++] = s;
+    for (long h = 0; h < H; h++) {
+      const T* kh = k + h / (H / Hkv) * kv_head;
+      const T* vh = v + h / (H / Hkv) * kv_head;
+      const typename Query<T, NV>::type query(q + r * q_row + h * q_head, D);
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
+        __m512 dots[16];
+        for (int i = 0; i < 16; i++) dots[i] = j + i < n ? query.dot(kh + slot[j + i] * D) : _mm512_setzero_ps();
+        __mmask16 mk = lanes(n - j);
+        __m512 scores = _mm512_mul_ps(sum16(dots), scale);
+        _mm512_mask_storeu_ps(score.data() + j, mk, scores);
+        top = _mm512_mask_max_ps(top, mk, top, scores);
+      }
+      const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (long j = 0; j < n; j += 16) {
+        __mmask16 mk = lanes(n - j);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, score.data() + j), most)));
+        _mm512_mask_storeu_ps(score.data() + j, mk, e);
+        total = _mm512_add_ps(total, e);
+      }
+      __m512 out[NV];
+      for (int i = 0; i < NV; i++) out[i] = _mm512_setzero_ps();
+      for (long j = 0; j < n; j++) {
+        const T* vj = vh + slot[j] * D;
+        __m512 p = _mm512_set1_ps(score[j]);
+        for (int i = 0; i < NV; i++) out[i] = _mm512_fmadd_ps(p, load(vj + i * 16, vmask[i]), out[i]);
+      }
+      __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      for (int i = 0; i < NV; i++) store(y + (r * H + h) * D + i * 16, _mm512_mul_ps(out[i], inv), vmask[i]);
+    }
+  }
+}
+
+template <typename T>
+static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D
+  typedef void (*Attend)(const T*, long, long, const T*, const T*, long, const uint8_t*, long, T*, long, long, long,
+                         long);
+  static const Attend by_vectors[MAX_LANES] = {attend<T, 1>,  attend<T, 2>,  attend<T, 3>,  attend<T, 4>,
+                                               attend<T, 5>,  attend<T, 6>,  attend<T, 7>,  attend<T, 8>,
+                                               attend<T, 9>,  attend<T, 10>, attend<T, 11>, attend<T, 12>,
+                                               attend<T, 13>, attend<T, 14>, attend<T, 15>, attend<T, 16>};
+  const long D = a[12];
+  if (D < 1 || D > 16 * MAX_LANES) return -1;
+  by_vectors[(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const T*, 3), ARG(const T*, 4), a[5],
+                                ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D);
+  return 0;
+}
+
+extern "C" int vs_attend_bf16(const int64_t* a) { return attend<bf16>(a); }
+extern "C" int vs_attend_f32(const int64_t* a) { return attend<float>(a); }
+#endif

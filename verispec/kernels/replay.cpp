@@ -1,0 +1,23 @@
+// A captured forward, replayed: the kernel calls that one forward made, in order, each with its argument array,
+// run again without Python (models/captured.py records them). The arguments are the same pointers each time, so
+// the tensors they point to (inputs copied in before, intermediate buffers, the cache) are the ones the calls read.
+#include "simd.h"
+
+#ifdef VS_KERNELS
+extern "C" int vs_available() { return 1; }
+#else
+extern "C" int vs_available() { return 0; }
+#endif
+
+typedef int (*Kernel)(const int64_t*);
+
+// program: for each call, the kernel's address, its argument count n, then its n arguments. Stops at the first call
+// that fails and returns its index + 1 (0 when all ran).
+extern "C" long vs_replay(const int64_t* program, long calls) {
+  for (long i = 0; i < calls; i++) {
+    const Kernel kernel = (Kernel)program[0];
+    if (kernel(program + 2)) return i + 1;
+    program += 2 + program[1];
+  }
+  return 0;
+}
