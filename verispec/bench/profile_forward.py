@@ -27,7 +27,7 @@ MATMULS = {"q_proj": "matmul q, k, v", "k_proj": "matmul q, k, v", "v_proj": "ma
            "gate_up": "matmul gate, up", "down_proj": "matmul down", "down": "matmul down", "lm_head": "matmul LM head",
            "head": "matmul LM head"}
 BY_CLASS = {llama.RMSNorm: "norms", llama.Attention: "attention (scores, softmax, values, cache writes)",
-            llama.MLP: "silu(gate) * up", llama.Block: "residual adds", nn.Embedding: "embedding"}
+            llama.MLP: "silu(gate) * up", nn.Embedding: "embedding"}
 OTHER = "other ops (exact mode's row layout and padding, slicing)"
 OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops)"
 REST = "wall time less all ops (Python and dispatch, at least)"
@@ -38,7 +38,7 @@ REPLAY = "replayed kernel calls (a captured forward's kernels in one C call)"
 KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels, op by op",
          "captured": "own kernels, captured and replayed"}
 ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
-         "residual adds", "embedding", REPLAY, OTHER, OVERHEAD]
+         "embedding", REPLAY, OTHER, OVERHEAD]
 
 
 @dataclass
@@ -204,7 +204,8 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
              "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
              "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
              "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. A call "
-             "into verispec's kernels counts whole for the kind of work around it. Plain: eager F.linear per "
+             "into verispec's kernels counts whole for the kind of work around it; the residual adds count with the "
+             "o and down projections, which add them. Plain: eager F.linear per "
              "projection; fast: prepacked and fused matmuls on PyTorch's kernels (oneDNN, MKL; models/linear.py); "
              "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary, silu(gate) * up, "
              "embedding rows), called one by one from Python; captured: the same kernel calls, captured once and "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
@@ -48,11 +48,24 @@ def _kernel(name: str, *tensors: torch.Tensor) -> str:
     return f"{name}_{_SUFFIX[dtype]}"
 
 
-def _call(name: str, args: Sequence[int], *tensors: torch.Tensor | None) -> int:
-    """Run kernel `name` on its arguments (and record the call if a forward is being captured); its status."""
-    status = getattr(library(), f"vs_{name}")((ctypes.c_int64 * len(args))(*args))
+Arg = Union[int, torch.Tensor, ctypes.c_int64, None]  # a number, or what a pointer points to (None: a null pointer)
+
+
+def _word(arg: Arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    if isinstance(arg, ctypes.c_int64):
+        return ctypes.addressof(arg)
+    return 0 if arg is None else arg
+
+
+def _call(name: str, args: Sequence[Arg]) -> int:
+    """Run kernel `name` on its arguments, pointers given as the tensors or cells they point to (and record the
+    call if a forward is being captured, with what each pointer points into); its status."""
+    words = [_word(arg) for arg in args]
+    status = getattr(library(), f"vs_{name}")((ctypes.c_int64 * len(words))(*words))
     if status == 0:
-        note(name, args, tensors)
+        note(name, words, args)
     return status
 
 
@@ -97,10 +110,8 @@ class Matmul:
                 raise ValueError(f"a residual of {residual.dtype} {tuple(residual.shape)} for outputs {shape}")
             res = _rows(residual)
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        _call(self.kernel, [rows.data_ptr(), rows.stride(0), self.packed.data_ptr(),
-                            0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features,
-                            rows.shape[0], self.out_features, self.in_features, 0 if res is None else res.data_ptr(),
-                            0 if res is None else res.stride(0)], rows, self.packed, self.bias, y, res)
+        _call(self.kernel, [rows, rows.stride(0), self.packed, self.bias, y, self.out_features, rows.shape[0],
+                            self.out_features, self.in_features, res, 0 if res is None else res.stride(0)])
         return y.view(shape)
 
 
@@ -121,8 +132,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     if q.stride(-1) != 1:
         q = q.contiguous()
     y = torch.empty(R, H * D, dtype=q.dtype, device=q.device)
-    _call(kernel, [q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), visible.data_ptr(),
-                   S, y.data_ptr(), R, H, Hkv, D], q, k, v, visible, y)
+    _call(kernel, [q, q.stride(1), q.stride(0), k, v, k.stride(0), visible, S, y, R, H, Hkv, D])
     return y
 
 
@@ -134,8 +144,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = _rows(x)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     eps_bits = struct.unpack("<I", struct.pack("<f", eps))[0]
-    _call(kernel, [rows.data_ptr(), rows.stride(0), weight.data_ptr(), y.data_ptr(), y.stride(0), *rows.shape,
-                   eps_bits], rows, weight, y)
+    _call(kernel, [rows, rows.stride(0), weight, y, y.stride(0), *rows.shape, eps_bits])
     return y.view(x.shape)
 
 
@@ -148,7 +157,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         raise ValueError(f"rotary embedding of (H, R, D) = {tuple(x.shape)} (D even, unit last stride) by tables of "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     cos, sin = cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous()
-    _call(kernel, [x.data_ptr(), x.stride(1), x.stride(0), R, H, D, cos.data_ptr(), sin.data_ptr()], x, cos, sin)
+    _call(kernel, [x, x.stride(1), x.stride(0), R, H, D, cos, sin])
     return x
 
 
@@ -160,7 +169,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     half = rows.shape[1] // 2
     y = torch.empty(rows.shape[0], half, dtype=x.dtype, device=x.device)
-    _call(kernel, [rows.data_ptr(), rows.stride(0), y.data_ptr(), y.stride(0), rows.shape[0], half], rows, y)
+    _call(kernel, [rows, rows.stride(0), y, y.stride(0), rows.shape[0], half])
     return y.view(*x.shape[:-1], half)
 
 
@@ -174,8 +183,7 @@ def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gather takes a contiguous CPU int64 index vector; got {index.dtype} {tuple(index.shape)}")
     R, (N, D) = len(index), table.shape
     y = torch.empty(R, D, dtype=table.dtype, device=table.device)
-    if _call("gather", [table.data_ptr(), N, table.stride(0), index.data_ptr(), R, D, y.data_ptr(), D,
-                        table.element_size()], table, index, y):
+    if _call("gather", [table, N, table.stride(0), index, R, D, y, D, table.element_size()]):
         raise IndexError(f"an index outside the {N} rows of a table of {tuple(table.shape)}")
     return y
 
@@ -191,6 +199,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
     if k.shape != (R, Hkv * D) or v.shape != k.shape or k.stride() != v.stride() or k.stride(-1) != 1:
         raise ValueError(f"store_kv: new keys and values ({R}, {Hkv * D}) alike; got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    if _call("store_kv", [k.data_ptr(), v.data_ptr(), k.stride(0), R, Hkv, D, keys.data_ptr(), values.data_ptr(), S,
-                          ctypes.addressof(start), keys.element_size()], k, v, keys, values):
+    if _call("store_kv", [k, v, k.stride(0), R, Hkv, D, keys, values, S, start, keys.element_size()]):
         raise IndexError(f"store_kv: slots {start.value} .. {start.value + R - 1} outside a cache of {S}")

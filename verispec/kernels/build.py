@@ -20,7 +20,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))  # compiled together into one library, with simd.h
+# Compiled together into one library (named, not globbed: a stale source left by an old install stays out)
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attend.cpp", "rows.cpp", "replay.cpp")]
 HEADER = Path(__file__).with_name("simd.h")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but
 # where the source asks for one: RMSNorm and rotary round as PyTorch does

@@ -1,11 +1,13 @@
 """Capturing a forward's kernel calls once and replaying them without Python, as CUDA graphs do on a GPU.
 
-A one-token forward of the shipped target runs about 70 kernel calls; run one by one from Python, their
+A one-token forward of the shipped target runs about 75 kernel calls; run one by one from Python, their
 dispatch cost about as much as the kernels themselves (docs/bench/forward-profile.md). A forward whose every
 computing step is one of verispec's kernels can instead be recorded while it runs (`capturing`) and replayed as one C
 call (`Program`): the same kernels, with the same arguments, in the same order, so the same bits. The arguments are
 pointers, so a replay reads whatever the recorded tensors hold then: the caller copies new inputs into the tensors
-the capture read them from, and the outputs appear in the tensors it wrote them to (models/captured.py).
+the capture read them from, and the outputs appear in the tensors it wrote them to; a pointer into memory that
+changes between replays (another KV cache) is rewritten in the program first (models/captured.py). `Capture`
+notes what each pointer argument points into, so that the caller can tell which.
 
 While capturing, any PyTorch op that computes (anything but views and allocation) raises `NotCapturable`: a replay
 would skip it silently. The caller then runs that forward eagerly, as before.
@@ -20,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from verispec.kernels.build import library
 
@@ -29,55 +32,77 @@ class NotCapturable(RuntimeError):
 
 
 class Capture:
-    """The kernel calls of one forward, in order, and every tensor they touched (kept alive for the replays)."""
+    """The kernel calls of one forward, in order, and what each pointer argument pointed into."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, Sequence[int]]] = []
-        self.tensors: list[torch.Tensor] = []
+        self.calls: list[tuple[int, list[int]]] = []
+        self.pointers: list[tuple[int, int, object]] = []  # (call, argument, the tensor or cell it points into)
 
-    def add(self, kernel: int, args: Sequence[int], tensors: Sequence[torch.Tensor | None]) -> None:
-        self.calls.append((kernel, list(args)))
-        self.tensors.extend(t for t in tensors if t is not None)
+    def add(self, kernel: int, words: Sequence[int], args: Sequence[object]) -> None:
+        for position, arg in enumerate(args):
+            if isinstance(arg, (torch.Tensor, ctypes.c_int64)):
+                self.pointers.append((len(self.calls), position, arg))
+        self.calls.append((kernel, list(words)))
 
     def program(self) -> Program:
-        return Program(self.calls, self.tensors)
+        return Program(self.calls)
 
 
 class Program:
-    """Recorded kernel calls, replayed by one C call (kernels/replay.cpp)."""
+    """Recorded kernel calls, replayed by one C call (kernels/replay.cpp). `word(call, argument)` is where an argument
+    sits in `code`, so that a caller can point it elsewhere (`code[word] = address`) before a replay."""
 
-    def __init__(self, calls: Sequence[tuple[int, Sequence[int]]], tensors: Sequence[torch.Tensor]) -> None:
-        words = [word for kernel, args in calls for word in (kernel, len(args), *args)]
+    def __init__(self, calls: Sequence[tuple[int, Sequence[int]]]) -> None:
+        words, self.starts = [], []
+        for kernel, args in calls:
+            self.starts.append(len(words) + 2)
+            words += [kernel, len(args), *args]
         self.code = torch.tensor(words, dtype=torch.int64)
-        self.calls, self.tensors = len(calls), list(tensors)
+        self.calls = len(calls)
         self.replay = library().vs_replay
+
+    def word(self, call: int, argument: int) -> int:
+        return self.starts[call] + argument
 
     def __call__(self) -> None:
         failed = self.replay(self.code.data_ptr(), self.calls)
-        if failed:  # a kernel that checks its inputs (a position past the rotary table) refused call `failed - 1`
-            raise ValueError(f"a captured kernel call ({failed - 1} of {self.calls}) refused its inputs")
+        if failed:  # a kernel that checks its inputs (a token id or position past its table) refused call `failed - 1`
+            raise IndexError(f"a captured kernel call ({failed - 1} of {self.calls}) refused its inputs: an index "
+                             f"out of range")
 
 
 _capture: ContextVar[Capture | None] = ContextVar("verispec_capture", default=None)
 _ADDRESSES: dict[str, int] = {}
 
 
-def note(name: str, args: Sequence[int], tensors: Sequence[torch.Tensor | None]) -> None:
-    """Record that kernel `name` just ran on `args`, touching `tensors`, if a forward is being captured."""
+def note(name: str, words: Sequence[int], args: Sequence[object]) -> None:
+    """Record that kernel `name` just ran on `words` (from `args`), if a forward is being captured."""
     capture = _capture.get()
     if capture is not None:
         if name not in _ADDRESSES:
             _ADDRESSES[name] = ctypes.cast(getattr(library(), f"vs_{name}"), ctypes.c_void_p).value
-        capture.add(_ADDRESSES[name], args, tensors)
+        capture.add(_ADDRESSES[name], words, args)
+
+
+def _storages(tree: object) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
 
 
 class _ViewsOnly(TorchDispatchMode):
-    """Let through the PyTorch ops a replay needs not repeat (views, allocation); refuse any other."""
+    """Let through the PyTorch ops a replay need not repeat (allocation, and views that alias their input); refuse
+    any other. Some ops declared as views copy when they must (reshape, contiguous, .to in inference mode): their
+    outputs are checked to share their input's memory."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func.overloadpacket is torch.ops.aten.empty):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten.empty:
+            return func(*args, **kwargs)
+        if not func.is_view:
             raise NotCapturable(f"{func} computes outside verispec's kernels")
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if not _storages(out) <= _storages((args, kwargs)):
+            raise NotCapturable(f"{func} copied its input here")
+        return out
 
 
 @contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -24,8 +23,6 @@ class KVCache:
                  rows: int | None = None, width: int | None = None) -> None:
         self._length = ctypes.c_int64(0)  # where verispec's kernels read it when a captured forward is replayed
         self.max_len, self.rows = max_len, rows
-        # Forwards captured into this cache by key (models/captured.py): they write its slots and read its length.
-        self.captured: dict[Any, Any] = {}
         # A static cache (exact mode, `rows` set) holds `rows` slots more than max_len for a forward's padding rows,
         # and `width` (default max_len + rows) at least: the keys every row attends over, whatever the cache's use.
         self.width = max_len + rows if rows is not None and width is None else width

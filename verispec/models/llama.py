@@ -267,8 +267,9 @@ class LlamaForCausalLM(nn.Module):
         self.head: PackedLinear | None = None  # set by `pack`, used instead of lm_head
         self.own_kernels = False  # set by `pack`: verispec's kernels run the matmuls, norms and rotary
         self.own_attention = False  # and attention (`KeyRows`), where they take the head size
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # with own_attention: cos, sin by position
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for `KeyRows` forwards
         self.capture = True  # replay a `KeyRows` forward's captured kernel calls (models/captured.py); False: op by op
+        self.captured: dict = {}  # those captures by shape (models/captured.py `replay`)
         # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
         self.row_floors: dict[tuple[int, int, int], int] = {}
 
@@ -284,10 +285,7 @@ class LlamaForCausalLM(nn.Module):
         self.own_attention = self.model.layers[0].self_attn.own_attention if self.model.layers else False
         self.model.norm.own_kernel = self.own_kernels
         self.head = PackedLinear([self.lm_head], rows, self.own_kernels)
-        self.rope = None
-        if self.own_attention:
-            self.rope = rotary_table(self.config.max_position_embeddings, self.config.dim_per_head,
-                                     self.config.rope_theta, param.dtype)
+        self.rope, self.captured = None, {}
 
     def exact_rows(self, visible: torch.Tensor, width: int) -> Rows | KeyRows:
         """Exact mode's attention layout for rows that see the cache slots `visible` (R, P), keys `width` wide."""
@@ -366,10 +364,11 @@ class LlamaForCausalLM(nn.Module):
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
+        if isinstance(attn_mask, KeyRows) and (self.rope is None or len(self.rope[0]) < cache.slots):
+            # the rotary table covers every slot of the largest cache seen (a row's values do not depend on its length)
+            self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
+                                     self.lm_head.weight.dtype)
         if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but verispec's kernels: captured, replayed
-            if self.rope[0].shape[0] < cache.slots:  # a cache past max_position_embeddings: a longer table
-                self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
-                                         self.rope[0].dtype)
             logits, states = replay(self, cache, (tuple(run), tuple(hidden or ())), tokens, positions, attn_mask)
         else:
             logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or ())
