@@ -78,7 +78,7 @@ def test_timings_fit_a_line_and_take_medians() -> None:
     assert c == pytest.approx(0.1) and r(3) == pytest.approx(1.2)
     for seconds in (0.030, 0.010, 0.011, 0.5, 0.010, 0.009):  # one stall: the median ignores it
         t.observe(0, 0.0, 1, seconds)
-    for seconds in (0.060, 0.020, 0.020, 0.021):  # a width's first timing (one-time work) gives way to the next
+    for seconds in (0.060, 0.020, 0.020, 0.021):  # a width's first timing (one-time work) is left out
         t.observe(4, 0.004, 5, seconds)
     assert list(t.verify[1]) == [0.010, 0.011, 0.5, 0.010, 0.009] and list(t.verify[5]) == [0.020, 0.020, 0.021]
     c, r = t.costs()
@@ -86,12 +86,16 @@ def test_timings_fit_a_line_and_take_medians() -> None:
     assert r(3) == pytest.approx(1.5)
     assert r(9) == pytest.approx(2.4)  # past the widest seen, no steeper than the prior slope (the line says 3.0)
     narrow = Timings()  # float32's costly 2-token forward must not price the untried wider ones out
-    for width, seconds in ((1, 0.010), (2, 0.0138)):
+    for width, seconds in ((1, 0.010), (2, 0.0138)) * 2:
         narrow.observe(width - 1, 0.0, width, seconds)
     assert narrow.costs()[1](5) == pytest.approx(1.38 + 3 * 0.1)
     only_wide = Timings()
-    only_wide.observe(4, 0.0, 5, 0.014)
+    for _ in range(2):
+        only_wide.observe(4, 0.0, 5, 0.014)
     assert only_wide.costs()[1](5) == pytest.approx(1.4)  # one width: the prior slope prices the others
+    first = Timings()  # a width timed once: its first forward, left out (a capture costs about three replays)
+    first.observe(8, 0.0, 9, 0.090)
+    assert not first.verify
 
 
 class Never(OwnSession):
@@ -250,6 +254,7 @@ def test_a_stalled_timing_never_prices_n_tokens_above_n_forwards() -> None:
     t = Timings()
     for _ in range(3):
         t.observe(0, 0.0, 1, 0.010)
+    t.observe(1, 0.001, 2, 0.011)  # the first two-token forward, left out
     t.observe(1, 0.001, 2, 0.200)  # a stall, the only two-token timing
     assert t.costs()[1](2) == 2.0
 

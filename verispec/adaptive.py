@@ -12,10 +12,10 @@ Estimates, per generation, from this generation's own steps only:
   count, and a depth left untried drifts back to the estimate of the one before it (and is tried again).
 - costs: the session times the drafter's `propose` (seconds per drafted token) and the verification (from the
   proposal's return to the verdict, which is the target's forward), keeping the median of the last few steps per
-  forward width (a median shrugs off a stall on a shared machine; a width's first timing, which may include one-time
-  work such as capturing the forward on verispec's kernels, stands only until a second replaces it). Widths not yet
-  seen come from a line through the seen ones (a prior slope while only one width is known); a wider forward never
-  counts as cheaper than one token.
+  forward width (a median shrugs off a stall on a shared machine; a width's first timing is left out, as it may
+  include one-time work such as capturing the forward on verispec's kernels). Widths not yet timed come from a line
+  through the timed ones (a prior slope while only one width is known); a wider forward never counts as cheaper than
+  one token.
   The loop's own work per step (from a verdict to the next proposal: commit, stops, text, the drafter's bookkeeping)
   is timed too, as a median, and priced into every step, plain or not: a step that yields more tokens spreads it.
   Online rather than a table measured up front: a CLI generation is one process, and timing nine widths first would
@@ -117,16 +117,16 @@ class Timings:
         self.verify: dict[int, deque[float]] = {}
         self.draft: deque[float] = deque(maxlen=window)
         self.between: deque[float] = deque(maxlen=window)  # seconds from a verdict to the next proposal
-        self.warm: set[int] = set()  # widths timed more than once
+        self.warm: set[int] = set()  # widths whose first forward has run
 
     def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
-        times = self.verify.setdefault(width, deque(maxlen=self.window))
-        if len(times) == 1 and width not in self.warm:
-            # A width's first forward may also do one-time work (on verispec's kernels it is captured then:
-            # models/captured.py), so it stands only until a second timing replaces it.
-            times.clear()
+        if width not in self.warm:
+            # A width's first forward may also do one-time work (on verispec's kernels it is captured then, at about
+            # three replays' cost: models/captured.py), so it is not its price. Left in, one such timing at a width
+            # drafted once steepens the line through the widths and can price drafting out for the generation.
             self.warm.add(width)
-        times.append(verify_seconds)
+        else:
+            self.verify.setdefault(width, deque(maxlen=self.window)).append(verify_seconds)
         if drafted:
             self.draft.append(draft_seconds / drafted)
 
