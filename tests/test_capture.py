@@ -13,7 +13,9 @@ import torch
 
 from verispec import kernels
 from verispec.kernels.capture import Program
+from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.train.loop import init_weights
 
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
                                    reason=f"verispec's kernels do not run here: {kernels.reason()}")
@@ -68,6 +70,43 @@ def test_replays_give_the_bits_of_the_kernels_called_one_by_one(pair_dirs: tuple
         assert torch.equal(a, b)
 
 
+def test_the_eagle_heads_replays_give_the_bits_of_its_kernels_called_one_by_one(pair_dirs: tuple[Path, Path]) -> None:
+    """The head's forwards (its fc as two matmuls, its layer) captured and replayed, a chain and a tree, on two caches
+    in turn, against the same head op by op."""
+    target = load_model(pair_dirs[0], dtype=torch.bfloat16)
+    heads = []
+    for capture in (True, False):
+        torch.manual_seed(0)
+        head = EagleHead(head_config(target.config))
+        init_weights(head)
+        head = head.to(torch.bfloat16).eval().requires_grad_(False)
+        head.pack(1)
+        head.capture = capture
+        heads.append(head)
+    assert heads[0].halves is not None
+    D = target.config.hidden_size
+    inputs = [torch.randn(1, 6, D, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(2)]
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    outs = []
+    for head in heads:
+        caches, out = [head.new_cache(64, torch.bfloat16), head.new_cache(64, torch.bfloat16)], []
+        with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
+            with torch.inference_mode():
+                for step in range(3):
+                    for cache in caches:
+                        if step == 0:
+                            out.append(head(inputs[0][:, :4], inputs[1][:, :4], cache))
+                        out.append(head(inputs[0][:, 4:5], inputs[1][:, 4:5], cache))
+                        start = cache.length
+                        out.append(head(inputs[0][:, 3:6], inputs[1][:, 3:6], cache, start + torch.tensor([0, 1, 1]),
+                                        torch.cat((torch.ones(3, start, dtype=torch.bool), mask), 1)))
+                        cache.truncate(start)
+        outs.append((out, replays.call_count))
+    assert outs[0][1] == 11 and outs[1][1] == 0  # 14 forwards of 3 shapes (4, 1 and 3 rows)
+    for a, b in zip(outs[0][0], outs[1][0], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_capture_is_the_models_keyed_by_shape_and_serves_every_cache(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[0], torch.bfloat16, exact=True, capture=True)
     for _ in range(2):  # a second generation's cache reuses the captures
@@ -90,7 +129,7 @@ def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None
     cache = model.new_cache()
     model(PROMPT[:, :4], cache)
     model(PROMPT[:, 4:8], cache)  # the 4-row shape is captured now
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match=r"inputs of \[\(1, 4\), \(1,\)\]"):
         model(PROMPT[:, 8:12], cache, positions=torch.tensor([8]))
 
 

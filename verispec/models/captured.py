@@ -7,8 +7,8 @@ positions and which cache slots each row sees. The cache is the one a forward na
 the capture's cache (its keys, its values, its length, which the kernels read when they run) are rewritten to the
 cache at hand before a replay, so a capture serves every cache of its layout, one generation after another.
 
-Captures are kept by the model (`LlamaForCausalLM.captured`), keyed by the row count, the blocks run, the states
-asked for and the cache's layout; each holds the intermediate tensors of its forward, so only forwards of at most
+Captures are kept by the model (`LlamaForCausalLM.captured`, `EagleHead.captured`), keyed by the row count, the
+cache's layout and whatever else changes the calls (the blocks run, the states asked for); each holds the intermediate tensors of its forward, so only forwards of at most
 `MAX_ROWS` rows are captured (a long prompt's prefill, seen once, is not worth keeping). A forward that computes
 anything outside the kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A capture's
 buffers are shared by every cache, so its replays are serialised (a lock).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
 import torch
 
@@ -28,23 +28,22 @@ from verispec.kernels.capture import NotCapturable
 
 if TYPE_CHECKING:
     from verispec.models.cache import KVCache
-    from verispec.models.llama import KeyRows, LlamaForCausalLM
+    from verispec.models.llama import KeyRows
 
 MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, exact mode's 16-row prefill chunks
-Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # logits (1, T, V) and the hidden states asked for
+Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # e.g. logits (1, T, V) and the hidden states asked for
 
 
 class CapturedForward:
-    """One forward's kernel calls, recorded while it ran into `cache` with these inputs' shapes."""
+    """One forward's kernel calls, recorded while `forward(*inputs, rows)` ran into `cache`."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, run: Sequence[int], hidden: Sequence[int],
-                 tokens: torch.Tensor, positions: torch.Tensor, rows: KeyRows) -> None:
+    def __init__(self, forward: Callable[..., Outputs], cache: KVCache, inputs: Sequence[torch.Tensor],
+                 rows: KeyRows) -> None:
         from verispec.models.llama import KeyRows  # here: llama.py imports this module
 
-        self.tokens, self.positions, self.visible = tokens.clone(), positions.clone(), rows.visible.clone()
+        self.inputs, self.visible = [x.clone() for x in inputs], rows.visible.clone()
         with kernels.capturing() as capture:
-            self.logits, self.states = model._layers(self.tokens, self.positions, cache, KeyRows(self.visible), run,
-                                                     hidden)
+            self.out, self.states = forward(*self.inputs, KeyRows(self.visible))
         self.program = capture.program()
         self.lock = threading.Lock()
         # Pointers into the cache, as (place in the program, which part, offset): rewritten for another cache
@@ -56,20 +55,20 @@ class CapturedForward:
                 self.keep.append(target)
             else:
                 base = _address(cache._length if part == "length" else getattr(cache, part))
-                address = _address(target)
-                self.into_cache.append((self.program.word(call, argument), part, address - base))
+                self.into_cache.append((self.program.word(call, argument), part, _address(target) - base))
         self.words = torch.tensor([word for word, *_ in self.into_cache], dtype=torch.int64)
         self.bound = weakref.ref(cache)
 
-    def __call__(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, rows: KeyRows) -> Outputs:
-        if positions.shape != self.positions.shape or rows.visible.shape != self.visible.shape:
-            raise ValueError(f"positions {tuple(positions.shape)} and visible slots {tuple(rows.visible.shape)} for "
-                             f"{self.tokens.shape[1]} tokens into a cache of {self.visible.shape[1]} slots")
+    def __call__(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
+        shapes = [tuple(x.shape) for x in (*inputs, rows.visible)]
+        if shapes != [tuple(x.shape) for x in (*self.inputs, self.visible)]:
+            raise ValueError(f"inputs of {shapes[:-1]} and visible slots {shapes[-1]} for a forward captured with "
+                             f"{[tuple(x.shape) for x in self.inputs]} into a cache of {self.visible.shape[1]} slots")
         with self.lock:
             if self.bound() is not cache:
                 self._bind(cache)
-            self.tokens.copy_(tokens)
-            self.positions.copy_(positions)
+            for buffer, x in zip(self.inputs, inputs):
+                buffer.copy_(x)
             self.visible.copy_(rows.visible)
             self.program()
             return self.outputs()
@@ -83,7 +82,7 @@ class CapturedForward:
 
     def outputs(self) -> Outputs:
         """Copies of the outputs: the next replay overwrites them."""
-        return self.logits.clone(), [state.clone() for state in self.states]
+        return self.out.clone(), [state.clone() for state in self.states]
 
 
 def _address(target: object) -> int:
@@ -102,24 +101,20 @@ def _part_of(cache: KVCache, target: object) -> str | None:
     return None
 
 
-def replay(model: LlamaForCausalLM, cache: KVCache, blocks: tuple[tuple[int, ...], tuple[int, ...]],
-           tokens: torch.Tensor, positions: torch.Tensor, rows: KeyRows) -> Outputs:
-    """The forward of `tokens` (1, T) at `positions` (T,) seeing `rows`, running blocks[0] and returning the states
-    blocks[1]: replayed from the model's capture for this shape, captured first if there is none."""
-    run, hidden = blocks
-    if positions.dim() != 1 or positions.dtype != torch.int64:
-        positions = positions.reshape(-1).to(torch.int64)
-    T = tokens.shape[1]
-    key = (T, run, hidden, tuple(cache.k.shape), cache.k.dtype)
-    captured = model.captured.get(key, False)
-    if captured is False and T <= MAX_ROWS:
+def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
+           inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
+    """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
+    kernels): replayed from `captured[key]`, captured there first if there is none. `key` names the forward's shape:
+    its row count, the cache's layout and whatever else changes the kernel calls it makes."""
+    capture = captured.get(key, False)
+    if capture is False and rows.visible.shape[0] <= MAX_ROWS:
         try:
-            captured = CapturedForward(model, cache, run, hidden, tokens, positions, rows)
+            capture = CapturedForward(forward, cache, inputs, rows)
         except NotCapturable:
-            model.captured[key] = None  # runs op by op from now on
+            captured[key] = None  # runs op by op from now on
         else:
-            model.captured[key] = captured
-            return captured.outputs()
-    if not captured:
-        return model._layers(tokens, positions.contiguous(), cache, rows, run, hidden)
-    return captured(cache, tokens, positions, rows)
+            captured[key] = capture
+            return capture.outputs()
+    if not capture:
+        return forward(*inputs, rows)
+    return capture(cache, inputs, rows)

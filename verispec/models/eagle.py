@@ -17,12 +17,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from verispec import kernels
 from verispec.errors import CheckpointError
 from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packable, packed_here
-from verispec.models.llama import Block, KeyRows, rotary
+from verispec.models.captured import replay
+from verispec.models.llama import Block, KeyRows, rotary, rotary_table
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -39,12 +41,24 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([Block(config, 0)])
         self.layers[0].input_layernorm = nn.Identity()  # the target's features arrive normed already
         self.mix: PackedLinear | None = None  # set by `pack`, used instead of fc
+        # Set by `pack` where verispec's kernels run the layer's attention: fc as its embedding and feature halves
+        self.halves: tuple[kernels.Matmul, kernels.Matmul] | None = None
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for those forwards
+        self.captured: dict = {}  # those forwards captured by shape (models/captured.py)
+        self.capture = True  # False: those forwards run op by op
 
     def pack(self, rows: int) -> None:
         """Run fc and the layer's projections as prepacked matmuls laid out for `rows` rows (models/linear.py), as
-        `load_model` does for the target: an inference-only fast path."""
+        `load_model` does for the target: an inference-only fast path. Where the layer's attention runs on verispec's
+        kernels, a forward of one sequence with a cache runs nothing but kernels, captured once per shape and
+        replayed (models/captured.py): fc then runs as two matmuls, one per half of its input, the second adding
+        the first's output as a residual, so that no concatenation is needed."""
         self.mix = PackedLinear([self.fc], rows)
         self.layers[0].pack(rows)
+        self.halves, self.rope, self.captured = None, None, {}
+        if self.layers[0].self_attn.own_attention:
+            weight, D = self.fc.weight.detach(), self.config.hidden_size
+            self.halves = kernels.Matmul(weight[:, :D].contiguous()), kernels.Matmul(weight[:, D:].contiguous())
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
         c = self.config
@@ -63,16 +77,35 @@ class EagleHead(nn.Module):
             cache.reserve(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=features.device)
-        x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
-        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
         if cache is not None and mask is None and T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        if cache is not None and B == 1 and self.layers[0].self_attn.own_attention and packed_here(x):  # as the target
-            mask = KeyRows.seeing(mask, T, start, cache.slots)
-        x = self.layers[0](x, cos, sin, cache, mask)
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=features.device).tril(start)
+        if cache is not None and B == 1 and self.halves is not None and packed_here(features):  # as the target
+            x = self._on_kernels(features, embeddings, cache, positions, KeyRows.seeing(mask, T, start, cache.slots))
+        else:
+            x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
+            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+            x = self.layers[0](x, cos, sin, cache, mask)
         if cache is not None:
             cache.advance(T)
         return x
+
+    def _on_kernels(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache, positions: torch.Tensor,
+                    rows: KeyRows) -> torch.Tensor:
+        """The forward of one sequence on verispec's kernels, captured once per shape and replayed."""
+        if self.rope is None or len(self.rope[0]) < cache.slots:  # cover every slot of the largest cache seen
+            self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
+                                     self.fc.weight.dtype)
+        positions = positions.reshape(-1).to(torch.int64).contiguous()
+
+        def forward(f: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
+            x = self.halves[1](f, residual=self.halves[0](e))  # fc([e; f]) = f @ W_f.T + e @ W_e.T
+            cos, sin = kernels.gather(self.rope[0], p), kernels.gather(self.rope[1], p)
+            return self.layers[0](x, cos, sin, cache, rows), []
+
+        if not self.capture:
+            return forward(features, embeddings, positions, rows)[0]
+        key = (features.shape[1], tuple(cache.k.shape), cache.k.dtype)
+        return replay(self.captured, key, cache, forward, (features, embeddings, positions), rows)[0]
 
 
 

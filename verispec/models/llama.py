@@ -364,12 +364,16 @@ class LlamaForCausalLM(nn.Module):
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
-        if isinstance(attn_mask, KeyRows) and (self.rope is None or len(self.rope[0]) < cache.slots):
-            # the rotary table covers every slot of the largest cache seen (a row's values do not depend on its length)
-            self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
-                                     self.lm_head.weight.dtype)
-        if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but verispec's kernels: captured, replayed
-            logits, states = replay(self, cache, (tuple(run), tuple(hidden or ())), tokens, positions, attn_mask)
+        if isinstance(attn_mask, KeyRows):  # one sequence on verispec's kernels
+            if self.rope is None or len(self.rope[0]) < cache.slots:  # cover every slot of the largest cache seen
+                self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
+                                         self.lm_head.weight.dtype)  # (a row's values do not depend on the length)
+            if positions.dim() != 1 or positions.dtype != torch.int64 or not positions.is_contiguous():
+                positions = positions.reshape(-1).to(torch.int64).contiguous()  # as the rotary rows' gather takes
+        if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but kernels: captured once per shape, replayed
+            key = (tokens.shape[1], tuple(run), tuple(hidden or ()), tuple(cache.k.shape), cache.k.dtype)
+            logits, states = replay(self.captured, key, cache, lambda t, p, rows: self._layers(
+                t, p, cache, rows, run, hidden or ()), (tokens, positions), attn_mask)
         else:
             logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or ())
         return logits if hidden is None else (logits, torch.stack(states, dim=2))
