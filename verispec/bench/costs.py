@@ -11,6 +11,7 @@ r(n) is the target's time for n tokens over its time for 1, up to the widest for
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -61,7 +62,8 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
     """c per chain method (prompt lookup runs no model; layer skip runs the target without the layers `skip`), a
     table per tree method (TREE_COSTS), and r(n) for n = 1 .. the widest forward of any row (max chain k + 1 at
     least)."""
-    prices = Prices(target, forward_seconds(target, 1))
+    one, bandwidth = step_and_bandwidth(target)
+    prices = Prices(target, one)
     kept = [i for i in range(target.config.num_hidden_layers) if i not in (skip or ())]
     c: dict[str, float] = {}
     trees: dict[str, dict] = {}
@@ -80,7 +82,17 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
             c[m.label] = 0.0
     widest = max([max(DRAFT_KS) + 1, *(n for tree in trees.values() for n in tree["tokens"])])
     return {"c": c, "trees": trees, "r": {1: 1.0} | {n: prices.forward(target, n) for n in range(2, widest + 1)},
-            "target_step_seconds": prices.one, "weight_bytes": weight_bytes(target), "read_bandwidth": read_bandwidth()}
+            "target_step_seconds": prices.one, "weight_bytes": weight_bytes(target), "read_bandwidth": bandwidth}
+
+
+def step_and_bandwidth(target: NativeModel, rounds: int = 7) -> tuple[float, float]:
+    """The target's one-token forward (seconds) and the read bandwidth (bytes per second), measured in turns over
+    `rounds` rounds, medians: the machine's changing load falls on both alike, so their ratio holds."""
+    ones, bandwidths = [], []
+    for _ in range(rounds):
+        ones.append(forward_seconds(target, 1))
+        bandwidths.append(read_bandwidth(repeats=3))
+    return statistics.median(ones), statistics.median(bandwidths)
 
 
 def _drafting(method: BenchMethod) -> Drafter:
