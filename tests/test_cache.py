@@ -10,7 +10,7 @@ import torch
 
 from verispec import reference
 from verispec.errors import ContextLengthError
-from verispec.models.cache import KVCache
+from verispec.models.cache import SLOT_BLOCK, KVCache
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 
@@ -58,7 +58,7 @@ SEQ = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 def test_preallocated_shapes_dtype_and_empty_length() -> None:
     cache = KVCache(3, 2, 4, 10, 6, dtype=torch.float64)
-    assert cache.k.shape == cache.v.shape == (3, 2, 4, 10, 6)
+    assert cache.k.shape == cache.v.shape == (3, 2, 4, SLOT_BLOCK, 6)  # slots in blocks; max_len is what fits
     assert cache.k.dtype == cache.v.dtype == torch.float64
     assert cache.max_len == 10 and cache.length == 0
 

@@ -13,6 +13,7 @@ import torch
 
 from verispec import kernels
 from verispec.kernels.capture import Program
+from verispec.models import captured
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
@@ -122,6 +123,20 @@ def test_a_capture_is_the_models_keyed_by_shape_and_serves_every_cache(pair_dirs
     ordinary = on_kernels(pair_dirs[0], torch.bfloat16, exact=False, capture=True)
     ordinary(long, ordinary.new_cache())
     assert not ordinary.module.captured
+
+
+def test_caches_of_nearby_sizes_share_captures_and_the_oldest_go_past_the_bound(pair_dirs: tuple[Path, Path],
+                                                                                monkeypatch) -> None:
+    model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
+    for max_len in (40, 60, 100):  # one block of slots: one layout
+        cache = model.new_cache(max_len)
+        model(PROMPT[:, :3], cache)
+        model(PROMPT[:, 3:4], cache)
+    assert sorted(key[0] for key in model.module.captured) == [1, 3]
+    monkeypatch.setattr(captured, "MAX_HELD_ROWS", 6)
+    cache = model.new_cache()
+    model(PROMPT[:, :4], cache)  # 3 + 1 + 4 rows would be 8: the oldest (3 rows) goes
+    assert sorted(key[0] for key in model.module.captured) == [1, 4]
 
 
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:

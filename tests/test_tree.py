@@ -50,7 +50,7 @@ def test_cut_after_eos_drops_descendants_only() -> None:
 
 def test_keep_moves_the_accepted_branch_into_place() -> None:
     cache = KVCache(2, 1, 1, 16, 4)
-    cache.k[..., :, :] = torch.arange(16.0)[:, None]  # each slot holds its own index
+    cache.k[..., :, :] = torch.arange(float(cache.slots))[:, None]  # each slot holds its own index
     cache.v.copy_(cache.k)
     cache.length = 12
     cache.keep(5, [1, 4, 6])

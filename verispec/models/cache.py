@@ -9,6 +9,9 @@ import torch
 from verispec import kernels
 from verispec.errors import ContextLengthError
 
+SLOT_BLOCK = 128  # a cache without rows allocates its slots in blocks of this many: caches of nearby sizes then share
+# a layout, and with it the forwards captured for it (models/captured.py)
+
 
 class KVCache:
     """Keys and values of every layer, preallocated to `max_len` positions.
@@ -26,7 +29,7 @@ class KVCache:
         # A static cache (exact mode, `rows` set) holds `rows` slots more than max_len for a forward's padding rows,
         # and `width` (default max_len + rows) at least: the keys every row attends over, whatever the cache's use.
         self.width = max_len + rows if rows is not None and width is None else width
-        self.slots = max_len if rows is None else max(max_len + rows, self.width)
+        self.slots = -(-max_len // SLOT_BLOCK) * SLOT_BLOCK if rows is None else max(max_len + rows, self.width)
         shape = (layers, batch, kv_heads, self.slots, head_dim)
         if rows is None:
             # Uninitialised: attention only ever reads positions below `length`, which were written first.

@@ -8,8 +8,10 @@ the capture's cache (its keys, its values, its length, which the kernels read wh
 cache at hand before a replay, so a capture serves every cache of its layout, one generation after another.
 
 Captures are kept by the model (`LlamaForCausalLM.captured`, `EagleHead.captured`), keyed by the row count, the
-cache's layout and whatever else changes the calls (the blocks run, the states asked for); each holds the intermediate tensors of its forward, so only forwards of at most
-`MAX_ROWS` rows are captured (a long prompt's prefill, seen once, is not worth keeping). A forward that computes
+cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
+else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward,
+so only forwards of at most `MAX_ROWS` rows are captured (a long prompt's prefill, seen once, is not worth keeping),
+and a model's captures hold at most `MAX_HELD_ROWS` rows together, the oldest dropped first. A forward that computes
 anything outside the kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A capture's
 buffers are shared by every cache, so its replays are serialised (a lock).
 """
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from verispec.models.llama import KeyRows
 
 MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, exact mode's 16-row prefill chunks
+MAX_HELD_ROWS = 256  # the most rows a model's captures hold together (each row's intermediates): the oldest go first
 Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # e.g. logits (1, T, V) and the hidden states asked for
 
 
@@ -42,6 +45,7 @@ class CapturedForward:
         from verispec.models.llama import KeyRows  # here: llama.py imports this module
 
         self.inputs, self.visible = [x.clone() for x in inputs], rows.visible.clone()
+        self.rows = len(self.visible)
         with kernels.capturing() as capture:
             self.out, self.states = forward(*self.inputs, KeyRows(self.visible))
         self.program = capture.program()
@@ -85,6 +89,17 @@ class CapturedForward:
         return self.out.clone(), [state.clone() for state in self.states]
 
 
+def _make_room(captured: dict, rows: int) -> None:
+    """Drop the oldest captures until `rows` more fit under MAX_HELD_ROWS (a replay in progress keeps its own)."""
+    held = [(key, capture.rows) for key, capture in captured.items() if capture]
+    total = sum(n for _, n in held)
+    for key, n in held:
+        if total + rows <= MAX_HELD_ROWS:
+            break
+        del captured[key]
+        total -= n
+
+
 def _address(target: object) -> int:
     return target.data_ptr() if isinstance(target, torch.Tensor) else ctypes.addressof(target)
 
@@ -108,6 +123,7 @@ def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[...,
     its row count, the cache's layout and whatever else changes the kernel calls it makes."""
     capture = captured.get(key, False)
     if capture is False and rows.visible.shape[0] <= MAX_ROWS:
+        _make_room(captured, rows.visible.shape[0])
         try:
             capture = CapturedForward(forward, cache, inputs, rows)
         except NotCapturable:

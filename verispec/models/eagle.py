@@ -52,7 +52,8 @@ class EagleHead(nn.Module):
         `load_model` does for the target: an inference-only fast path. Where the layer's attention runs on verispec's
         kernels, a forward of one sequence with a cache runs nothing but kernels, captured once per shape and
         replayed (models/captured.py): fc then runs as two matmuls, one per half of its input, the second adding
-        the first's output as a residual, so that no concatenation is needed."""
+        the first's output as a residual, so that no concatenation is needed (in bfloat16 the first half's product
+        is rounded before the sum: close to the fused fc, not bitwise; the target decides every token)."""
         self.mix = PackedLinear([self.fc], rows)
         self.layers[0].pack(rows)
         self.halves, self.rope, self.captured = None, None, {}
