@@ -210,8 +210,8 @@ class MLP(nn.Module):
         if self.gate_up is not None and self.gate_up.kernel is not None and packed_here(x):
             return self.down(kernels.silu_mul(self.gate_up(x)), residual)  # verispec's kernels
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down(F.silu(gate) * up, residual) if self.down is not None else residual + self.down_proj(
-            F.silu(gate) * up)
+        y = F.silu(gate) * up
+        return self.down(y, residual) if self.down is not None else residual + self.down_proj(y)
 
 
 class Block(nn.Module):
