@@ -21,7 +21,7 @@ from verispec.kernels.build import library, reason
 from verispec.kernels.capture import NotCapturable, capturing, note
 
 __all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
+           "store_kv", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (linear.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
@@ -51,7 +51,8 @@ def _kernel(name: str, *tensors: torch.Tensor) -> str:
 Arg = Union[int, torch.Tensor, ctypes.c_int64, None]  # a number, or what a pointer points to (None: a null pointer)
 
 
-def _word(arg: Arg) -> int:
+def address(arg: Arg) -> int:
+    """The word a kernel takes for `arg`: a tensor's data pointer, a cell's address, 0 for None, a number itself."""
     if isinstance(arg, torch.Tensor):
         return arg.data_ptr()
     if isinstance(arg, ctypes.c_int64):
@@ -62,7 +63,7 @@ def _word(arg: Arg) -> int:
 def _call(name: str, args: Sequence[Arg]) -> int:
     """Run kernel `name` on its arguments, pointers given as the tensors or cells they point to (and record the
     call if a forward is being captured, with what each pointer points into); its status."""
-    words = [_word(arg) for arg in args]
+    words = [address(arg) for arg in args]
     status = getattr(library(), f"vs_{name}")((ctypes.c_int64 * len(words))(*words))
     if status == 0:
         note(name, words, args)

@@ -18,7 +18,6 @@ buffers are shared by every cache, so its replays are serialised (a lock).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
@@ -53,13 +52,13 @@ class CapturedForward:
         # Pointers into the cache, as (place in the program, which part, offset): rewritten for another cache
         self.into_cache: list[tuple[int, str, int]] = []
         self.keep = []  # what the other pointers point into, alive as long as the program
+        bases = _bases(cache)
         for call, argument, target in capture.pointers:
             part = _part_of(cache, target)
             if part is None:
                 self.keep.append(target)
             else:
-                base = _address(cache._length if part == "length" else getattr(cache, part))
-                self.into_cache.append((self.program.word(call, argument), part, _address(target) - base))
+                self.into_cache.append((self.program.word(call, argument), part, kernels.address(target) - bases[part]))
         self.words = torch.tensor([word for word, *_ in self.into_cache], dtype=torch.int64)
         self.bound = weakref.ref(cache)
 
@@ -79,7 +78,7 @@ class CapturedForward:
 
     def _bind(self, cache: KVCache) -> None:
         """Point the program's cache arguments at `cache`."""
-        bases = {"k": cache.k.data_ptr(), "v": cache.v.data_ptr(), "length": ctypes.addressof(cache._length)}
+        bases = _bases(cache)
         self.program.code[self.words] = torch.tensor([bases[part] + offset for _, part, offset in self.into_cache],
                                                      dtype=torch.int64)
         self.bound = weakref.ref(cache)
@@ -100,8 +99,9 @@ def _make_room(captured: dict, rows: int) -> None:
         total -= n
 
 
-def _address(target: object) -> int:
-    return target.data_ptr() if isinstance(target, torch.Tensor) else ctypes.addressof(target)
+def _bases(cache: KVCache) -> dict[str, int]:
+    """Where each part of `cache` that a program may point into starts."""
+    return {"k": kernels.address(cache.k), "v": kernels.address(cache.v), "length": kernels.address(cache._length)}
 
 
 def _part_of(cache: KVCache, target: object) -> str | None:

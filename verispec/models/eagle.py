@@ -24,7 +24,7 @@ from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.captured import replay
-from verispec.models.llama import Block, KeyRows, rotary, rotary_table
+from verispec.models.llama import Block, KeyRows, as_index, covering, rotary
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -93,10 +93,8 @@ class EagleHead(nn.Module):
     def _on_kernels(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache, positions: torch.Tensor,
                     rows: KeyRows) -> torch.Tensor:
         """The forward of one sequence on verispec's kernels, captured once per shape and replayed."""
-        if self.rope is None or len(self.rope[0]) < cache.slots:  # cover every slot of the largest cache seen
-            self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
-                                     self.fc.weight.dtype)
-        positions = positions.reshape(-1).to(torch.int64).contiguous()
+        self.rope = covering(self.rope, cache.slots, self.config, self.fc.weight.dtype)
+        positions = as_index(positions)
 
         def forward(f: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
             x = self.halves[1](f, residual=self.halves[0](e))  # fc([e; f]) = f @ W_f.T + e @ W_e.T

@@ -54,6 +54,22 @@ def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype
     return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
 
 
+def covering(table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config: ModelConfig, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`table` (cos, sin by position), or a longer one where it does not cover a cache of `slots`: kernel forwards
+    read their rotary rows from it (a row's values do not depend on the table's length)."""
+    if table is None or len(table[0]) < slots:
+        return rotary_table(slots, config.dim_per_head, config.rope_theta, dtype)
+    return table
+
+
+def as_index(positions: torch.Tensor) -> torch.Tensor:
+    """Positions as the rotary rows' gather takes them: a contiguous int64 vector."""
+    if positions.dim() != 1 or positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.reshape(-1).to(torch.int64).contiguous()
+    return positions
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -365,11 +381,8 @@ class LlamaForCausalLM(nn.Module):
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
         if isinstance(attn_mask, KeyRows):  # one sequence on verispec's kernels
-            if self.rope is None or len(self.rope[0]) < cache.slots:  # cover every slot of the largest cache seen
-                self.rope = rotary_table(cache.slots, self.config.dim_per_head, self.config.rope_theta,
-                                         self.lm_head.weight.dtype)  # (a row's values do not depend on the length)
-            if positions.dim() != 1 or positions.dtype != torch.int64 or not positions.is_contiguous():
-                positions = positions.reshape(-1).to(torch.int64).contiguous()  # as the rotary rows' gather takes
+            self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
+            positions = as_index(positions)
         if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but kernels: captured once per shape, replayed
             key = (tokens.shape[1], tuple(run), tuple(hidden or ()), tuple(cache.k.shape), cache.k.dtype)
             logits, states = replay(self.captured, key, cache, lambda t, p, rows: self._layers(
