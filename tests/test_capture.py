@@ -14,6 +14,7 @@ import torch
 from verispec import kernels
 from verispec.kernels.capture import Program
 from verispec.models import captured
+from verispec.models.captured import CapturedForward
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
@@ -64,9 +65,10 @@ def test_replays_give_the_bits_of_the_kernels_called_one_by_one(pair_dirs: tuple
     captured, op_by_op = (on_kernels(pair_dirs[0], dtype, exact, capture) for capture in (True, False))
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
         replayed = session(captured)
-    # 24 forwards in exact mode (prefills of 17 and 24 tokens in chunks: 16 + 1, 16 + 8), 22 in ordinary mode; 6
-    # shapes in each (T and the states asked for). Every forward but each shape's first ran from its capture.
-    assert replays.call_count == (24 if exact else 22) - 6
+    # 22 forwards in either mode (exact mode's prefills are one chunk on the kernels) of 6 shapes (T and the states
+    # asked for): the two prefills (17 and 24 rows) seen once, op by op; 4 shapes seen again and again, each run op
+    # by op once, then captured, then replayed.
+    assert replays.call_count == 22 - 2 - 2 * 4
     for a, b in zip(replayed, session(op_by_op), strict=True):
         assert torch.equal(a, b)
 
@@ -103,7 +105,7 @@ def test_the_eagle_heads_replays_give_the_bits_of_its_kernels_called_one_by_one(
                                         torch.cat((torch.ones(3, start, dtype=torch.bool), mask), 1)))
                         cache.truncate(start)
         outs.append((out, replays.call_count))
-    assert outs[0][1] == 11 and outs[1][1] == 0  # 14 forwards of 3 shapes (4, 1 and 3 rows)
+    assert outs[0][1] == 8 and outs[1][1] == 0  # 14 forwards of 3 shapes (4 rows twice, 1 and 3 rows 6 times each)
     for a, b in zip(outs[0][0], outs[1][0], strict=True):
         assert torch.equal(a, b)
 
@@ -117,26 +119,30 @@ def test_a_capture_is_the_models_keyed_by_shape_and_serves_every_cache(pair_dirs
             model(torch.tensor([[token]]), cache)
         model(PROMPT[:, :4], cache, hidden=[-1])
     captured = model.module.captured
-    assert sorted((key[0], key[2]) for key in captured) == [(1, ()), (4, ()), (4, (-1,))]
-    assert all(captured.values())
+    assert sorted((key[0], key[3]) for key in captured) == [(1, ()), (4, ()), (4, (-1,))]
+    assert all(isinstance(capture, CapturedForward) for capture in captured.values())
     long = torch.randint(0, 256, (1, 70))  # past MAX_ROWS (ordinary mode: one forward): not captured
     ordinary = on_kernels(pair_dirs[0], torch.bfloat16, exact=False, capture=True)
     ordinary(long, ordinary.new_cache())
     assert not ordinary.module.captured
 
 
-def test_caches_of_nearby_sizes_share_captures_and_the_oldest_go_past_the_bound(pair_dirs: tuple[Path, Path],
-                                                                                monkeypatch) -> None:
+def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_past_the_bound(
+        pair_dirs: tuple[Path, Path], monkeypatch) -> None:
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     for max_len in (40, 60, 100):  # one block of slots: one layout
         cache = model.new_cache(max_len)
         model(PROMPT[:, :3], cache)
         model(PROMPT[:, 3:4], cache)
     assert sorted(key[0] for key in model.module.captured) == [1, 3]
-    monkeypatch.setattr(captured, "MAX_HELD_ROWS", 6)
-    cache = model.new_cache()
-    model(PROMPT[:, :4], cache)  # 3 + 1 + 4 rows would be 8: the oldest (3 rows) goes
-    assert sorted(key[0] for key in model.module.captured) == [1, 4]
+    model(PROMPT[:, :3], model.new_cache(100))  # the 3-row capture, the first made, is now the most recently used
+    monkeypatch.setattr(captured, "MAX_HELD_ROWS", 7)
+    cache = model.new_cache(100)
+    model(PROMPT[:, :4], cache)  # run once: not captured
+    assert sorted(key[0] for key in model.module.captured) == [1, 3, 4]
+    model(PROMPT[:, 4:8], cache)  # captured: 3 + 1 + 4 rows would be 8, so the least recently used (1 row) goes
+    assert {key[0]: type(capture) for key, capture in model.module.captured.items()} == {3: CapturedForward,
+                                                                                         4: CapturedForward}
 
 
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:
@@ -156,7 +162,48 @@ def test_a_forward_that_computes_outside_the_kernels_runs_op_by_op(pair_dirs: tu
     out = [session(model) for model in models]
     for a, b in zip(*out, strict=True):
         assert torch.equal(a, b)
-    assert set(models[0].module.captured.values()) == {None}  # refused, and not tried again
+    # refused, and not tried again; the prefills, seen once, were never tried
+    assert set(models[0].module.captured.values()) == {captured.REFUSED, captured.ONCE}
+
+
+def chain_by_forwards(model: NativeModel, tokens: torch.Tensor, cache, n: int) -> list[int]:
+    """What `greedy_chain` does, a forward and an argmax at a time."""
+    out = [int(model(tokens, cache)[0, -1].argmax())]
+    while len(out) < n:
+        out.append(int(model(torch.tensor([out[-1:]]), cache)[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_dirs: tuple[Path, Path],
+                                                                           dtype: torch.dtype, exact: bool) -> None:
+    model = on_kernels(pair_dirs[1], dtype, exact, capture=True)
+    by_forwards, caches = [], []
+    for start in (5, 9, 7):  # the first chain runs op by op, the second is captured, the third replayed
+        cache = model.new_cache()
+        by_forwards.append(chain_by_forwards(model, PROMPT[:, :start], cache, 4))
+        caches.append(cache)
+    with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
+        for (start, expected, reference) in zip((5, 9, 7), by_forwards, caches):
+            cache = model.new_cache()
+            assert model.greedy_chain(PROMPT[:, :start], cache, 4) == expected
+            assert cache.length == reference.length == start + 3
+            L = cache.length
+            assert torch.equal(cache.k[:, :, :, :L], reference.k[:, :, :, :L])
+            assert torch.equal(cache.v[:, :, :, :L], reference.v[:, :, :, :L])
+    assert replays.call_count == 1  # the third chain (each first forward, of 5, 9 and 7 tokens, is a new shape)
+    assert [type(capture) for key, capture in model.module.captured.items() if key[0] == "chain"] == [CapturedForward]
+
+
+def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pair_dirs: tuple[Path, Path]) -> None:
+    model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
+    model.module.model.norm.own_kernel = False  # the final norm on PyTorch's ops: refused part of the way
+    expected = [chain_by_forwards(model, PROMPT[:, :6], model.new_cache(), 5) for _ in range(3)]
+    for tokens in expected:
+        cache = model.new_cache()
+        assert model.greedy_chain(PROMPT[:, :6], cache, 5) == tokens and cache.length == 6 + 4
+    assert captured.REFUSED in model.module.captured.values()
 
 
 @pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "grad-mode"])

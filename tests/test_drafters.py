@@ -132,9 +132,9 @@ class CausalOnly:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def __call__(self, tokens, cache, mask=None, positions=None, **options):
+    def __call__(self, tokens, cache, mask=None, positions=None, *, logits_to_keep=0, **options):
         assert mask is None and positions is None and not options
-        return self.target(tokens, cache)
+        return self.target(tokens, cache, logits_to_keep=logits_to_keep)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

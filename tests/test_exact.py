@@ -14,10 +14,11 @@ from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.errors import ContextLengthError
 from verispec.generate import generate
 from verispec.models.default import load_default
+from verispec.models import llama
 from verispec.models.llama import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 
-SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # prefills as 16 + 16 + 8 rows
+SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
 PREFIX = 10
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -64,6 +65,19 @@ def exact_own(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> NativeModel:
     return exact_on(pair_dirs, dtype, own_kernels=True)
 
 
+@pytest.fixture(params=["long", "short"], ids=["long-chunks", "short-chunks"])
+def chunks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verispec's attention runs LONG_ROWS-row chunks, or, here, as short ones as PyTorch's (EXACT_ROWS), so that
+    chunk boundaries fall inside the forwards of these tests on either kernels."""
+    if request.param == "short":
+        monkeypatch.setattr(llama, "LONG_ROWS", EXACT_ROWS)
+
+
+@pytest.fixture
+def short_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama, "LONG_ROWS", EXACT_ROWS)
+
+
 @pytest.fixture(scope="module")
 def seq_alone(exact: NativeModel) -> torch.Tensor:
     with torch_threads(1):
@@ -106,14 +120,16 @@ def paths(parents: list[int]) -> list[list[int]]:
 # --- a position's logits, however many tokens share the forward --------------------------------------------------
 
 
-def test_every_row_of_a_prefill_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor) -> None:
+def test_every_row_of_a_prefill_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor,
+                                                          chunks: None) -> None:
     cache = exact.new_cache()
     assert torch.equal(exact(SEQ, cache)[0], seq_alone)  # rows of the first, a middle and the padded last chunk
     assert cache.length == SEQ.shape[1]
 
 
 @pytest.mark.parametrize("n", [2, 5, EXACT_ROWS + 3])
-def test_every_row_of_a_chain_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor, n: int) -> None:
+def test_every_row_of_a_chain_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor, n: int,
+                                                        short_chunks: None) -> None:
     assert torch.equal(after_prefix(exact, SEQ[:, PREFIX: PREFIX + n]), seq_alone[PREFIX: PREFIX + n])
 
 
@@ -130,7 +146,7 @@ def test_every_node_of_a_tree_equals_its_path_decoded_alone(exact: NativeModel) 
         assert torch.equal(logits[node], plain[-1]), f"node {node}"
 
 
-def test_a_tree_wider_than_the_rows_runs_in_chunks(exact: NativeModel) -> None:
+def test_a_tree_wider_than_the_rows_runs_in_chunks(exact: NativeModel, short_chunks: None) -> None:
     parents = [-1] + [0] * 19 + list(range(1, 6))  # 20 children of the root, then a grandchild under 5 of them
     tokens = torch.randint(0, 256, (1, len(parents)), generator=torch.Generator().manual_seed(3))
     mask, depths = tree(parents)
@@ -238,7 +254,7 @@ def test_the_static_cache_is_zeroed_and_spans_the_context_plus_padding(exact: Na
         exact(SEQ[:, :1], cache)
 
 
-def test_a_token_may_not_see_a_later_chunk(exact: NativeModel) -> None:
+def test_a_token_may_not_see_a_later_chunk(exact: NativeModel, short_chunks: None) -> None:
     mask = torch.ones(EXACT_ROWS + 1, EXACT_ROWS + 1, dtype=torch.bool)  # every token sees every other
     cache = exact.new_cache()
     with pytest.raises(ValueError, match="later chunk"):
@@ -303,9 +319,22 @@ def test_shipped_pair_greedy_identity_in_bfloat16() -> None:
         assert generate(target, prompt, drafter, max_new_tokens=8, ignore_eos=True).tokens == plain.tokens
 
 
-def test_hidden_states_come_back_through_the_chunks(exact: NativeModel, seq_alone: torch.Tensor) -> None:
+def test_hidden_states_come_back_through_the_chunks(exact: NativeModel, seq_alone: torch.Tensor,
+                                                    short_chunks: None) -> None:
     logits, hidden = exact(SEQ, exact.new_cache(), hidden=[0, -1])
     assert torch.equal(logits[0], seq_alone) and hidden.shape == (1, SEQ.shape[1], 2, exact.hidden_size)
     cache = exact.new_cache()
     exact(SEQ[:, :PREFIX], cache)
     assert torch.equal(exact(SEQ[:, PREFIX: PREFIX + 1], cache, hidden=[0, -1])[1][0, 0], hidden[0, PREFIX])
+
+
+@pytest.mark.parametrize("keep", [1, 3, EXACT_ROWS + 2, 100])
+def test_logits_to_keep_gives_the_last_rows_bitwise(exact: NativeModel, seq_alone: torch.Tensor, keep: int,
+                                                     chunks: None) -> None:
+    """Chunks before the rows kept skip the LM head; the rest give the same bits as a full forward's."""
+    cache = exact.new_cache()
+    logits, hidden = exact(SEQ, cache, hidden=[-1], logits_to_keep=keep)
+    assert torch.equal(logits[0], seq_alone[-keep:]) and cache.length == SEQ.shape[1]
+    assert torch.equal(hidden, exact(SEQ, exact.new_cache(), hidden=[-1])[1])
+    cache.truncate(PREFIX)
+    assert torch.equal(exact(SEQ[:, PREFIX:], cache, logits_to_keep=keep)[0], seq_alone[PREFIX:][-keep:])

@@ -81,6 +81,18 @@ def test_adapter_logits_equal_native_runtime(llama_pair) -> None:
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("pair", ["gpt2_pair", "llama_pair"])
+def test_logits_to_keep_gives_the_last_rows_both_ways(request, pair) -> None:
+    folder = request.getfixturevalue(pair)[0]
+    tokens = torch.tensor([PROMPT])
+    for model in (load(folder, "transformers"), *([load_model(folder)] if pair == "llama_pair" else [])):
+        full = model(tokens, model.new_cache())
+        cache = model.new_cache()
+        last = model(tokens, cache, logits_to_keep=2)
+        assert last.shape == (1, 2, full.shape[-1]) and cache.length == len(PROMPT)
+        torch.testing.assert_close(last, full[:, -2:], atol=1e-5, rtol=0)
+
+
 def test_rollback_through_crop(gpt2_pair) -> None:
     model = load(gpt2_pair[0], "transformers")
     tokens = torch.tensor([PROMPT])

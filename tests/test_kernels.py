@@ -208,6 +208,40 @@ def test_gather_and_store_kv_copy_rows_and_refuse_out_of_range() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_argmax_is_torchs_ties_infinities_and_nan_included(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    for V in (1, 15, 16, 17, 8191, 8192):
+        x = torch.randn(6, V, generator=generator).to(dtype)
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), V
+    x = torch.zeros(5, 40, dtype=dtype)
+    x[0, [9, 33]] = 1  # a tie: the first
+    x[1] = -float("inf")
+    x[2, [7, 30]], x[2, 3] = float("nan"), float("inf")  # the first NaN, over inf
+    x[3, 31], x[4] = -0.0, -1.0
+    x[4, [2, 39]] = float("inf")
+    assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [9, 0, 7, 0, 2]
+    wide = torch.randn(3, 50, generator=generator).to(dtype)
+    assert torch.equal(kernels.argmax(wide[:, :40]), wide[:, :40].argmax(-1))  # rows of a wider tensor
+
+
+@needs_kernels
+def test_next_token_steps_a_greedy_chain() -> None:
+    import ctypes
+    logits = torch.tensor([0.0, 3.0, 5.0, 5.0, 1.0]).bfloat16()
+    out, token, position = torch.zeros(3, dtype=torch.int64), torch.tensor([7]), torch.tensor([4])
+    visible, length = torch.tensor([1, 1, 1, 1, 1, 0, 0], dtype=torch.uint8), ctypes.c_int64(4)
+    kernels.next_token(logits[:4], out, 1, token, position, visible, length)  # the forward stored slot 4
+    assert out.tolist() == [0, 2, 0] and token.item() == 2 and position.item() == 5 and length.value == 5
+    assert visible.tolist() == [1, 1, 1, 1, 1, 1, 0]
+    length.value = 6
+    kernels.next_token(logits, out, 2, token, position, visible, length)  # a chain's last: no slot left to see
+    assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 1, 1, 0]
+    with pytest.raises(ValueError, match="i = 3"):
+        kernels.next_token(logits, out, 3, token, position, visible, length)
+
+
+@needs_kernels
 def test_the_wrappers_refuse_what_would_read_out_of_bounds() -> None:
     w = torch.randn(70, 48).bfloat16()
     with pytest.raises(ValueError, match="takes CPU torch.bfloat16 rows of 48"):

@@ -95,12 +95,12 @@ def _begin(run: _Run) -> DraftSession | None:
     target, tokens = run.target, run.prompt
     layers = () if run.drafter is None else run.drafter.needs.hidden_states
     hidden = torch.empty(0, len(layers), target.hidden_size) if layers else None
-    if len(tokens) > 1:
+    if len(tokens) > 1:  # its logits are not used: one row's LM head where the model can skip the rest
         x = torch.tensor([tokens[:-1]], device=target.device)
         if layers:
-            hidden = target(x, run.cache, hidden=layers)[1][0]
+            hidden = target(x, run.cache, hidden=layers, logits_to_keep=1)[1][0]
         else:
-            target(x, run.cache)
+            target(x, run.cache, logits_to_keep=1)
     if run.drafter is None:
         return None
     return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec import kernels
 from verispec.arguments import real_number, whole_number
 from verispec.errors import InvalidArgumentError
 
@@ -32,6 +33,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1), (..., V) -> (...), by verispec's kernel where it runs: PyTorch's is scalar in
+    bfloat16, about 33 us for a row of 8192 on a Zen 4 core against 1 us, and greedy decoding takes one per token."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) == 1 and kernels.available(logits.dtype, logits.device):
+        return kernels.argmax(rows).view(logits.shape[:-1])
+    return logits.argmax(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -67,7 +77,7 @@ def draw(logits: torch.Tensor, params: SamplingParams,
          generator: torch.Generator | None = None) -> tuple[int, torch.Tensor | None]:
     """A drafter's next token from its logits (V,): the argmax when greedy (no q needed), else a sample and its q."""
     if params.greedy:
-        return int(logits.argmax()), None
+        return int(argmax(logits)), None
     q = logits_to_probs(logits, params)
     return int(sample(q, generator)), q
 

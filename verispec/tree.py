@@ -10,7 +10,7 @@ import torch
 
 from verispec.drafters.base import Proposal
 from verispec.errors import DrafterError
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, argmax, logits_to_probs, sample
 
 
 def chain_parents(n: int) -> list[int]:
@@ -99,7 +99,7 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
     while True:
         row = logits[node + 1]
         if sampling.greedy:
-            best = int(row.argmax())
+            best = int(argmax(row))
             child = next((c for c in children[node + 1] if proposal.tokens[c] == best), None)
             if child is None:
                 return path, best

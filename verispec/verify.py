@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, argmax, logits_to_probs, sample
 
 
 def greedy_match(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,7 +17,7 @@ def greedy_match(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torc
 
     draft (B, k) token ids; target_logits (B, k+1, V).
     """
-    choice = target_logits.argmax(-1)  # (B, k+1)
+    choice = argmax(target_logits)  # (B, k+1)
     k = draft.shape[1]
     num_accepted = (draft == choice[:, :k]).int().cumprod(1).sum(1)  # length of the agreeing prefix
     return num_accepted, choice.gather(1, num_accepted[:, None])[:, 0]

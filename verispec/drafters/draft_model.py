@@ -84,7 +84,9 @@ class DraftModelSession:
         if k < 1:
             return Proposal([])
         unseen = torch.tensor([context[self.cache.length:]], device=self.model.device)
-        logits = self.model(unseen, self.cache)[0, -1, : self.model.vocab_size]
+        if self.sampling.greedy and self.branch == 1 and self.model.capabilities.greedy_chains:
+            return Proposal(self.model.greedy_chain(unseen, self.cache, k))  # the model's own loop
+        logits = self.model(unseen, self.cache, logits_to_keep=1)[0, -1, : self.model.vocab_size]
         if self.branch > 1:
             return self._propose_tree(logits, k)
         tokens, q = [], []

@@ -18,6 +18,7 @@ import torch
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
 from verispec.models.protocol import CausalLM
+from verispec.sampling import argmax
 
 
 class NgramPool:
@@ -137,7 +138,7 @@ class LookaheadSession:
         """One Jacobi step: the argmax at the newest level becomes a new level; full columns become n-grams."""
         if verdict.side_logits is None:  # abandoned before the target saw the window: nothing learned
             return
-        newest = verdict.side_logits[-self.window:].argmax(-1).tolist()
+        newest = argmax(verdict.side_logits[-self.window:]).tolist()
         if len(self.levels) == self.ngram - 1:
             for j, token in enumerate(newest):
                 self.pool.add(self.levels[0][j], [level[j] for level in self.levels[1:]] + [token])

@@ -1,6 +1,7 @@
-"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, and the row-wise work
-around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), so that a
-forward on them is nothing but kernel calls and can be captured and replayed (kernels/capture.py).
+"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, the row-wise work
+around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), and the
+argmax and a greedy chain's step to its next token, so that a forward on them is nothing but kernel calls and can be
+captured and replayed (kernels/capture.py).
 
 Each gives a row the same bits whatever else shares the call (see simd.h), and the matmul reads its weight at
 about the memory's rate at the row counts decoding uses: in bfloat16 a forward's matmuls read the weights at about
@@ -21,7 +22,7 @@ from verispec.kernels.build import library, reason
 from verispec.kernels.capture import NotCapturable, capturing, note
 
 __all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
+           "store_kv", "argmax", "next_token", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (linear.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
@@ -202,3 +203,28 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
                          f"{tuple(v.shape)}")
     if _call("store_kv", [k, v, k.stride(0), R, Hkv, D, keys, values, S, start, keys.element_size()]):
         raise IndexError(f"store_kv: slots {start.value} .. {start.value + R - 1} outside a cache of {S}")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) for rows x (R, V) with a unit last stride: the first index of each row's largest value, a
+    NaN counting as the largest -> (R,) int64."""
+    kernel = _kernel("argmax", x)
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"argmax takes rows (R, V) with a unit last stride; got {tuple(x.shape)} strides {x.stride()}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _call(kernel, [x, x.stride(0), *x.shape, out])
+    return out
+
+
+def next_token(logits: torch.Tensor, out: torch.Tensor, i: int, token: torch.Tensor, position: torch.Tensor,
+               visible: torch.Tensor, length: ctypes.c_int64) -> None:
+    """One step of a greedy chain, after a one-row forward stored its token at slot length.value: the argmax of
+    `logits` (V,) becomes out[i] and `token` (the next forward's input, one int64) at `position` + 1, which sees
+    the slots up to its own (`visible`, uint8 (S,)), and the length grows by one; all read and written when the call
+    runs (or is replayed)."""
+    kernel = _kernel("next_token", logits)
+    if logits.dim() != 1 or logits.stride(0) != 1 or visible.dim() != 1 or visible.dtype != torch.uint8 or any(
+            t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position)) or not 0 <= i < len(out):
+        raise ValueError(f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
+                         f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}")
+    _call(kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible)])

@@ -21,7 +21,8 @@ from functools import cache
 from pathlib import Path
 
 # Compiled together into one library (named, not globbed: a stale source left by an old install stays out)
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attend.cpp", "rows.cpp", "replay.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("linear.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp")]
 HEADER = Path(__file__).with_name("simd.h")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but
 # where the source asks for one: RMSNorm and rotary round as PyTorch does

@@ -10,10 +10,11 @@ cache at hand before a replay, so a capture serves every cache of its layout, on
 Captures are kept by the model (`LlamaForCausalLM.captured`, `EagleHead.captured`), keyed by the row count, the
 cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
 else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward,
-so only forwards of at most `MAX_ROWS` rows are captured (a long prompt's prefill, seen once, is not worth keeping),
-and a model's captures hold at most `MAX_HELD_ROWS` rows together, the oldest dropped first. A forward that computes
-anything outside the kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A capture's
-buffers are shared by every cache, so its replays are serialised (a lock).
+so only forwards of at most `MAX_ROWS` rows are captured, and only when a shape comes a second time (a prompt's
+prefill, seen once, is not worth keeping); a model's captures hold at most `MAX_HELD_ROWS` rows together, the least
+recently used dropped first. A forward that computes anything outside the kernels cannot be captured
+(`NotCapturable`); it then runs as it is, op by op. A capture's buffers are shared by every cache, so its replays
+are serialised (a lock).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
     from verispec.models.cache import KVCache
     from verispec.models.llama import KeyRows
 
-MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, exact mode's 16-row prefill chunks
-MAX_HELD_ROWS = 256  # the most rows a model's captures hold together (each row's intermediates): the oldest go first
+MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, short prefills
+MAX_HELD_ROWS = 256  # the most rows a model's captures hold together (each row's intermediates)
 Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # e.g. logits (1, T, V) and the hidden states asked for
 
 
@@ -89,8 +90,9 @@ class CapturedForward:
 
 
 def _make_room(captured: dict, rows: int) -> None:
-    """Drop the oldest captures until `rows` more fit under MAX_HELD_ROWS (a replay in progress keeps its own)."""
-    held = [(key, capture.rows) for key, capture in captured.items() if capture]
+    """Drop the least recently used captures until `rows` more fit under MAX_HELD_ROWS (a replay in progress keeps
+    its own)."""
+    held = [(key, capture.rows) for key, capture in captured.items() if isinstance(capture, CapturedForward)]
     total = sum(n for _, n in held)
     for key, n in held:
         if total + rows <= MAX_HELD_ROWS:
@@ -116,21 +118,30 @@ def _part_of(cache: KVCache, target: object) -> str | None:
     return None
 
 
+ONCE, REFUSED = "run once", "not capturable"  # what `captured` holds for a shape run op by op once, or for good
+
+
 def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
            inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
     """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
-    kernels): replayed from `captured[key]`, captured there first if there is none. `key` names the forward's shape:
-    its row count, the cache's layout and whatever else changes the kernel calls it makes."""
-    capture = captured.get(key, False)
-    if capture is False and rows.visible.shape[0] <= MAX_ROWS:
+    kernels): replayed from `captured[key]`. A shape runs op by op the first time and is captured the second, so a
+    shape seen once (a prompt's last prefill chunk) costs no capture. `key` names the forward's shape: its row
+    count, the cache's layout and whatever else changes the kernel calls it makes. `captured` is kept in order of
+    use, the least recent first."""
+    state = captured.pop(key, None)
+    if state is None and rows.visible.shape[0] <= MAX_ROWS:
+        state = ONCE
+    elif state == ONCE:
         _make_room(captured, rows.visible.shape[0])
         try:
-            capture = CapturedForward(forward, cache, inputs, rows)
+            state = CapturedForward(forward, cache, inputs, rows)
         except NotCapturable:
-            captured[key] = None  # runs op by op from now on
+            state = REFUSED
         else:
-            captured[key] = capture
-            return capture.outputs()
-    if not capture:
-        return forward(*inputs, rows)
-    return capture(cache, inputs, rows)
+            captured[key] = state
+            return state.outputs()
+    if state is not None:
+        captured[key] = state
+    if isinstance(state, CapturedForward):
+        return state(cache, inputs, rows)
+    return forward(*inputs, rows)

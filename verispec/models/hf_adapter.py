@@ -71,14 +71,16 @@ class TransformersModel:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: TransformersCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None) -> torch.Tensor:
+                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None,
+                 logits_to_keep: int = 0) -> torch.Tensor:
         if mask is not None or positions is not None or hidden is not None:
             raise InvalidArgumentError("token trees (custom masks and positions) and hidden states need the "
                                        "native runtime")
         T = tokens.shape[1]
         cache.reserve(T)
         positions = torch.arange(cache.length, cache.length + T, device=tokens.device)[None]
-        logits = self.model(input_ids=tokens, position_ids=positions, cache=cache.kv, use_cache=True).logits
+        logits = self.model(input_ids=tokens, position_ids=positions, cache=cache.kv, use_cache=True,
+                            logits_to_keep=logits_to_keep).logits
         cache.length += T
         return logits
 

@@ -75,6 +75,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+LONG_ROWS = 256  # exact mode's chunks on verispec's attention, where they bound only memory (see `_exact`)
 TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
 
 
@@ -325,8 +326,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions.
+                hidden: Sequence[int] | None = None, logits_to_keep: int = 0
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions; with
+        `logits_to_keep` n > 0, of the last n tokens only (B, n, V), as in transformers: a prefill whose logits
+        are thrown away skips the LM head, a sixth of this family's small models.
 
         `mask` (T, T), True where new token i may attend to new token j, replaces the causal
         pattern among the new tokens; every new token always sees the whole cache. A mask
@@ -352,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
         if cache is not None and cache.rows is not None:
-            return self._exact(tokens, cache, mask, positions, layers, hidden)
+            return self._exact(tokens, cache, mask, positions, layers, hidden, logits_to_keep)
         attn_mask = mask
         if mask is not None and cache is not None and mask.shape[-1] == start + T:
             attn_mask = mask.to(tokens.device)  # it already says which cached positions each token sees
@@ -362,21 +366,55 @@ class LlamaForCausalLM(nn.Module):
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
             attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
-        out = self._run(tokens, positions, cache, attn_mask, layers, hidden)
+        out = self._run(tokens, positions, cache, attn_mask, layers, hidden, T - logits_to_keep if logits_to_keep else 0)
         if cache is not None:
             cache.advance(T)
         return out
 
+    @property
+    def chains(self) -> bool:
+        """Whether `chain` runs: on verispec's kernels (`KeyRows`), in inference mode."""
+        return self.own_attention and packed_here(self.lm_head.weight)
+
+    def chain(self, token: int, cache: KVCache, n: int, vocab: int) -> list[int]:
+        """n forwards of greedy decoding from `token` (not yet in the cache), each storing its token and taking the
+        argmax of its first `vocab` logits as the next one: those n tokens, with the cache n longer. Kernels only
+        (`chains`): a forward's argmax is the next one's input without leaving the kernels, so the n forwards are
+        captured and replayed as one program, with no Python between them."""
+        if not self.chains:
+            raise ValueError("a greedy chain runs on verispec's kernels, in inference mode")
+        cache.reserve(n)
+        start = cache.length
+        self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
+        visible = torch.zeros(1, cache.slots, dtype=torch.uint8)
+        visible[0, : start + 1] = 1
+        run = range(len(self.model.layers))
+
+        def forwards(tokens: torch.Tensor, positions: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
+            cache.length = start  # a capture refused part of the way has moved it; the kernels move it on from here
+            out = torch.empty(n, dtype=torch.int64)
+            for i in range(n):
+                logits, _ = self._layers(tokens, positions, cache, rows, run, (), 0)
+                kernels.next_token(logits[0, 0, :vocab], out, i, tokens[0], positions, rows.visible[0], cache._length)
+            return out, []
+
+        inputs = (torch.tensor([[token]]), torch.tensor([start]))
+        if not self.capture:
+            return forwards(*inputs, KeyRows(visible))[0].tolist()
+        key = ("chain", n, vocab, tuple(cache.k.shape), cache.k.dtype)
+        return replay(self.captured, key, cache, forwards, inputs, KeyRows(visible))[0].tolist()
+
     def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
         offset, its real tokens and its padding); each slot advances by its row's real tokens only."""
-        out = self._run(tokens, rows.positions, rows, rows.mask, None, None)
+        out = self._run(tokens, rows.positions, rows, rows.mask, None, None, 0)
         rows.advance()
         return out
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
              attn_mask: torch.Tensor | Rows | KeyRows | None, layers: Sequence[int] | None,
-             hidden: Sequence[int] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             hidden: Sequence[int] | None, first: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward's logits from row `first` on (all the rows' hidden states)."""
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
@@ -384,17 +422,17 @@ class LlamaForCausalLM(nn.Module):
             self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
             positions = as_index(positions)
         if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but kernels: captured once per shape, replayed
-            key = (tokens.shape[1], tuple(run), tuple(hidden or ()), tuple(cache.k.shape), cache.k.dtype)
+            key = (tokens.shape[1], first, tuple(run), tuple(hidden or ()), tuple(cache.k.shape), cache.k.dtype)
             logits, states = replay(self.captured, key, cache, lambda t, p, rows: self._layers(
-                t, p, cache, rows, run, hidden or ()), (tokens, positions), attn_mask)
+                t, p, cache, rows, run, hidden or (), first), (tokens, positions), attn_mask)
         else:
-            logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or ())
+            logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or (), first)
         return logits if hidden is None else (logits, torch.stack(states, dim=2))
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
-                attn_mask: torch.Tensor | Rows | KeyRows | None, run: Sequence[int], hidden: Sequence[int]
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits and the residual streams `hidden` asks for, after running the blocks `run`."""
+                attn_mask: torch.Tensor | Rows | KeyRows | None, run: Sequence[int], hidden: Sequence[int],
+                first: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits from row `first` on and the residual streams `hidden` asks for, after running the blocks `run`."""
         if isinstance(attn_mask, KeyRows):  # one sequence: rows of the embedding and rotary tables by verispec's kernel
             x = kernels.gather(self.model.embed_tokens.weight, tokens[0])[None]  # (1, T, D)
             cos, sin = kernels.gather(self.rope[0], positions), kernels.gather(self.rope[1], positions)
@@ -408,18 +446,26 @@ class LlamaForCausalLM(nn.Module):
             x = self.model.layers[i](x, cos, sin, cache, attn_mask)
             states[i] = x
         states[-1] = self.model.norm(x)
-        return (self.head or self.lm_head)(states[-1]), [states[i] for i in hidden]
+        B, T, _ = x.shape
+        if first >= T:  # no logits asked for
+            logits = x.new_empty(B, 0, self.lm_head.weight.shape[0])
+        else:
+            logits = (self.head or self.lm_head)(states[-1][:, first:])
+        return logits, [states[i] for i in hidden]
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
-               layers: Sequence[int] | None, hidden: Sequence[int] | None
+               layers: Sequence[int] | None, hidden: Sequence[int] | None, logits_to_keep: int
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward into a static cache: chunks of at most R rows, each padded to the row floor and laid out
-        by `exact_rows`."""
+        by `exact_rows`. On verispec's attention (row floor 1) a row's result does not depend on the rows beside it,
+        so chunks only bound memory: they are `LONG_ROWS` long, and a prefill streams the weights a sixteenth as
+        often as in chunks of `cache.rows`."""
         B, T = tokens.shape
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
-        R, start, slots, device = cache.rows, cache.length, cache.slots, tokens.device
-        floor = self.row_floor(R, cache.width)
+        start, slots, device = cache.length, cache.slots, tokens.device
+        floor = self.row_floor(cache.rows, cache.width)
+        R = LONG_ROWS if self.own_attention else cache.rows
         # (T, P) the cache slots each token sees, as `KeyRows` takes them (uint8) or `Rows` (bool)
         visible = torch.zeros(T, slots, dtype=torch.uint8 if self.own_attention else torch.bool, device=device)
         if mask is not None and mask.shape[-1] == start + T:
@@ -430,10 +476,12 @@ class LlamaForCausalLM(nn.Module):
                 else mask.to(device)
         if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
-        outs = []
+        keep_from = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
+        logits, states = [], []
         try:
             for c in range(0, T, R):
                 n = min(R, T - c)
+                m = max(n, floor)  # the rows run
                 rows, x, where = visible[c: c + n], tokens[:, c: c + n], positions[c: c + n]
                 if n < floor:
                     # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
@@ -441,14 +489,20 @@ class LlamaForCausalLM(nn.Module):
                     rows = torch.cat((rows, torch.zeros(floor - n, slots, dtype=rows.dtype, device=device)))
                     rows[n:, 0] = True
                     x, where = F.pad(x, (0, floor - n)), F.pad(where, (0, floor - n))
-                out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden)
-                outs.append([o[:, :n] for o in ((out,) if hidden is None else out)] if n < floor else
-                            ([out] if hidden is None else list(out)))
+                # The LM head from the chunk's first row asked for, or not at all; a padded chunk's (PyTorch's
+                # kernels) over all its rows or none, as its row floor was measured
+                first = min(max(keep_from - c, 0), n)
+                first = m if first == n else first if floor == 1 else 0
+                out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden, first)
+                out = (out, None) if hidden is None else out
+                logits.append(out[0][:, : max(n - first, 0)])
+                states.append(None if hidden is None else out[1][:, :n])
                 cache.advance(n)
         except BaseException:
             cache.truncate(start)  # as if the forward never ran
             raise
-        if len(outs) == 1:
-            return outs[0][0] if hidden is None else tuple(outs[0])
-        logits, *states = (torch.cat(parts, dim=1) for parts in zip(*outs))
-        return logits if hidden is None else (logits, states[0])
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
+        logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        if hidden is None:
+            return logits
+        return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)

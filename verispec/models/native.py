@@ -18,6 +18,7 @@ from verispec.models.config import ModelConfig, read_config
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.protocol import Capabilities
+from verispec.sampling import argmax
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -67,7 +68,8 @@ class NativeModel:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.exact = exact
         # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
-        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact)
+        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
+                                         greedy_chains=True)
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
@@ -96,10 +98,24 @@ class NativeModel:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None,
-                 hidden: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 hidden: Sequence[int] | None = None, logits_to_keep: int = 0
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if mask is not None and mask.dtype != torch.bool:  # a float mask's 0 would mean "seen" to SDPA only
             raise InvalidArgumentError(f"an attention mask says True where a token sees another; got {mask.dtype}")
-        return self.module(tokens, cache, mask, positions, layers, hidden)
+        return self.module(tokens, cache, mask, positions, layers, hidden, logits_to_keep)
+
+    @torch.inference_mode()
+    def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
+        """n tokens of greedy decoding after `tokens` (1, T): the argmax after them, then n - 1 more, each the argmax
+        after the one before; the cache grows by T + n - 1 (the last token is not stored). On verispec's kernels the
+        n - 1 one-token forwards run as one captured program (`LlamaForCausalLM.chain`)."""
+        V = self.vocab_size
+        out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :V]))]
+        if n > 1 and self.module.chains:
+            return out + self.module.chain(out[0], cache, n - 1, V)
+        while len(out) < n:
+            out.append(int(argmax(self(torch.tensor([out[-1:]], device=self.device), cache)[0, -1, :V])))
+        return out
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

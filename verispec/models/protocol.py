@@ -23,6 +23,9 @@ class Capabilities:
     # `new_batch_cache(slots, max_len)` and `forward_batch(tokens, cache, slots, counts)`: several sequences, each in
     # its own cache slot with its own length, in one forward (the batched engine)
     batching: bool = False
+    # `greedy_chain(tokens, cache, n)`: n tokens of greedy decoding in one call (a draft model's chain), the model's
+    # own way; a model without it is driven a forward at a time
+    greedy_chains: bool = False
 
 
 class Cache(Protocol):
@@ -52,9 +55,10 @@ class CausalLM(Protocol):
         """An empty cache for one sequence, `max_len` defaulting to the context length."""
 
     def __call__(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T.
+                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None,
+                 logits_to_keep: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T. With
+        `logits_to_keep` n > 0 (as in transformers), the logits of the last n tokens only (1, n, vocab).
 
         `mask` (T, T) and `positions` (T,) lay out a token tree (`capabilities.tree_masks`); by default the tokens
         form a chain. With `hidden` (`capabilities.hidden_states`; block indices, or FINAL) the call returns

@@ -1,0 +1,60 @@
+// What greedy decoding does with a forward's logits: the argmax (PyTorch's is scalar in bfloat16, about 33 us for
+// 8192 values on a Zen 4 core), and the step from one token of a greedy chain to the next, so that a captured chain
+// of forwards (models/llama.py `chain`) runs without Python between them.
+#include "simd.h"
+
+#ifdef VS_KERNELS
+// The first index of the largest of x[0 .. V - 1], a NaN counting as the largest, as torch.argmax.
+template <typename T>
+static int64_t argmax(const T* x, long V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (long j = 0; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    const __m512 v = load(x + j, m);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_max_ps(best, m, best, v);
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  for (long j = 0; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    const __m512 v = load(x + j, m);
+    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
+                              : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;  // V == 0
+}
+
+// a: x, ldx, R, V, out (int64 *): out[r] = argmax of row r's first V values
+template <typename T>
+static int argmax_rows(const int64_t* a) {
+  const T* x = ARG(const T*, 0);
+  const long ldx = a[1], R = a[2], V = a[3];
+  int64_t* out = ARG(int64_t*, 4);
+  for (long r = 0; r < R; r++) out[r] = argmax(x + r * ldx, V);
+  return 0;
+}
+
+// After one forward of a chain (one row, stored at the cache's slot *length): its token is the argmax of the row's
+// first V logits; it becomes out[i] and the next forward's input (*token at *position + 1, seeing the slots up to
+// its own), and the cache holds one more. a: logits, V, out (int64 *), i, token (int64 *), position (int64 *),
+// visible (uint8 *, the row's S slots), length (int64 *), S
+template <typename T>
+static int next_token(const int64_t* a) {
+  const long V = a[1], i = a[3], S = a[8];
+  int64_t *out = ARG(int64_t*, 2), *token = ARG(int64_t*, 4), *position = ARG(int64_t*, 5);
+  int64_t* length = ARG(int64_t*, 7);
+  uint8_t* visible = ARG(uint8_t*, 6);
+  out[i] = *token = argmax(ARG(const T*, 0), V);
+  *position += 1;
+  *length += 1;
+  if (*length < S) visible[*length] = 1;  // the next forward's own slot (store_kv refuses one past the cache)
+  return 0;
+}
+
+extern "C" int vs_argmax_bf16(const int64_t* a) { return argmax_rows<bf16>(a); }
+extern "C" int vs_argmax_f32(const int64_t* a) { return argmax_rows<float>(a); }
+extern "C" int vs_next_token_bf16(const int64_t* a) { return next_token<bf16>(a); }
+extern "C" int vs_next_token_f32(const int64_t* a) { return next_token<float>(a); }
+#endif
