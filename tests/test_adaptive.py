@@ -74,15 +74,15 @@ def test_acceptance_counts_only_positions_tried() -> None:
 
 def test_timings_fit_a_line_and_take_medians() -> None:
     t = Timings()
-    c, r = t.costs()  # nothing measured: the priors
-    assert c == pytest.approx(0.1) and r(3) == pytest.approx(1.2)
+    c, r, start = t.costs()  # nothing measured: the priors
+    assert c == pytest.approx(0.1) and r(3) == pytest.approx(1.2) and start == 0
     for seconds in (0.030, 0.010, 0.011, 0.5, 0.010, 0.009):  # one stall: the median ignores it
         t.observe(0, 0.0, 1, seconds)
     for seconds in (0.060, 0.020, 0.020, 0.021):  # a width's first timing (one-time work) is left out
         t.observe(4, 0.004, 5, seconds)
     assert list(t.verify[1]) == [0.010, 0.011, 0.5, 0.010, 0.009] and list(t.verify[5]) == [0.020, 0.020, 0.021]
-    c, r = t.costs()
-    assert c == pytest.approx(0.1) and r(1) == 1 and r(5) == pytest.approx(2.0)
+    c, r, start = t.costs()  # one draft length timed: all its cost taken as drafting's start
+    assert c == 0 and start == pytest.approx(0.4) and r(1) == 1 and r(5) == pytest.approx(2.0)
     assert r(3) == pytest.approx(1.5)
     assert r(9) == pytest.approx(2.4)  # past the widest seen, no steeper than the prior slope (the line says 3.0)
     narrow = Timings()  # float32's costly 2-token forward must not price the untried wider ones out
@@ -248,6 +248,28 @@ def test_a_depth_left_untried_drifts_back_to_the_one_before() -> None:
     rates = est.rates()
     assert rates[3] > 0.85 * rates[2] and rates[2] > 0.9  # so drafting 4 deep pays again
     assert best_k(rates, 0.05, lambda n: 1.0, range(5)) == 4
+
+
+def test_drafting_is_priced_as_a_start_and_a_cost_per_token() -> None:
+    """A draft model's chain costs mostly its first forward: by the cost per token of one k alone, drafting 2 would
+    look twice as dear a token as drafting 4, and a short k would keep choosing itself. A k's first timing is left
+    out and the fastest of the rest is taken: each of the first two may include a capture."""
+    t = Timings()
+    for _ in range(3):
+        t.observe(0, 0.0, 1, 0.010)
+    assert t.drafting() is None and t.costs()[0] == pytest.approx(0.1)  # the prior
+    for k, seconds in ((2, 0.030), (2, 0.0030), (4, 0.030), (4, 0.0034), (4, 0.034), (8, 0.040), (8, 0.0042)):
+        t.observe(k, seconds, k + 1, 0.011)
+    assert t.drafting() == (pytest.approx(0.0034), 0.0)  # only k = 4 timed twice: all of it the start
+    t.observe(2, 0.0030, 3, 0.011)
+    start, per_token = t.drafting()
+    assert start == pytest.approx(0.0026) and per_token == pytest.approx(0.0002)
+    c, r, s = t.costs()
+    assert c == pytest.approx(0.02) and s == pytest.approx(0.26)
+    rates = [0.8] * 8
+    assert best_k(rates, c, lambda n: 1.0, range(9), start=s) == 8
+    assert best_k(rates, 0.0030 / 2 / 0.010, lambda n: 1.0, range(9)) < 8  # priced by k = 2's cost per token
+    assert best_k([0.2] * 8, c, lambda n: 1.0, range(9), start=s) == 0  # the start alone outweighs 1.2 tokens
 
 
 def test_a_stalled_timing_never_prices_n_tokens_above_n_forwards() -> None:

@@ -14,6 +14,7 @@ import torch
 from verispec import kernels
 from verispec.kernels.capture import Program
 from verispec.models import captured
+from verispec.models.cache import KVCache
 from verispec.models.captured import CapturedForward
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
@@ -66,9 +67,9 @@ def test_replays_give_the_bits_of_the_kernels_called_one_by_one(pair_dirs: tuple
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
         replayed = session(captured)
     # 22 forwards in either mode (exact mode's prefills are one chunk on the kernels) of 6 shapes (T and the states
-    # asked for): the two prefills (17 and 24 rows) seen once, op by op; 4 shapes seen again and again, each run op
-    # by op once, then captured, then replayed.
-    assert replays.call_count == 22 - 2 - 2 * 4
+    # asked for): the two prefills (17 and 24 rows, past EAGER_ROWS) seen once, op by op; 4 shapes of a few rows
+    # captured the first time and replayed from then on.
+    assert replays.call_count == 22 - 2 - 4
     for a, b in zip(replayed, session(op_by_op), strict=True):
         assert torch.equal(a, b)
 
@@ -105,7 +106,7 @@ def test_the_eagle_heads_replays_give_the_bits_of_its_kernels_called_one_by_one(
                                         torch.cat((torch.ones(3, start, dtype=torch.bool), mask), 1)))
                         cache.truncate(start)
         outs.append((out, replays.call_count))
-    assert outs[0][1] == 8 and outs[1][1] == 0  # 14 forwards of 3 shapes (4 rows twice, 1 and 3 rows 6 times each)
+    assert outs[0][1] == 11 and outs[1][1] == 0  # 14 forwards of 3 shapes (4, 1 and 3 rows)
     for a, b in zip(outs[0][0], outs[1][0], strict=True):
         assert torch.equal(a, b)
 
@@ -137,19 +138,25 @@ def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_pa
     assert sorted(key[0] for key in model.module.captured) == [1, 3]
     model(PROMPT[:, :3], model.new_cache(100))  # the 3-row capture, the first made, is now the most recently used
     monkeypatch.setattr(captured, "MAX_HELD_ROWS", 7)
-    cache = model.new_cache(100)
-    model(PROMPT[:, :4], cache)  # run once: not captured
-    assert sorted(key[0] for key in model.module.captured) == [1, 3, 4]
-    model(PROMPT[:, 4:8], cache)  # captured: 3 + 1 + 4 rows would be 8, so the least recently used (1 row) goes
+    model(PROMPT[:, :4], model.new_cache(100))  # 3 + 1 + 4 rows would be 8: the least recently used (1 row) goes
     assert {key[0]: type(capture) for key, capture in model.module.captured.items()} == {3: CapturedForward,
                                                                                          4: CapturedForward}
+
+
+def test_a_forward_past_eager_rows_is_captured_when_its_shape_comes_again(pair_dirs: tuple[Path, Path]) -> None:
+    model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
+    prompt = torch.randint(0, 256, (1, captured.EAGER_ROWS + 1))
+    model(prompt, model.new_cache())  # a prompt's prefill, seen once: op by op
+    assert list(model.module.captured.values()) == [captured.ONCE]
+    model(prompt, model.new_cache())
+    assert [type(capture) for capture in model.module.captured.values()] == [CapturedForward]
 
 
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     cache = model.new_cache()
     model(PROMPT[:, :4], cache)
-    model(PROMPT[:, 4:8], cache)  # the 4-row shape is captured now
+    model(PROMPT[:, 4:8], cache)  # the 4-row shape is replayed now
     with pytest.raises(ValueError, match=r"inputs of \[\(1, 4\), \(1,\)\]"):
         model(PROMPT[:, 8:12], cache, positions=torch.tensor([8]))
 
@@ -178,22 +185,30 @@ def chain_by_forwards(model: NativeModel, tokens: torch.Tensor, cache, n: int) -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_dirs: tuple[Path, Path],
                                                                            dtype: torch.dtype, exact: bool) -> None:
+    """After two tokens (the draft's last proposal and the target's bonus) and after one (a correction), as a draft
+    model proposes; and after a prompt, which runs as an ordinary forward first."""
     model = on_kernels(pair_dirs[1], dtype, exact, capture=True)
-    by_forwards, caches = [], []
-    for start in (5, 9, 7):  # the first chain runs op by op, the second is captured, the third replayed
-        cache = model.new_cache()
-        by_forwards.append(chain_by_forwards(model, PROMPT[:, :start], cache, 4))
-        caches.append(cache)
+
+    def session(chain) -> tuple[list[list[int]], KVCache]:
+        cache, outs = model.new_cache(), []
+        for tokens in (PROMPT[:, :6], PROMPT[:, 6:8]):
+            outs.append(chain(tokens, cache, 4))
+            outs.append(chain(torch.tensor([outs[-1][-1:]]), cache, 3))
+        return outs, cache
+
+    expected, reference = session(lambda tokens, cache, n: chain_by_forwards(model, tokens, cache, n))
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
-        for (start, expected, reference) in zip((5, 9, 7), by_forwards, caches):
-            cache = model.new_cache()
-            assert model.greedy_chain(PROMPT[:, :start], cache, 4) == expected
-            assert cache.length == reference.length == start + 3
+        for _ in range(3):  # the chains are captured, then replayed
+            outs, cache = session(model.greedy_chain)
             L = cache.length
+            assert outs == expected and L == reference.length == (6 + 3) + (1 + 2) + (2 + 3) + (1 + 2)
             assert torch.equal(cache.k[:, :, :, :L], reference.k[:, :, :, :L])
             assert torch.equal(cache.v[:, :, :, :L], reference.v[:, :, :, :L])
-    assert replays.call_count == 1  # the third chain (each first forward, of 5, 9 and 7 tokens, is a new shape)
-    assert [type(capture) for key, capture in model.module.captured.items() if key[0] == "chain"] == [CapturedForward]
+    # Each shape is captured, then replayed: the chain from 1 token to 3 (twice a session) 5 times; the chains from 1
+    # token to 4 (after the prompt's 5-token forward, a shape of its own) and from 2 to 4, and that forward, twice
+    assert replays.call_count == 5 + 2 + 2 + 2
+    assert sum(isinstance(capture, CapturedForward) for key, capture in model.module.captured.items()
+               if key[0] == "chain") == 3
 
 
 def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pair_dirs: tuple[Path, Path]) -> None:

@@ -230,15 +230,15 @@ def test_next_token_steps_a_greedy_chain() -> None:
     import ctypes
     logits = torch.tensor([0.0, 3.0, 5.0, 5.0, 1.0]).bfloat16()
     out, token, position = torch.zeros(3, dtype=torch.int64), torch.tensor([7]), torch.tensor([4])
-    visible, length = torch.tensor([1, 1, 1, 1, 1, 0, 0], dtype=torch.uint8), ctypes.c_int64(4)
-    kernels.next_token(logits[:4], out, 1, token, position, visible, length)  # the forward stored slot 4
+    visible, length = torch.tensor([1, 1, 1, 1, 0, 0, 0], dtype=torch.uint8), ctypes.c_int64(3)
+    kernels.next_token(logits[:4], out, 1, token, position, visible, length, 2)  # the forward stored slots 3 and 4
     assert out.tolist() == [0, 2, 0] and token.item() == 2 and position.item() == 5 and length.value == 5
-    assert visible.tolist() == [1, 1, 1, 1, 1, 1, 0]
+    assert visible.tolist() == [1, 1, 1, 1, 0, 1, 0]  # (slot 4 is the caller's to set: the row before saw it)
     length.value = 6
-    kernels.next_token(logits, out, 2, token, position, visible, length)  # a chain's last: no slot left to see
-    assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 1, 1, 0]
+    kernels.next_token(logits, out, 2, token, position, visible, length, 1)  # a chain's last: no slot left to see
+    assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="i = 3"):
-        kernels.next_token(logits, out, 3, token, position, visible, length)
+        kernels.next_token(logits, out, 3, token, position, visible, length, 1)
 
 
 @needs_kernels

@@ -1,8 +1,8 @@
 """Adaptive draft length (`-k auto`): each step drafts the k that the step model predicts to be fastest.
 
 The model of a step (DESIGN.md, "Measuring"): drafting k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens,
-a_j the acceptance at draft position j given that the earlier ones were accepted, and costs k c + r(w + 1) in units
-of a one-token target forward (w the tokens the proposal puts into the forward: k for a chain). `AdaptiveK` wraps
+a_j the acceptance at draft position j given that the earlier ones were accepted, and costs s + k c + r(w + 1) in
+units of a one-token target forward (w the tokens the proposal puts into the forward: k for a chain). `AdaptiveK` wraps
 any drafter; its session picks the k in 0..drafter.k (and the loop's room) that maximises E(k) / cost(k), k = 0 being
 a plain step (E = 1, cost = 1), so it drafts only while the predicted speedup is above 1.
 
@@ -10,12 +10,12 @@ Estimates, per generation, from this generation's own steps only:
 - a_j: decayed counts of accepted / tried at position j with a Beta prior (mean: a_{j-1}'s estimate, PRIOR_ACCEPTANCE
   at j = 1; weight PRIOR_WEIGHT), every count multiplied by DECAY at each drafting step, so the last ten or so steps
   count, and a depth left untried drifts back to the estimate of the one before it (and is tried again).
-- costs: the session times the drafter's `propose` (seconds per drafted token) and the verification (from the
-  proposal's return to the verdict, which is the target's forward), keeping the median of the last few steps per
-  forward width (a median shrugs off a stall on a shared machine; a width's first timing is left out, as it may
-  include one-time work such as capturing the forward on verispec's kernels). Widths not yet timed come from a line
-  through the timed ones (a prior slope while only one width is known); a wider forward never counts as cheaper than
-  one token.
+- costs: the session times the drafter's `propose` (a line through the fastest recent time of each k drafted: s,
+  where it starts, and c per token) and the verification (from the proposal's return to the verdict, which is the target's
+  forward), keeping the median of the last few steps per forward width (a median shrugs off a stall on a shared
+  machine; a width's and a draft length's first timing is left out, as it may include one-time work such as capturing
+  the forward on verispec's kernels). Widths not yet timed come from a line through the timed ones (a prior slope
+  while only one width is known); a wider forward never counts as cheaper than one token.
   The loop's own work per step (from a verdict to the next proposal: commit, stops, text, the drafter's bookkeeping)
   is timed too, as a median, and priced into every step, plain or not: a step that yields more tokens spreads it.
   Online rather than a table measured up front: a CLI generation is one process, and timing nine widths first would
@@ -67,14 +67,15 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], choices: Sequence[int],
-           width: Callable[[int], int] = lambda k: k, overhead: float = 0.0) -> int:
-    """The k in `choices` with the highest predicted speed E(k) / (k c + r(width(k) + 1) + overhead), the smaller on
-    a tie; k = 0 is a plain step (speed 1 / (1 + overhead)). `overhead` is what every step costs besides drafting and
-    the target's forward (the loop's own work), so it favours steps that yield more tokens."""
+           width: Callable[[int], int] = lambda k: k, overhead: float = 0.0, start: float = 0.0) -> int:
+    """The k in `choices` with the highest predicted speed E(k) / (start + k c + r(width(k) + 1) + overhead), the
+    smaller on a tie; k = 0 is a plain step (speed 1 / (1 + overhead)). `overhead` is what every step costs besides
+    drafting and the target's forward (the loop's own work), so it favours steps that yield more tokens; `start` is
+    what drafting costs whatever k (a draft model's first forward, which also reads the tokens it has not seen)."""
     best, speed = 0, 1.0 / (1.0 + overhead)
     for k in sorted(choices):
         if k > 0:
-            predicted = expected_tokens(acceptance, k) / (k * c + r(width(k) + 1) + overhead)
+            predicted = expected_tokens(acceptance, k) / (start + k * c + r(width(k) + 1) + overhead)
             if predicted > speed * (1 + 1e-9):  # a tie (up to rounding) goes to the cheaper k
                 best, speed = k, predicted
     return best
@@ -115,9 +116,10 @@ class Timings:
     def __init__(self, window: int = TIMING_WINDOW) -> None:
         self.window = window
         self.verify: dict[int, deque[float]] = {}
-        self.draft: deque[float] = deque(maxlen=window)
+        self.draft: dict[int, deque[float]] = {}  # seconds of drafting k tokens, by k
         self.between: deque[float] = deque(maxlen=window)  # seconds from a verdict to the next proposal
         self.warm: set[int] = set()  # widths whose first forward has run
+        self.warm_draft: set[int] = set()  # draft lengths drafted once
 
     def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
         if width not in self.warm:
@@ -127,8 +129,28 @@ class Timings:
             self.warm.add(width)
         else:
             self.verify.setdefault(width, deque(maxlen=self.window)).append(verify_seconds)
-        if drafted:
-            self.draft.append(draft_seconds / drafted)
+        if drafted in self.warm_draft:  # the first drafting of each length is left out too: a draft model's chain of
+            self.draft.setdefault(drafted, deque(maxlen=self.window)).append(draft_seconds)  # it is captured then
+        elif drafted:
+            self.warm_draft.add(drafted)
+
+    def drafting(self) -> tuple[float, float] | None:
+        """Seconds that drafting k tokens takes, as (start, per_token): a line through the fastest recent timing of
+        each k drafted twice or more (a draft model's is mostly its first forward and the call around its chain);
+        None before any. With one such k, all of it is taken as the start: a guess that drafts longer, which the next
+        k's timings correct, where all of it per token would price every longer k out and never learn otherwise.
+        The fastest of two or more, not the median: a draft model captures a chain for each k and each count of
+        tokens it has not seen (one or two), so each of a k's first two timings may include a capture (a few target
+        forwards; the first is left out already), which no more than a stall tells what the next drafting costs."""
+        seen = {k: min(times) for k, times in self.draft.items() if len(times) >= 2}
+        if len(seen) < 2:
+            return (next(iter(seen.values())), 0.0) if seen else None
+        ks, ts = list(seen), list(seen.values())
+        k_mean, t_mean = statistics.fmean(ks), statistics.fmean(ts)
+        per_token = max(0.0, sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts))
+                        / sum((k - k_mean) ** 2 for k in ks))
+        start = min(max(0.0, t_mean - per_token * k_mean), min(ts))  # never more than the cheapest step's all
+        return start, per_token
 
     def overhead(self) -> float:
         """The loop's own work per step (from a verdict to the next proposal), per one-token target forward."""
@@ -137,33 +159,38 @@ class Timings:
             return 0.0
         return statistics.median(self.between) / statistics.median(one)
 
-    def costs(self) -> Costs:
-        """(c, r) per one-token target forward."""
+    def costs(self) -> tuple[float, Callable[[int], float], float]:
+        """(c, r, s) per one-token target forward: drafting's cost per token, the target's of n tokens, and
+        drafting's start (`drafting`)."""
         seen = {n: statistics.median(times) for n, times in self.verify.items()}
         if not seen:
-            return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1)
+            return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1), 0.0
         if len(seen) == 1:
             (m, t), = seen.items()
             one = t / (1 + PRIOR_SLOPE * (m - 1))
             slope = PRIOR_SLOPE * one
+            fit = lambda n: one + slope * (n - 1)
         else:  # least squares through the seen widths' medians
             ns, ts = list(seen), list(seen.values())
             n_mean, t_mean = statistics.fmean(ns), statistics.fmean(ts)
             slope = max(0.0, sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts))
                         / sum((n - n_mean) ** 2 for n in ns))
-            one = seen.get(1, t_mean - slope * (n_mean - 1))
-            if one <= 0:
-                one = min(ts)
+            # Unseen, a plain step costs what the cheapest width seen costs (no forward of more tokens costs less),
+            # not the line's value at 1: on a CPU in bfloat16 a forward's cost is flat up to a few rows, then steps
+            # up (the matmul's second pass over its rows), and a line through both dives below the flat part.
+            one = seen.get(1, min(ts))
+            fit = lambda n: max(one, t_mean + slope * (n - n_mean))
         # Past the widest forward seen, never steeper than the prior slope from it: a line through one costly narrow
         # width (float32's 2-token forward takes another kernel) would otherwise price every wider step out unseen,
         # and a step never tried is never measured.
         widest = max(seen)
-        line = lambda n: seen.get(n, min(one + slope * (n - 1), seen[widest] + PRIOR_SLOPE * one * (n - widest))
-                                  if n > widest else one + slope * (n - 1))
-        c = statistics.median(self.draft) / one if self.draft else PRIOR_C
+        line = lambda n: seen.get(n, min(fit(n), seen[widest] + PRIOR_SLOPE * one * (n - widest))
+                                  if n > widest else fit(n))
+        start, per_token = self.drafting() or (0.0, PRIOR_C * one)
+        c = per_token / one
         # Verifying n tokens never costs more than n one-token forwards: a stalled timing must not price speculation
         # out for good (plain steps measure nothing that could correct it).
-        return c, lambda n: min(float(n), max(1.0, line(n) / one))
+        return c, lambda n: min(float(n), max(1.0, line(n) / one)), start / one
 
 
 class AdaptiveK:
@@ -215,12 +242,12 @@ class AdaptiveSession:
             return 0
         if not self.chain and not self.timings.verify and self.fixed_costs is None:
             return limit  # a tree or window drafter: measure its configured size once before judging it
-        c, r = self.fixed_costs or self.timings.costs()
+        c, r, start = (*self.fixed_costs, 0.0) if self.fixed_costs else self.timings.costs()
         choices = range(limit + 1) if self.chain else (0, limit)
         on = round(statistics.median(self.on_widths)) if self.on_widths else self.width  # a tree's usual size
         width = (lambda k: k) if self.chain else (lambda k: on if k else 0)
         overhead = 0.0 if self.fixed_costs else self.timings.overhead()
-        k = best_k(self.acceptance.rates(), c, r, choices, width, overhead)
+        k = best_k(self.acceptance.rates(), c, r, choices, width, overhead, start)
         self._probing, self._next_probe = False, None
         if k > 0:
             self.plain_run, self.probe_every, self._probe_again = 0, PROBE_FIRST, False

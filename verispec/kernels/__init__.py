@@ -217,14 +217,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, out: torch.Tensor, i: int, token: torch.Tensor, position: torch.Tensor,
-               visible: torch.Tensor, length: ctypes.c_int64) -> None:
-    """One step of a greedy chain, after a one-row forward stored its token at slot length.value: the argmax of
-    `logits` (V,) becomes out[i] and `token` (the next forward's input, one int64) at `position` + 1, which sees
-    the slots up to its own (`visible`, uint8 (S,)), and the length grows by one; all read and written when the call
+               visible: torch.Tensor, length: ctypes.c_int64, stored: int) -> None:
+    """A greedy chain's step, after a forward that stored `stored` tokens from slot length.value on: the argmax of
+    `logits` (V,) becomes out[i] and `token` (the next forward's input, one int64) at `position` + 1, which sees the
+    slots up to its own (`visible`, uint8 (S,)), and the length grows by `stored`; all read and written when the call
     runs (or is replayed)."""
     kernel = _kernel("next_token", logits)
     if logits.dim() != 1 or logits.stride(0) != 1 or visible.dim() != 1 or visible.dtype != torch.uint8 or any(
             t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position)) or not 0 <= i < len(out):
         raise ValueError(f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
                          f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}")
-    _call(kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible)])
+    _call(kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored])

@@ -36,19 +36,19 @@ static int argmax_rows(const int64_t* a) {
   return 0;
 }
 
-// After one forward of a chain (one row, stored at the cache's slot *length): its token is the argmax of the row's
-// first V logits; it becomes out[i] and the next forward's input (*token at *position + 1, seeing the slots up to
-// its own), and the cache holds one more. a: logits, V, out (int64 *), i, token (int64 *), position (int64 *),
-// visible (uint8 *, the row's S slots), length (int64 *), S
+// After a forward of a chain stored `stored` tokens (at the cache's slots from *length on): the token after them is
+// the argmax of its last row's first V logits; it becomes out[i] and the next forward's input (*token at *position +
+// 1, seeing the slots up to its own), and the cache holds `stored` more. a: logits, V, out (int64 *), i, token
+// (int64 *), position (int64 *), visible (uint8 *, the next row's S slots), length (int64 *), S, stored
 template <typename T>
 static int next_token(const int64_t* a) {
-  const long V = a[1], i = a[3], S = a[8];
+  const long V = a[1], i = a[3], S = a[8], stored = a[9];
   int64_t *out = ARG(int64_t*, 2), *token = ARG(int64_t*, 4), *position = ARG(int64_t*, 5);
   int64_t* length = ARG(int64_t*, 7);
   uint8_t* visible = ARG(uint8_t*, 6);
   out[i] = *token = argmax(ARG(const T*, 0), V);
   *position += 1;
-  *length += 1;
+  *length += stored;
   if (*length < S) visible[*length] = 1;  // the next forward's own slot (store_kv refuses one past the cache)
   return 0;
 }

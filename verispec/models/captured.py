@@ -10,9 +10,10 @@ cache at hand before a replay, so a capture serves every cache of its layout, on
 Captures are kept by the model (`LlamaForCausalLM.captured`, `EagleHead.captured`), keyed by the row count, the
 cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
 else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward,
-so only forwards of at most `MAX_ROWS` rows are captured, and only when a shape comes a second time (a prompt's
-prefill, seen once, is not worth keeping); a model's captures hold at most `MAX_HELD_ROWS` rows together, the least
-recently used dropped first. A forward that computes anything outside the kernels cannot be captured
+so only forwards of at most `MAX_ROWS` rows are captured: at once up to `EAGER_ROWS` (decoding's shapes), and past it
+when a shape comes a second time (a large token tree comes again; a prompt's last prefill chunk, seen once, is not
+worth keeping). A model's captures hold at most `MAX_HELD_ROWS` rows together, the least recently used dropped
+first. A forward that computes anything outside the kernels cannot be captured
 (`NotCapturable`); it then runs as it is, op by op. A capture's buffers are shared by every cache, so its replays
 are serialised (a lock).
 """
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from verispec.models.llama import KeyRows
 
 MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, short prefills
+EAGER_ROWS = 16  # forwards of at most this many rows are captured the first time their shape runs
 MAX_HELD_ROWS = 256  # the most rows a model's captures hold together (each row's intermediates)
 Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # e.g. logits (1, T, V) and the hidden states asked for
 
@@ -124,15 +126,14 @@ ONCE, REFUSED = "run once", "not capturable"  # what `captured` holds for a shap
 def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
            inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
     """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
-    kernels): replayed from `captured[key]`. A shape runs op by op the first time and is captured the second, so a
-    shape seen once (a prompt's last prefill chunk) costs no capture. `key` names the forward's shape: its row
-    count, the cache's layout and whatever else changes the kernel calls it makes. `captured` is kept in order of
-    use, the least recent first."""
-    state = captured.pop(key, None)
-    if state is None and rows.visible.shape[0] <= MAX_ROWS:
-        state = ONCE
-    elif state == ONCE:
-        _make_room(captured, rows.visible.shape[0])
+    kernels): replayed from `captured[key]`, captured there first (see the module's notes on when). `key` names the
+    forward's shape: its row count, the cache's layout and whatever else changes the kernel calls it makes.
+    `captured` is kept in order of use, the least recent first."""
+    state, R = captured.pop(key, None), rows.visible.shape[0]
+    if state is None and EAGER_ROWS < R <= MAX_ROWS:
+        state = ONCE  # captured if it comes again
+    elif state == ONCE or state is None and R <= EAGER_ROWS:
+        _make_room(captured, R)
         try:
             state = CapturedForward(forward, cache, inputs, rows)
         except NotCapturable:

@@ -376,33 +376,42 @@ class LlamaForCausalLM(nn.Module):
         """Whether `chain` runs: on verispec's kernels (`KeyRows`), in inference mode."""
         return self.own_attention and packed_here(self.lm_head.weight)
 
-    def chain(self, token: int, cache: KVCache, n: int, vocab: int) -> list[int]:
-        """n forwards of greedy decoding from `token` (not yet in the cache), each storing its token and taking the
-        argmax of its first `vocab` logits as the next one: those n tokens, with the cache n longer. Kernels only
-        (`chains`): a forward's argmax is the next one's input without leaving the kernels, so the n forwards are
-        captured and replayed as one program, with no Python between them."""
+    def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int) -> list[int]:
+        """n tokens of greedy decoding after `tokens` (1, T), each the argmax of the first `vocab` logits after the one
+        before: a forward of the T tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. Kernels only
+        (`chains`): each argmax becomes the next forward's input without leaving the kernels, so the forwards are
+        captured and replayed as one program, with no Python between them (for T up to MAX_ROWS)."""
         if not self.chains:
             raise ValueError("a greedy chain runs on verispec's kernels, in inference mode")
-        cache.reserve(n)
+        T = tokens.shape[1]
+        cache.reserve(T + n - 1)
         start = cache.length
         self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
-        visible = torch.zeros(1, cache.slots, dtype=torch.uint8)
-        visible[0, : start + 1] = 1
+        visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
+        visible[:, :start] = 1
+        visible[:, start: start + T] = torch.ones(T, T, dtype=torch.uint8).tril()
+        rows = KeyRows(visible)
         run = range(len(self.model.layers))
 
-        def forwards(tokens: torch.Tensor, positions: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
+        def forwards(tokens: torch.Tensor, positions: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
+                     visible: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
+            """`token`, `position`, `visible`: the one-token forwards' input, which `next_token` fills."""
             cache.length = start  # a capture refused part of the way has moved it; the kernels move it on from here
             out = torch.empty(n, dtype=torch.int64)
-            for i in range(n):
-                logits, _ = self._layers(tokens, positions, cache, rows, run, (), 0)
-                kernels.next_token(logits[0, 0, :vocab], out, i, tokens[0], positions, rows.visible[0], cache._length)
+            logits, _ = self._layers(tokens, positions, cache, rows, run, (), T - 1)
+            kernels.next_token(logits[0, 0, :vocab], out, 0, token[0], position, visible[0], cache._length, T)
+            for i in range(1, n):
+                logits, _ = self._layers(token, position, cache, KeyRows(visible), run, (), 0)
+                kernels.next_token(logits[0, 0, :vocab], out, i, token[0], position, visible[0], cache._length, 1)
             return out, []
 
-        inputs = (torch.tensor([[token]]), torch.tensor([start]))
+        # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
+        inputs = (tokens, torch.arange(start, start + T), torch.zeros(1, 1, dtype=torch.int64),
+                  torch.tensor([start + T - 1]), rows.visible[-1:].clone())
         if not self.capture:
-            return forwards(*inputs, KeyRows(visible))[0].tolist()
-        key = ("chain", n, vocab, tuple(cache.k.shape), cache.k.dtype)
-        return replay(self.captured, key, cache, forwards, inputs, KeyRows(visible))[0].tolist()
+            return forwards(*inputs, rows)[0].tolist()
+        key = ("chain", T, n, vocab, tuple(cache.k.shape), cache.k.dtype)
+        return replay(self.captured, key, cache, forwards, inputs, rows)[0].tolist()
 
     def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's

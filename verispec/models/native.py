@@ -108,11 +108,14 @@ class NativeModel:
     def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T): the argmax after them, then n - 1 more, each the argmax
         after the one before; the cache grows by T + n - 1 (the last token is not stored). On verispec's kernels the
-        n - 1 one-token forwards run as one captured program (`LlamaForCausalLM.chain`)."""
+        forwards run as one captured program (`LlamaForCausalLM.chain`)."""
         V = self.vocab_size
+        if self.module.chains:
+            if tokens.shape[1] > 2:  # a prompt: an ordinary forward (in chunks in exact mode), then a chain of one
+                self(tokens[:, :-1], cache, logits_to_keep=1)
+                tokens = tokens[:, -1:]
+            return self.module.chain(tokens, cache, n, V)
         out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :V]))]
-        if n > 1 and self.module.chains:
-            return out + self.module.chain(out[0], cache, n - 1, V)
         while len(out) < n:
             out.append(int(argmax(self(torch.tensor([out[-1:]], device=self.device), cache)[0, -1, :V])))
         return out
