@@ -272,6 +272,19 @@ def test_drafting_is_priced_as_a_start_and_a_cost_per_token() -> None:
     assert best_k([0.2] * 8, c, lambda n: 1.0, range(9), start=s) == 0  # the start alone outweighs 1.2 tokens
 
 
+def test_a_probes_price_includes_draftings_start() -> None:
+    """Drafting that costs mostly its start (a draft model's chain; a tree's whole proposal) makes probes dear: they
+    come no more often than keeps their predicted cost, the start included, under PROBE_BUDGET."""
+    inner = Never()
+    session = AdaptiveK(inner, costs=(0.0, lambda n: 1.0 + 0.05 * (n - 1), 0.4)).begin(None)
+    for _ in range(400):
+        session.propose([1, 2, 3], 8)
+        session.accepted(Verdict([]))
+    probes = [i for i, k in enumerate(inner.asked) if k]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 3 and min(gaps[1:]) == int((0.4 + 0.05) / PROBE_BUDGET)
+
+
 def test_a_stalled_timing_never_prices_n_tokens_above_n_forwards() -> None:
     t = Timings()
     for _ in range(3):

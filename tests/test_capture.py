@@ -198,17 +198,56 @@ def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_
 
     expected, reference = session(lambda tokens, cache, n: chain_by_forwards(model, tokens, cache, n))
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
-        for _ in range(3):  # the chains are captured, then replayed
+        for _ in range(3):
             outs, cache = session(model.greedy_chain)
             L = cache.length
             assert outs == expected and L == reference.length == (6 + 3) + (1 + 2) + (2 + 3) + (1 + 2)
             assert torch.equal(cache.k[:, :, :, :L], reference.k[:, :, :, :L])
             assert torch.equal(cache.v[:, :, :, :L], reference.v[:, :, :, :L])
-    # Each shape is captured, then replayed: the chain from 1 token to 3 (twice a session) 5 times; the chains from 1
-    # token to 4 (after the prompt's 5-token forward, a shape of its own) and from 2 to 4, and that forward, twice
-    assert replays.call_count == 5 + 2 + 2 + 2
-    assert sum(isinstance(capture, CapturedForward) for key, capture in model.module.captured.items()
-               if key[0] == "chain") == 3
+    # A chain whose two shapes are captured is one program; one whose first shape is not (2 tokens, the first time)
+    # runs a forward at a time, capturing it. First session: the prompt's 5-token forward (captured now), then the
+    # chains from 1 token (2 programs), the one from 2 (1 + 3 one-token replays), the last from 1 (1 program): 6;
+    # then 5 a session (that forward replayed, 4 chain programs).
+    assert replays.call_count == 6 + 5 + 5
+    assert all(isinstance(key[0], int) for key in model.module.captured)  # no capture of a chain of its own
+
+
+def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tuple[Path, Path], monkeypatch) -> None:
+    """Three threads decode greedy chains of many shapes on one model, with captures evicted all the while."""
+    import random
+    import sys
+    import threading
+
+    model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
+    reference = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=False)
+    monkeypatch.setattr(captured, "MAX_HELD_ROWS", 8)
+    cases = [(torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(i)), n)
+             for i, (T, n) in enumerate((T, n) for T in (1, 2, 5) for n in (1, 3, 6))]
+    expected = [chain_by_forwards(reference, tokens, reference.new_cache(64), n) for tokens, n in cases]
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        order = list(range(len(cases))) * 4
+        random.Random(seed).shuffle(order)
+        try:
+            for i in order:
+                tokens, n = cases[i]
+                if model.greedy_chain(tokens, model.new_cache(64), n) != expected[i]:
+                    failures.append(f"case {i}")
+        except Exception as error:  # noqa: BLE001 (reported below, with the thread's other failures)
+            failures.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures
 
 
 def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pair_dirs: tuple[Path, Path]) -> None:

@@ -91,6 +91,8 @@ def test_logits_to_keep_gives_the_last_rows_both_ways(request, pair) -> None:
         last = model(tokens, cache, logits_to_keep=2)
         assert last.shape == (1, 2, full.shape[-1]) and cache.length == len(PROMPT)
         torch.testing.assert_close(last, full[:, -2:], atol=1e-5, rtol=0)
+        more = model(tokens, model.new_cache(), logits_to_keep=len(PROMPT) + 3)  # more than there are: all of them
+        torch.testing.assert_close(more, full, atol=1e-5, rtol=0)
 
 
 def test_rollback_through_crop(gpt2_pair) -> None:

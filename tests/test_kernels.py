@@ -231,14 +231,27 @@ def test_next_token_steps_a_greedy_chain() -> None:
     logits = torch.tensor([0.0, 3.0, 5.0, 5.0, 1.0]).bfloat16()
     out, token, position = torch.zeros(3, dtype=torch.int64), torch.tensor([7]), torch.tensor([4])
     visible, length = torch.tensor([1, 1, 1, 1, 0, 0, 0], dtype=torch.uint8), ctypes.c_int64(3)
-    kernels.next_token(logits[:4], out, 1, token, position, visible, length, 2)  # the forward stored slots 3 and 4
+    # the forward stored slots 3 and 4
+    kernels.program([kernels.next_token(logits[:4], out, 1, token, position, visible, length, 2)])()
     assert out.tolist() == [0, 2, 0] and token.item() == 2 and position.item() == 5 and length.value == 5
     assert visible.tolist() == [1, 1, 1, 1, 0, 1, 0]  # (slot 4 is the caller's to set: the row before saw it)
     length.value = 6
-    kernels.next_token(logits, out, 2, token, position, visible, length, 1)  # a chain's last: no slot left to see
-    assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 0, 1, 0]
+    kernels.program([kernels.next_token(logits, out, 2, token, position, visible, length, 1)])()  # a chain's last
+    assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 0, 1, 0]  # no slot left to see
     with pytest.raises(ValueError, match="i = 3"):
         kernels.next_token(logits, out, 3, token, position, visible, length, 1)
+
+
+@needs_kernels
+def test_a_program_runs_programs_inside_it() -> None:
+    table, index = torch.arange(12.0).view(6, 2), torch.tensor([4, 1])
+    y = torch.zeros(2, 2)
+    inner = kernels.program([("gather", [table, 6, 2, index, 2, 2, y, 2, 4])])
+    kernels.program([kernels.run(inner)] * 2)()
+    assert torch.equal(y, table[[4, 1]])
+    index[0] = 6  # out of range: the inner program fails, so the outer one does
+    with pytest.raises(IndexError, match="call \\(0 of 2\\)"):
+        kernels.program([kernels.run(inner)] * 2)()
 
 
 @needs_kernels

@@ -111,7 +111,8 @@ class Acceptance:
 
 
 class Timings:
-    """This generation's measured costs: median seconds of the target's forward per width, and of drafting per token."""
+    """This generation's measured costs: median seconds of the target's forward per width, and the fastest of
+    drafting per draft length (a line through them: a start and a cost per token)."""
 
     def __init__(self, window: int = TIMING_WINDOW) -> None:
         self.window = window
@@ -136,12 +137,12 @@ class Timings:
 
     def drafting(self) -> tuple[float, float] | None:
         """Seconds that drafting k tokens takes, as (start, per_token): a line through the fastest recent timing of
-        each k drafted twice or more (a draft model's is mostly its first forward and the call around its chain);
-        None before any. With one such k, all of it is taken as the start: a guess that drafts longer, which the next
-        k's timings correct, where all of it per token would price every longer k out and never learn otherwise.
-        The fastest of two or more, not the median: a draft model captures a chain for each k and each count of
-        tokens it has not seen (one or two), so each of a k's first two timings may include a capture (a few target
-        forwards; the first is left out already), which no more than a stall tells what the next drafting costs."""
+        each k with two timings or more, its first left out (a draft model's is mostly its first forward and the
+        call around its chain); None before any. With one such k, all of it is taken as the start: a guess that
+        drafts longer, which the next k's timings correct, where all of it per token would price every longer k out
+        and never learn otherwise. The fastest, not the median: a timing may include one-time work (a draft model
+        captures a forward the first time its shape runs, a few forwards' cost, for one or two unseen tokens apart),
+        which no more than a stall tells what the next drafting costs."""
         seen = {k: min(times) for k, times in self.draft.items() if len(times) >= 2}
         if len(seen) < 2:
             return (next(iter(seen.values())), 0.0) if seen else None
@@ -196,9 +197,11 @@ class Timings:
 class AdaptiveK:
     """`drafter` with its draft length chosen per step (see the module's notes); `drafter.k` is the most it drafts.
 
-    `costs` fixes (c, r) instead of measuring them (for tests, or a table measured elsewhere)."""
+    `costs` fixes (c, r), or (c, r, s) with drafting's start, instead of measuring them (for tests, or a table
+    measured elsewhere)."""
 
-    def __init__(self, drafter: Drafter, costs: Costs | None = None) -> None:
+    def __init__(self, drafter: Drafter, costs: Costs | tuple[float, Callable[[int], float], float] | None = None
+                 ) -> None:
         self.drafter, self.fixed_costs = drafter, costs
         self.name, self.k, self.width, self.needs = drafter.name, drafter.k, drafter.width, drafter.needs
         self.batched = getattr(drafter, "batched", False)  # the engine chooses k itself and drafts with `drafter`
@@ -242,7 +245,7 @@ class AdaptiveSession:
             return 0
         if not self.chain and not self.timings.verify and self.fixed_costs is None:
             return limit  # a tree or window drafter: measure its configured size once before judging it
-        c, r, start = (*self.fixed_costs, 0.0) if self.fixed_costs else self.timings.costs()
+        c, r, start = (*self.fixed_costs, 0.0)[:3] if self.fixed_costs else self.timings.costs()
         choices = range(limit + 1) if self.chain else (0, limit)
         on = round(statistics.median(self.on_widths)) if self.on_widths else self.width  # a tree's usual size
         width = (lambda k: k) if self.chain else (lambda k: on if k else 0)
@@ -254,7 +257,7 @@ class AdaptiveSession:
             return k
         self.plain_run += 1
         probe = 1 if self.chain else limit
-        cost = probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
+        cost = start + probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
         wait = 0 if self._probe_again else min(max(self.probe_every, cost / PROBE_BUDGET), PROBE_WAIT_MAX)
         if self.plain_run > wait:
             self.plain_run, self._probing = 0, True

@@ -19,10 +19,11 @@ from typing import Sequence, Union
 import torch
 
 from verispec.kernels.build import library, reason
-from verispec.kernels.capture import NotCapturable, capturing, note
+from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
 __all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "argmax", "next_token", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM"]
+           "store_kv", "argmax", "next_token", "run", "program", "Program", "address", "capturing", "NotCapturable",
+           "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (linear.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
@@ -217,14 +218,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, out: torch.Tensor, i: int, token: torch.Tensor, position: torch.Tensor,
-               visible: torch.Tensor, length: ctypes.c_int64, stored: int) -> None:
+               visible: torch.Tensor, length: ctypes.c_int64, stored: int) -> tuple[str, list[Arg]]:
     """A greedy chain's step, after a forward that stored `stored` tokens from slot length.value on: the argmax of
     `logits` (V,) becomes out[i] and `token` (the next forward's input, one int64) at `position` + 1, which sees the
     slots up to its own (`visible`, uint8 (S,)), and the length grows by `stored`; all read and written when the call
-    runs (or is replayed)."""
+    runs. Returns the call, checked, for a `program`."""
     kernel = _kernel("next_token", logits)
     if logits.dim() != 1 or logits.stride(0) != 1 or visible.dim() != 1 or visible.dtype != torch.uint8 or any(
             t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position)) or not 0 <= i < len(out):
         raise ValueError(f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
                          f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}")
-    _call(kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored])
+    return kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored]
+
+
+def run(program: Program) -> tuple[str, list[Arg]]:
+    """A call that runs `program` inside another (kept alive by the caller as long as the other runs)."""
+    return "run", [program.code, program.calls]
+
+
+def program(calls: Sequence[tuple[str, Sequence[Arg]]]) -> Program:
+    """Kernel calls, each (name, arguments), as one program, without running them: a chain of captured forwards."""
+    return Program([(kernel_address(name), [address(arg) for arg in args]) for name, args in calls])

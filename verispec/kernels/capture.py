@@ -75,13 +75,18 @@ _capture: ContextVar[Capture | None] = ContextVar("verispec_capture", default=No
 _ADDRESSES: dict[str, int] = {}
 
 
+def kernel_address(name: str) -> int:
+    """Where kernel `name` (`vs_<name>`) starts: a program's calls name their kernels so."""
+    if name not in _ADDRESSES:
+        _ADDRESSES[name] = ctypes.cast(getattr(library(), f"vs_{name}"), ctypes.c_void_p).value
+    return _ADDRESSES[name]
+
+
 def note(name: str, words: Sequence[int], args: Sequence[object]) -> None:
     """Record that kernel `name` just ran on `words` (from `args`), if a forward is being captured."""
     capture = _capture.get()
     if capture is not None:
-        if name not in _ADDRESSES:
-            _ADDRESSES[name] = ctypes.cast(getattr(library(), f"vs_{name}"), ctypes.c_void_p).value
-        capture.add(_ADDRESSES[name], words, args)
+        capture.add(kernel_address(name), words, args)
 
 
 def _storages(tree: object) -> set[int]:

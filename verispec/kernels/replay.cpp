@@ -21,3 +21,7 @@ extern "C" long vs_replay(const int64_t* program, long calls) {
   }
   return 0;
 }
+
+// A program inside a program (a greedy chain: a captured forward's program, then the step to the next token, then
+// the next forward's): a[0] the program's code, a[1] its call count.
+extern "C" int vs_run(const int64_t* a) { return vs_replay((const int64_t*)a[0], a[1]) ? -1 : 0; }

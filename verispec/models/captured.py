@@ -20,6 +20,7 @@ are serialised (a lock).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
@@ -66,18 +67,22 @@ class CapturedForward:
         self.bound = weakref.ref(cache)
 
     def __call__(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
+        with self.lock:
+            self.load(cache, inputs, rows)
+            self.program()
+            return self.outputs()
+
+    def load(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> None:
+        """Point the program at `cache` and copy the inputs into the capture's buffers (its lock held)."""
         shapes = [tuple(x.shape) for x in (*inputs, rows.visible)]
         if shapes != [tuple(x.shape) for x in (*self.inputs, self.visible)]:
             raise ValueError(f"inputs of {shapes[:-1]} and visible slots {shapes[-1]} for a forward captured with "
                              f"{[tuple(x.shape) for x in self.inputs]} into a cache of {self.visible.shape[1]} slots")
-        with self.lock:
-            if self.bound() is not cache:
-                self._bind(cache)
-            for buffer, x in zip(self.inputs, inputs):
-                buffer.copy_(x)
-            self.visible.copy_(rows.visible)
-            self.program()
-            return self.outputs()
+        if self.bound() is not cache:
+            self._bind(cache)
+        for buffer, x in zip(self.inputs, inputs):
+            buffer.copy_(x)
+        self.visible.copy_(rows.visible)
 
     def _bind(self, cache: KVCache) -> None:
         """Point the program's cache arguments at `cache`."""
@@ -93,13 +98,13 @@ class CapturedForward:
 
 def _make_room(captured: dict, rows: int) -> None:
     """Drop the least recently used captures until `rows` more fit under MAX_HELD_ROWS (a replay in progress keeps
-    its own)."""
+    its own). Under `_BOOKS`."""
     held = [(key, capture.rows) for key, capture in captured.items() if isinstance(capture, CapturedForward)]
     total = sum(n for _, n in held)
     for key, n in held:
         if total + rows <= MAX_HELD_ROWS:
             break
-        del captured[key]
+        captured.pop(key, None)
         total -= n
 
 
@@ -121,6 +126,7 @@ def _part_of(cache: KVCache, target: object) -> str | None:
 
 
 ONCE, REFUSED = "run once", "not capturable"  # what `captured` holds for a shape run op by op once, or for good
+_BOOKS = threading.Lock()  # held while a captures' dict is read or changed (not while a forward runs): any thread
 
 
 def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
@@ -129,20 +135,68 @@ def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[...,
     kernels): replayed from `captured[key]`, captured there first (see the module's notes on when). `key` names the
     forward's shape: its row count, the cache's layout and whatever else changes the kernel calls it makes.
     `captured` is kept in order of use, the least recent first."""
-    state, R = captured.pop(key, None), rows.visible.shape[0]
-    if state is None and EAGER_ROWS < R <= MAX_ROWS:
-        state = ONCE  # captured if it comes again
-    elif state == ONCE or state is None and R <= EAGER_ROWS:
-        _make_room(captured, R)
+    R = rows.visible.shape[0]
+    with _BOOKS:
+        state = captured.pop(key, None)
+        capture_now = state == ONCE or state is None and R <= EAGER_ROWS
+        if state is None and EAGER_ROWS < R <= MAX_ROWS:
+            state = ONCE  # captured if it comes again
+        if capture_now:
+            _make_room(captured, R)
+        elif state is not None:
+            captured[key] = state
+    if capture_now:
         try:
             state = CapturedForward(forward, cache, inputs, rows)
         except NotCapturable:
             state = REFUSED
-        else:
+        with _BOOKS:
             captured[key] = state
+        if state is not REFUSED:
             return state.outputs()
-    if state is not None:
-        captured[key] = state
     if isinstance(state, CapturedForward):
         return state(cache, inputs, rows)
     return forward(*inputs, rows)
+
+
+def lookup(captured: dict, key: Hashable) -> CapturedForward | None:
+    """The capture of shape `key`, marked as just used, or None."""
+    with _BOOKS:
+        state = captured.get(key)
+        if not isinstance(state, CapturedForward):
+            return None
+        captured[key] = captured.pop(key)
+        return state
+
+
+def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, inputs: Sequence[torch.Tensor],
+                 rows: KeyRows, step_inputs: Sequence[torch.Tensor], step_rows: KeyRows, n: int, vocab: int
+                 ) -> list[int]:
+    """n tokens of greedy decoding as one program: `first` (a captured forward of the new tokens `inputs`, `rows`,
+    its logits at the last of them), then n - 1 replays of `step` (a captured one-token forward; `first` itself
+    when there is one new token), each forward's argmax made the next one's input by `kernels.next_token`. The two
+    captures' programs run inside the chain's, with no Python between them, and no capture of its own is made.
+    `step_inputs`, `step_rows`: `step`'s input for its first run, where it is not `first`: a token (any:
+    `next_token` writes it), the position before the token's, and the slots it sees but its own."""
+    T = rows.visible.shape[0]
+    out = torch.empty(n, dtype=torch.int64)
+    token, position = step.inputs
+    calls = [kernels.run(first.program)]
+    for i in range(n):
+        logits = (first if i == 0 else step).out[0, -1, :vocab]
+        calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache._length,
+                                        T if i == 0 else 1))
+        if i < n - 1:
+            calls.append(kernels.run(step.program))
+    chain = kernels.program(calls)
+    with first.lock, (step.lock if step is not first else contextlib.nullcontext()):
+        first.load(cache, inputs, rows)
+        if step is not first:
+            step.load(cache, step_inputs, step_rows)
+        length = cache.length
+        try:
+            chain()
+        except BaseException:
+            cache.length = length  # as if the chain never ran
+            raise
+    return out.tolist()

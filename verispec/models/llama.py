@@ -13,9 +13,10 @@ from verispec import kernels
 from verispec.errors import ContextLengthError
 from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
-from verispec.models.captured import replay
+from verispec.models.captured import lookup, replay, replay_chain
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packed_here
+from verispec.sampling import argmax
 
 
 class RMSNorm(nn.Module):
@@ -343,10 +344,10 @@ class LlamaForCausalLM(nn.Module):
         `hidden` (block indices, or -1 for the final-normed state) asks for (logits, hidden (B, T, len(hidden), D)):
         the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
 
-        Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks of at most `cache.rows` rows,
-        each padded up to the `row_floor` and laid out by `exact_rows`, so that a position's logits are bitwise the
-        same however many tokens share the forward; a chunk sees earlier chunks through the cache, so no token
-        may see a later chunk's.
+        Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks (of `cache.rows` rows, or
+        `LONG_ROWS` on verispec's attention), each padded up to the `row_floor` and laid out by `exact_rows`, so that a
+        position's logits are bitwise the same however many tokens share the forward; a chunk sees earlier chunks
+        through the cache, so no token may see a later chunk's.
         """
         B, T = tokens.shape
         start = 0
@@ -366,7 +367,8 @@ class LlamaForCausalLM(nn.Module):
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
             attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
-        out = self._run(tokens, positions, cache, attn_mask, layers, hidden, T - logits_to_keep if logits_to_keep else 0)
+        out = self._run(tokens, positions, cache, attn_mask, layers, hidden,
+                        max(T - logits_to_keep, 0) if logits_to_keep else 0)
         if cache is not None:
             cache.advance(T)
         return out
@@ -379,39 +381,37 @@ class LlamaForCausalLM(nn.Module):
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T), each the argmax of the first `vocab` logits after the one
         before: a forward of the T tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. Kernels only
-        (`chains`): each argmax becomes the next forward's input without leaving the kernels, so the forwards are
-        captured and replayed as one program, with no Python between them (for T up to MAX_ROWS)."""
+        (`chains`). Once both shapes are captured (a forward of T tokens whose last row's logits are kept, and one of
+        a token), the chain runs them as one program, each argmax made the next forward's input by a kernel
+        (models/captured.py `replay_chain`); until then, a forward at a time, which captures them."""
         if not self.chains:
             raise ValueError("a greedy chain runs on verispec's kernels, in inference mode")
-        T = tokens.shape[1]
+        T, run = tokens.shape[1], range(len(self.model.layers))
         cache.reserve(T + n - 1)
+        first = lookup(self.captured, self._key(T, T - 1, run, (), cache)) if self.capture else None
+        step = first if T == 1 else lookup(self.captured, self._key(1, 0, run, (), cache)) if self.capture else None
         start = cache.length
-        self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
+        if first is None or step is None:
+            try:
+                out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :vocab]))]
+                while len(out) < n:
+                    out.append(int(argmax(self(torch.tensor([out[-1:]], device=tokens.device), cache)[0, -1, :vocab])))
+            except BaseException:
+                cache.truncate(start)  # as if the chain never ran
+                raise
+            return out
         visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
         visible[:, :start] = 1
         visible[:, start: start + T] = torch.ones(T, T, dtype=torch.uint8).tril()
-        rows = KeyRows(visible)
-        run = range(len(self.model.layers))
-
-        def forwards(tokens: torch.Tensor, positions: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
-                     visible: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
-            """`token`, `position`, `visible`: the one-token forwards' input, which `next_token` fills."""
-            cache.length = start  # a capture refused part of the way has moved it; the kernels move it on from here
-            out = torch.empty(n, dtype=torch.int64)
-            logits, _ = self._layers(tokens, positions, cache, rows, run, (), T - 1)
-            kernels.next_token(logits[0, 0, :vocab], out, 0, token[0], position, visible[0], cache._length, T)
-            for i in range(1, n):
-                logits, _ = self._layers(token, position, cache, KeyRows(visible), run, (), 0)
-                kernels.next_token(logits[0, 0, :vocab], out, i, token[0], position, visible[0], cache._length, 1)
-            return out, []
-
         # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
-        inputs = (tokens, torch.arange(start, start + T), torch.zeros(1, 1, dtype=torch.int64),
-                  torch.tensor([start + T - 1]), rows.visible[-1:].clone())
-        if not self.capture:
-            return forwards(*inputs, rows)[0].tolist()
-        key = ("chain", T, n, vocab, tuple(cache.k.shape), cache.k.dtype)
-        return replay(self.captured, key, cache, forwards, inputs, rows)[0].tolist()
+        step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([start + T - 1]))
+        return replay_chain(first, step, cache, (tokens, torch.arange(start, start + T)), KeyRows(visible),
+                            step_inputs, KeyRows(visible[-1:].clone()), n, vocab)
+
+    def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache) -> tuple:
+        """A `KeyRows` forward's shape, by which it is captured: rows, logits from row `first`, blocks run, states
+        asked for, the cache's layout."""
+        return T, first, tuple(run), tuple(hidden), tuple(cache.k.shape), cache.k.dtype
 
     def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
@@ -431,7 +431,7 @@ class LlamaForCausalLM(nn.Module):
             self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
             positions = as_index(positions)
         if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but kernels: captured once per shape, replayed
-            key = (tokens.shape[1], first, tuple(run), tuple(hidden or ()), tuple(cache.k.shape), cache.k.dtype)
+            key = self._key(tokens.shape[1], first, run, hidden or (), cache)
             logits, states = replay(self.captured, key, cache, lambda t, p, rows: self._layers(
                 t, p, cache, rows, run, hidden or (), first), (tokens, positions), attn_mask)
         else:
@@ -456,8 +456,8 @@ class LlamaForCausalLM(nn.Module):
             states[i] = x
         states[-1] = self.model.norm(x)
         B, T, _ = x.shape
-        if first >= T:  # no logits asked for
-            logits = x.new_empty(B, 0, self.lm_head.weight.shape[0])
+        if first >= T:  # no logits asked for (an allocation, which a capture lets through, unlike new_empty)
+            logits = torch.empty(B, 0, self.lm_head.weight.shape[0], dtype=x.dtype, device=x.device)
         else:
             logits = (self.head or self.lm_head)(states[-1][:, first:])
         return logits, [states[i] for i in hidden]

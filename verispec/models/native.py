@@ -47,20 +47,22 @@ def auto_dtype(device: str | torch.device = "cpu") -> str:
     return "bfloat16" if own_kernels_run(torch.bfloat16, device) else "float32"
 
 
-EXACT_ROWS = 16  # the most rows of a forward in exact mode (longer ones run in chunks), and of its score matmul
+EXACT_ROWS = 16  # exact mode on PyTorch's kernels: the most rows of a forward (longer ones run in chunks), and of its
+# score matmul (on verispec's, chunks of llama.LONG_ROWS)
 
 
 class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`.
 
-    `exact`: its caches are static (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`), so every
-    forward attends over the same key width in chunks of at most 16 rows, padded up to the row floor measured for
-    this machine's kernels on the first exact forward (models/row_floor.py), and a position's logits are bitwise
-    the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill chunk): greedy
-    speculative output is then identical to plain greedy decoding in any dtype. On verispec's own kernels
-    (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) the floor is 1 and attention takes each
-    row's own keys (`KeyRows`), so it costs nothing over ordinary decoding; on PyTorch's it costs the padding to the
-    floor and attention over the whole context width each forward, and a token tree may be at most 32 deep (`Rows`).
+    `exact`: its caches are static (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`), and a position's
+    logits are bitwise the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill
+    chunk): greedy speculative output is then identical to plain greedy decoding in any dtype. On verispec's own
+    kernels (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) that holds by construction:
+    attention takes each row's own keys (`KeyRows`), a forward runs in chunks of 256 rows (memory only), and it costs
+    nothing over ordinary decoding. On PyTorch's every forward attends over the same key width in chunks of at most
+    16 rows, padded up to the row floor measured for this machine's kernels on the first exact forward
+    (models/row_floor.py), which costs the padding and attention over the whole context width each forward, and a
+    token tree may be at most 32 deep (`Rows`).
     """
 
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
@@ -111,6 +113,7 @@ class NativeModel:
         forwards run as one captured program (`LlamaForCausalLM.chain`)."""
         V = self.vocab_size
         if self.module.chains:
+            cache.reserve(tokens.shape[1] + n - 1)  # before the prompt's forward, which would otherwise stay
             if tokens.shape[1] > 2:  # a prompt: an ordinary forward (in chunks in exact mode), then a chain of one
                 self(tokens[:, :-1], cache, logits_to_keep=1)
                 tokens = tokens[:, -1:]
