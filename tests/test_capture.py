@@ -250,6 +250,38 @@ def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tup
     assert not failures
 
 
+def test_a_greedy_chain_that_fails_leaves_the_cache_as_it_was(pair_dirs: tuple[Path, Path], monkeypatch) -> None:
+    from verispec.models import llama
+
+    model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
+    cache = model.new_cache()
+    model(PROMPT[:, :5], cache)
+    forward, calls = llama.LlamaForCausalLM.forward, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # a prompt's forward, then the chain's first two, forward by forward
+            raise RuntimeError("interrupted")
+        return forward(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llama.LlamaForCausalLM, "forward", failing)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model.greedy_chain(PROMPT[:, 5:9], cache, 4)
+    assert cache.length == 5
+    model.greedy_chain(PROMPT[:, 5:6], cache, 4)  # both shapes of a chain from one token are captured now
+    cache.truncate(5)
+
+    def broken(first, step, cache, *args):
+        cache.length += 2  # part of the way
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(llama, "replay_chain", broken)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.greedy_chain(PROMPT[:, 5:6], cache, 4)
+    assert cache.length == 5
+
+
 def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
     model.module.model.norm.own_kernel = False  # the final norm on PyTorch's ops: refused part of the way

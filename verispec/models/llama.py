@@ -373,40 +373,44 @@ class LlamaForCausalLM(nn.Module):
             cache.advance(T)
         return out
 
-    @property
-    def chains(self) -> bool:
-        """Whether `chain` runs: on verispec's kernels (`KeyRows`), in inference mode."""
-        return self.own_attention and packed_here(self.lm_head.weight)
-
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T), each the argmax of the first `vocab` logits after the one
-        before: a forward of the T tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. Kernels only
-        (`chains`). Once both shapes are captured (a forward of T tokens whose last row's logits are kept, and one of
-        a token), the chain runs them as one program, each argmax made the next forward's input by a kernel
-        (models/captured.py `replay_chain`); until then, a forward at a time, which captures them."""
-        if not self.chains:
-            raise ValueError("a greedy chain runs on verispec's kernels, in inference mode")
-        T, run = tokens.shape[1], range(len(self.model.layers))
-        cache.reserve(T + n - 1)
-        first = lookup(self.captured, self._key(T, T - 1, run, (), cache)) if self.capture else None
-        step = first if T == 1 else lookup(self.captured, self._key(1, 0, run, (), cache)) if self.capture else None
-        start = cache.length
-        if first is None or step is None:
-            try:
+        before: a forward of the T tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. On
+        verispec's kernels (`KeyRows`), once both shapes are captured (a forward of T tokens whose last row's logits
+        are kept, and one of a token), the chain runs them as one program, each argmax made the next forward's input
+        by a kernel (models/captured.py `replay_chain`); until then, and elsewhere, a forward at a time (which
+        captures them). A prompt (more than two tokens) runs as an ordinary forward (in chunks in exact mode) and the
+        chain from its last token. If a chain fails, the cache is left as it was."""
+        cache.reserve(tokens.shape[1] + n - 1)
+        start, run = cache.length, range(len(self.model.layers))
+        try:
+            own = self.own_attention and self.capture and packed_here(tokens)
+            if own and tokens.shape[1] > 2:
+                self(tokens[:, :-1], cache, logits_to_keep=1)
+                tokens = tokens[:, -1:]
+            T = tokens.shape[1]
+            first = lookup(self.captured, self._key(T, T - 1, run, (), cache)) if own else None
+            step = first if T == 1 else lookup(self.captured, self._key(1, 0, run, (), cache)) if own else None
+            if first is None or step is None:
                 out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :vocab]))]
                 while len(out) < n:
                     out.append(int(argmax(self(torch.tensor([out[-1:]], device=tokens.device), cache)[0, -1, :vocab])))
-            except BaseException:
-                cache.truncate(start)  # as if the chain never ran
-                raise
-            return out
+                return out
+        except BaseException:
+            cache.truncate(start)  # as if the chain never ran
+            raise
+        at = cache.length
         visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
-        visible[:, :start] = 1
-        visible[:, start: start + T] = torch.ones(T, T, dtype=torch.uint8).tril()
+        visible[:, :at] = 1
+        visible[:, at: at + T] = torch.ones(T, T, dtype=torch.uint8).tril()
         # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
-        step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([start + T - 1]))
-        return replay_chain(first, step, cache, (tokens, torch.arange(start, start + T)), KeyRows(visible),
-                            step_inputs, KeyRows(visible[-1:].clone()), n, vocab)
+        step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([at + T - 1]))
+        try:
+            return replay_chain(first, step, cache, (tokens, torch.arange(at, at + T)), KeyRows(visible),
+                                step_inputs, KeyRows(visible[-1:].clone()), n, vocab)
+        except BaseException:
+            cache.truncate(start)
+            raise
 
     def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache) -> tuple:
         """A `KeyRows` forward's shape, by which it is captured: rows, logits from row `first`, blocks run, states

@@ -18,7 +18,6 @@ from verispec.models.config import ModelConfig, read_config
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.protocol import Capabilities
-from verispec.sampling import argmax
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -110,18 +109,8 @@ class NativeModel:
     def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T): the argmax after them, then n - 1 more, each the argmax
         after the one before; the cache grows by T + n - 1 (the last token is not stored). On verispec's kernels the
-        forwards run as one captured program (`LlamaForCausalLM.chain`)."""
-        V = self.vocab_size
-        if self.module.chains:
-            cache.reserve(tokens.shape[1] + n - 1)  # before the prompt's forward, which would otherwise stay
-            if tokens.shape[1] > 2:  # a prompt: an ordinary forward (in chunks in exact mode), then a chain of one
-                self(tokens[:, :-1], cache, logits_to_keep=1)
-                tokens = tokens[:, -1:]
-            return self.module.chain(tokens, cache, n, V)
-        out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :V]))]
-        while len(out) < n:
-            out.append(int(argmax(self(torch.tensor([out[-1:]], device=self.device), cache)[0, -1, :V])))
-        return out
+        forwards run as one program (`LlamaForCausalLM.chain`)."""
+        return self.module.chain(tokens, cache, n, self.vocab_size)
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
