@@ -11,8 +11,8 @@ Estimates, per generation, from this generation's own steps only:
   at j = 1; weight PRIOR_WEIGHT), every count multiplied by DECAY at each drafting step, so the last ten or so steps
   count, and a depth left untried drifts back to the estimate of the one before it (and is tried again).
 - costs: the session times the drafter's `propose` (a line through the fastest recent time of each k drafted: s,
-  where it starts, and c per token) and the verification (from the proposal's return to the verdict, which is the target's
-  forward), keeping the median of the last few steps per forward width (a median shrugs off a stall on a shared
+  where it starts, and c per token) and the verification (from the proposal's return to the verdict, which is the
+  target's forward), keeping the median of the last few steps per forward width (a median shrugs off a stall on a shared
   machine; a width's and a draft length's first timing is left out, as it may include one-time work such as capturing
   the forward on verispec's kernels). Widths not yet timed come from a line through the timed ones (a prior slope
   while only one width is known); a wider forward never counts as cheaper than one token.
@@ -130,8 +130,8 @@ class Timings:
             self.warm.add(width)
         else:
             self.verify.setdefault(width, deque(maxlen=self.window)).append(verify_seconds)
-        if drafted in self.warm_draft:  # the first drafting of each length is left out too: a draft model's chain of
-            self.draft.setdefault(drafted, deque(maxlen=self.window)).append(draft_seconds)  # it is captured then
+        if drafted in self.warm_draft:  # each length's first drafting is left out too, for the same reason
+            self.draft.setdefault(drafted, deque(maxlen=self.window)).append(draft_seconds)
         elif drafted:
             self.warm_draft.add(drafted)
 
@@ -146,11 +146,8 @@ class Timings:
         seen = {k: min(times) for k, times in self.draft.items() if len(times) >= 2}
         if len(seen) < 2:
             return (next(iter(seen.values())), 0.0) if seen else None
-        ks, ts = list(seen), list(seen.values())
-        k_mean, t_mean = statistics.fmean(ks), statistics.fmean(ts)
-        per_token = max(0.0, sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts))
-                        / sum((k - k_mean) ** 2 for k in ks))
-        start = min(max(0.0, t_mean - per_token * k_mean), min(ts))  # never more than the cheapest step's all
+        k_mean, t_mean, per_token = _line(seen)
+        start = min(max(0.0, t_mean - per_token * k_mean), min(seen.values()))  # never more than the cheapest's all
         return start, per_token
 
     def overhead(self) -> float:
@@ -172,14 +169,11 @@ class Timings:
             slope = PRIOR_SLOPE * one
             fit = lambda n: one + slope * (n - 1)
         else:  # least squares through the seen widths' medians
-            ns, ts = list(seen), list(seen.values())
-            n_mean, t_mean = statistics.fmean(ns), statistics.fmean(ts)
-            slope = max(0.0, sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts))
-                        / sum((n - n_mean) ** 2 for n in ns))
+            n_mean, t_mean, slope = _line(seen)
             # Unseen, a plain step costs what the cheapest width seen costs (no forward of more tokens costs less),
             # not the line's value at 1: on a CPU in bfloat16 a forward's cost is flat up to a few rows, then steps
             # up (the matmul's second pass over its rows), and a line through both dives below the flat part.
-            one = seen.get(1, min(ts))
+            one = seen.get(1, min(seen.values()))
             fit = lambda n: max(one, t_mean + slope * (n - n_mean))
         # Past the widest forward seen, never steeper than the prior slope from it: a line through one costly narrow
         # width (float32's 2-token forward takes another kernel) would otherwise price every wider step out unseen,
@@ -192,6 +186,15 @@ class Timings:
         # Verifying n tokens never costs more than n one-token forwards: a stalled timing must not price speculation
         # out for good (plain steps measure nothing that could correct it).
         return c, lambda n: min(float(n), max(1.0, line(n) / one)), start / one
+
+
+def _line(points: dict[int, float]) -> tuple[float, float, float]:
+    """The least-squares line through two or more points x -> y: the means of x and y and the slope, never below 0
+    (a cost does not fall as more tokens are drafted or verified)."""
+    xs, ys = list(points), list(points.values())
+    x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    return x_mean, y_mean, max(0.0, slope)
 
 
 class AdaptiveK:

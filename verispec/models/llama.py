@@ -356,8 +356,9 @@ class LlamaForCausalLM(nn.Module):
             start = cache.length
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
+        first = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
         if cache is not None and cache.rows is not None:
-            return self._exact(tokens, cache, mask, positions, layers, hidden, logits_to_keep)
+            return self._exact(tokens, cache, mask, positions, layers, hidden, first)
         attn_mask = mask
         if mask is not None and cache is not None and mask.shape[-1] == start + T:
             attn_mask = mask.to(tokens.device)  # it already says which cached positions each token sees
@@ -367,8 +368,7 @@ class LlamaForCausalLM(nn.Module):
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
             attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
-        out = self._run(tokens, positions, cache, attn_mask, layers, hidden,
-                        max(T - logits_to_keep, 0) if logits_to_keep else 0)
+        out = self._run(tokens, positions, cache, attn_mask, layers, hidden, first)
         if cache is not None:
             cache.advance(T)
         return out
@@ -396,20 +396,16 @@ class LlamaForCausalLM(nn.Module):
                 while len(out) < n:
                     out.append(int(argmax(self(torch.tensor([out[-1:]], device=tokens.device), cache)[0, -1, :vocab])))
                 return out
-        except BaseException:
-            cache.truncate(start)  # as if the chain never ran
-            raise
-        at = cache.length
-        visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
-        visible[:, :at] = 1
-        visible[:, at: at + T] = torch.ones(T, T, dtype=torch.uint8).tril()
-        # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
-        step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([at + T - 1]))
-        try:
+            at = cache.length
+            visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
+            visible[:, :at] = 1
+            visible[:, at: at + T] = torch.ones(T, T, dtype=torch.uint8).tril()
+            # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
+            step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([at + T - 1]))
             return replay_chain(first, step, cache, (tokens, torch.arange(at, at + T)), KeyRows(visible),
                                 step_inputs, KeyRows(visible[-1:].clone()), n, vocab)
         except BaseException:
-            cache.truncate(start)
+            cache.truncate(start)  # as if the chain never ran
             raise
 
     def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache) -> tuple:
@@ -467,10 +463,10 @@ class LlamaForCausalLM(nn.Module):
         return logits, [states[i] for i in hidden]
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
-               layers: Sequence[int] | None, hidden: Sequence[int] | None, logits_to_keep: int
+               layers: Sequence[int] | None, hidden: Sequence[int] | None, keep_from: int
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward into a static cache: chunks of at most R rows, each padded to the row floor and laid out
-        by `exact_rows`. On verispec's attention (row floor 1) a row's result does not depend on the rows beside it,
+        """The forward into a static cache, logits from row `keep_from` on: chunks of at most R rows, each padded to
+        the row floor and laid out by `exact_rows`. On verispec's attention (row floor 1) a row's result does not depend on the rows beside it,
         so chunks only bound memory: they are `LONG_ROWS` long, and a prefill streams the weights a sixteenth as
         often as in chunks of `cache.rows`."""
         B, T = tokens.shape
@@ -489,7 +485,6 @@ class LlamaForCausalLM(nn.Module):
                 else mask.to(device)
         if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
-        keep_from = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
         logits, states = [], []
         try:
             for c in range(0, T, R):
@@ -515,7 +510,7 @@ class LlamaForCausalLM(nn.Module):
             cache.truncate(start)  # as if the forward never ran
             raise
         logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
-        logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        logits = logits[:, logits.shape[1] - (T - keep_from):]  # a padded chunk's head ran from its first row
         if hidden is None:
             return logits
         return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)
