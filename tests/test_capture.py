@@ -16,6 +16,7 @@ from verispec.kernels.capture import Program
 from verispec.models import captured
 from verispec.models.cache import KVCache
 from verispec.models.captured import CapturedForward
+from verispec.errors import InvalidArgumentError
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
@@ -210,6 +211,45 @@ def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_
     # then 5 a session (that forward replayed, 4 chain programs).
     assert replays.call_count == 6 + 5 + 5
     assert all(isinstance(key[0], int) for key in model.module.captured)  # no capture of a chain of its own
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
+def test_a_greedy_chain_among_a_draft_vocabulary(pair_dirs: tuple[Path, Path], exact: bool) -> None:
+    """An LM head over some tokens gives their logits with the whole head's bits (the same dot products), and a
+    chain among them picks, a forward at a time and then as one program, the argmax of those logits."""
+    model = on_kernels(pair_dirs[1], torch.bfloat16, exact, capture=True)
+    ids = torch.randperm(model.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    head = model.vocab_head(ids)
+    with torch.inference_mode():
+        whole, part = model.new_cache(), model.new_cache()
+        assert torch.equal(model.module(PROMPT[:, :6], part, head=head), model(PROMPT[:, :6], whole)[..., ids])
+
+    def by_forwards(tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            out.append(int(ids[model(tokens, cache)[0, -1, ids].argmax()]))
+            tokens = torch.tensor([out[-1:]])
+        return out
+
+    def session(chain) -> list[list[int]]:
+        cache, outs = model.new_cache(), []
+        for tokens in (PROMPT[:, :6], PROMPT[:, 6:8]):
+            outs.append(chain(tokens, cache, 4))
+            outs.append(chain(torch.tensor([outs[-1][-1:]]), cache, 3))
+        return outs
+
+    expected = session(by_forwards)
+    assert all(token in ids for chain in expected for token in chain)
+    def among(tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
+        return model.greedy_chain(tokens, cache, n, head)
+
+    assert session(among) == expected  # capturing the head's shapes as it goes
+    with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
+        for _ in range(2):
+            assert session(among) == expected
+    assert replays.call_count == 2 * 5  # a session: the prompt's forward, then each chain as one program
+    with pytest.raises(InvalidArgumentError, match="token ids, each below"):
+        model.vocab_head(torch.tensor([0, model.vocab_size]))
 
 
 def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tuple[Path, Path], monkeypatch) -> None:

@@ -4,15 +4,22 @@ what it needs. Also the registry's own refusals, and the target's hidden states 
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import replace
+
 import pytest
 import torch
 
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
 from verispec.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
+from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
 from verispec.models.eagle import EagleHead, head_config, save_head
+from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.models.native import load_model
 from verispec.models.protocol import FINAL, Capabilities
 from verispec.train.loop import init_weights
 
@@ -25,6 +32,7 @@ EXAMPLES = {
     "autoregressive": Method("autoregressive"),
     "draft": Method("draft", 3),
     "draft tree": Method("draft", 3, {"branch": 2, "branch_depth": 2}),
+    "draft vocab": Method("draft", 3, {"draft_vocab": 100}),  # its 100 most frequent tokens, saved by `built`
     "ngram": Method("ngram", 3, {"max_ngram": 2}),
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
@@ -55,9 +63,13 @@ def built(tmp_path_factory, target, draft):
              "medusa": save_heads(MedusaHeads.from_target(target.lm_head_weight.detach(), 2),
                                   tmp_path_factory.mktemp("medusa"), "random")}
 
+    vocab_dir = tmp_path_factory.mktemp("draft-vocab")
+    save_draft_vocab(vocab_dir, torch.randint(0, 50, (draft.vocab_size,), generator=torch.Generator().manual_seed(0)))
+
     def build(name: str):
         method = EXAMPLES[name]
-        return build_drafter(method, Resources(draft=draft, target=target, head_dir=heads.get(method.family)))
+        return build_drafter(method, Resources(draft=draft, target=target, head_dir=heads.get(method.family),
+                                               draft_dir=vocab_dir))
 
     return build
 
@@ -169,6 +181,50 @@ def test_registry_needs_its_resources() -> None:
         build_drafter(Method("layerskip", 2))
     assert check_method(Method("draft", 2, {"branch": 2})) == Needs(tree_masks=True)
     assert Method("draft", 4, {"branch": 2}).label == "draft k=4 branch=2"
+
+
+class WithoutChains:
+    """A model as it is, but without greedy chains of its own: drafted a forward at a time."""
+
+    def __init__(self, model) -> None:
+        self.model, self.capabilities = model, replace(model.capabilities, greedy_chains=False)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["chain", "forwards", "tree", "sampled"])
+def test_a_draft_vocabulary_bounds_every_proposal(target, draft, truth, how, monkeypatch) -> None:
+    vocab = torch.arange(0, draft.vocab_size, 3)
+    model = WithoutChains(draft) if how == "forwards" else draft
+    drafter = DraftModel(model, 3, branch=2 if how == "tree" else 1, vocab=vocab)
+    proposals, propose = [], DraftModelSession.propose
+    monkeypatch.setattr(DraftModelSession, "propose",
+                        lambda self, context, k: proposals.append(propose(self, context, k)) or proposals[-1])
+    out = generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, seed=0,
+                   temperature=1.0 if how == "sampled" else 0.0)
+    drafted = {token for proposal in proposals for token in proposal.tokens}
+    assert drafted and drafted <= set(vocab.tolist())
+    assert how == "sampled" or out.tokens == truth
+
+
+def test_a_draft_models_folder_chooses_its_draft_vocabulary(tmp_path, pair_dirs, draft) -> None:
+    folder = tmp_path / "draft"
+    shutil.copytree(pair_dirs[1], folder)
+    save_draft_vocab(folder, torch.arange(draft.vocab_size))  # counts: the highest ids most frequent
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"verispec": {"draft_vocab": 50}}))
+    chosen = build_drafter(Method("draft", 3), Resources(draft=load_model(folder), draft_dir=folder))
+    assert chosen.vocab.tolist() == list(range(draft.vocab_size - 1, draft.vocab_size - 51, -1))
+    assert build_drafter(Method("draft", 3, {"draft_vocab": 0}), Resources(draft=draft, draft_dir=folder)).vocab is None
+    assert build_drafter(Method("draft", 3), Resources(draft=draft)).vocab is None  # no folder: every token
+    with pytest.raises(InvalidArgumentError, match="draft_vocab reads the draft's token frequencies"):
+        build_drafter(Method("draft", 3, {"draft_vocab": 5}), Resources(draft=draft))
+    with pytest.raises(InvalidArgumentError, match="draft vocabulary of"):
+        DraftModel(draft, 3, vocab=torch.tensor([0, draft.vocab_size]))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -240,6 +240,26 @@ def test_next_token_steps_a_greedy_chain() -> None:
     assert length.value == 7 and visible.tolist() == [1, 1, 1, 1, 0, 1, 0]  # no slot left to see
     with pytest.raises(ValueError, match="i = 3"):
         kernels.next_token(logits, out, 3, token, position, visible, length, 1)
+    ids = torch.tensor([40, 41, 42, 43, 44])  # logits over these tokens: the argmax (2) names token 42
+    kernels.program([kernels.next_token(logits, out, 0, token, position, visible, length, 1, ids)])()
+    assert out[0].item() == token.item() == 42
+    with pytest.raises(ValueError, match="ids int64 \\(5,\\)"):
+        kernels.next_token(logits, out, 0, token, position, visible, length, 1, ids[:4])
+
+
+@needs_kernels
+def test_causal_rows_writes_a_causal_forwards_positions_and_visible_slots() -> None:
+    import ctypes
+    positions, visible, length = torch.zeros(3, dtype=torch.int64), torch.full((3, 7), 9, dtype=torch.uint8), \
+        ctypes.c_int64(2)
+    kernels.program([kernels.causal_rows(positions, visible, length, 1)])()  # after 2 slots and 1 more
+    assert positions.tolist() == [3, 4, 5]
+    assert torch.equal(visible, (torch.arange(7) <= positions[:, None]).to(torch.uint8))
+    length.value = 5  # rows at 6, 7, 8 of 7 slots: refused, as a replay's kernel call
+    with pytest.raises(IndexError, match="refused its inputs"):
+        kernels.program([kernels.causal_rows(positions, visible, length, 1)])()
+    with pytest.raises(ValueError, match="causal_rows"):
+        kernels.causal_rows(positions, visible[:2], length)
 
 
 @needs_kernels

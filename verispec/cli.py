@@ -164,7 +164,8 @@ def _load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Dr
     if method.family == "draft" and args.draft:  # never exact: the target decides every token
         draft = load(args.draft, args.backend, args.device, args.dtype)
     head = Path(args.head) if args.head else None
-    return target, build_drafter(method, Resources(draft, Path(args.target), target, head))
+    draft_dir = Path(args.draft) if draft is not None else None
+    return target, build_drafter(method, Resources(draft, Path(args.target), target, head, draft_dir))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

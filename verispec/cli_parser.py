@@ -150,10 +150,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
                                                        "per depth with this many children each (with --tree-tokens)")
     parser.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
-    parser.add_argument("--draft-vocab", type=int, help="eagle, medusa: draft over this many of the most frequent "
-                                                        "tokens only (a cheaper LM head; verification still scores "
-                                                        "them all); 0: all of them (default: the head's own, 2048 "
-                                                        "for the shipped heads)")
+    parser.add_argument("--draft-vocab", type=int, help="draft, eagle, medusa: draft over this many of the most "
+                                                        "frequent tokens only (a cheaper LM head; verification still "
+                                                        "scores them all); 0: all of them (default: the draft's or "
+                                                        "head's folder's own, 2048 for the shipped ones)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:

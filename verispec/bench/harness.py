@@ -95,13 +95,14 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
-    resources = Resources(draft, target_dir, target, head_dir)
+    resources = Resources(draft, target_dir, target, head_dir, draft_dir)
     eagle_vocab = default_size(head_dir) if head_dir is not None else 0
     medusa = options.medusa_dir
     methods = [ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
                                          eagle_vocab=eagle_vocab, medusa=medusa is not None,
-                                         medusa_vocab=default_size(medusa) if medusa is not None else 0)]
+                                         medusa_vocab=default_size(medusa) if medusa is not None else 0,
+                                         draft_vocab=default_size(draft_dir) if draft_dir is not None else 0)]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]

@@ -67,16 +67,20 @@ EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
 
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
-                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0) -> list[Method]:
+                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0
+                ) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
     layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
-    tree) and Medusa (its default tree) when asked, each over the draft vocabulary its folder chooses
-    (`eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the full one), and then over the full one too
-    (draft_vocab=0), for comparison."""
+    tree) and Medusa (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
+    vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
+    full one), and then over the full one too (draft_vocab=0), for comparison."""
     methods = [Method("autoregressive")]
     if draft is not None:
-        methods += [Method("draft", k) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2})]
+        vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
+        methods += [Method("draft", k, vocab) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2} | vocab)]
+        if draft_vocab:
+            methods.append(Method("draft", 4, {"draft_vocab": 0}))
     methods += [Method("ngram", 4), Method("ngram", AUTO)]
     if layerskip:
         methods.append(Method("layerskip", 4))

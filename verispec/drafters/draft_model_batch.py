@@ -8,6 +8,7 @@ import torch
 
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
+from verispec.models.draft_vocab import among
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw
 
@@ -19,8 +20,8 @@ class DraftModelBatch:
     first draft step). A sequence drafts the same tokens here as alone: the same draws from its own generator, in
     the same order; only the forward's arithmetic is batched."""
 
-    def __init__(self, model: CausalLM, slots: int) -> None:
-        self.model = model
+    def __init__(self, model: CausalLM, slots: int, vocab: torch.Tensor | None = None) -> None:
+        self.model, self.vocab = model, vocab  # (the draft vocabulary, if any: proposals among it only)
         self.cache = model.new_batch_cache(slots, model.context_length)
         self._starts: dict[int, SequenceStart] = {}
         self._context_len: dict[int, int] = {}  # per slot: the context its last proposal followed
@@ -62,7 +63,8 @@ class DraftModelBatch:
             x[b, : len(tokens)] = torch.tensor(tokens, device=self.model.device)
         logits = self.model.forward_batch(x, self.cache, rows, counts)
         last = torch.tensor(counts, device=self.model.device) - 1
-        return logits[torch.arange(len(rows), device=self.model.device), last, : self.model.vocab_size]
+        return among(logits[torch.arange(len(rows), device=self.model.device), last, : self.model.vocab_size],
+                     self.vocab)
 
     def accepted(self, verdicts: Mapping[int, Verdict]) -> None:
         for slot, verdict in verdicts.items():

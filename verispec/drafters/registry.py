@@ -52,6 +52,7 @@ class Resources:
     target_dir: Path | None = None  # the target's folder, where layerskip.json lies ("layerskip" without "skip")
     target: CausalLM | None = None  # the target itself, whose shapes and dtype a head is loaded for ("eagle")
     head_dir: Path | None = None  # an EAGLE or Medusa head's folder (default: the one shipped for the shipped target)
+    draft_dir: Path | None = None  # the draft model's folder, where its draft vocabulary lies ("draft")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,15 @@ AUTO = "auto"
 def _draft(method: Method, res: Resources) -> DraftModel:
     if res.draft is None:
         raise InvalidArgumentError("method draft needs a draft model (--draft DIR)")
-    return DraftModel(res.draft, method.k or 4, **method.options)
+    options = {name: value for name, value in method.options.items() if name != "draft_vocab"}
+    if res.draft_dir is not None:
+        vocab = _draft_vocab(method, res.draft_dir)
+    elif method.options.get("draft_vocab", 0):
+        raise InvalidArgumentError("draft_vocab reads the draft's token frequencies from its folder, which is not "
+                                   "known here")
+    else:
+        vocab = None
+    return DraftModel(res.draft, method.k or 4, vocab=vocab, **options)
 
 
 def _layerskip(method: Method, res: Resources) -> LayerSkip:
@@ -101,8 +110,8 @@ def _medusa(method: Method, res: Resources) -> Medusa:
 
 
 def _draft_vocab(method: Method, folder: Path):
-    """The reduced draft vocabulary of a head's method: `draft_vocab` most frequent tokens (0: the full vocabulary,
-    None), or by default the head's own (see `head_draft_vocab`)."""
+    """The reduced draft vocabulary of a drafter's method: `draft_vocab` most frequent tokens (0: the full
+    vocabulary, None), or by default the one its folder chooses (see `head_draft_vocab`)."""
     size = method.options.get("draft_vocab")
     return head_draft_vocab(folder, None if size is None else whole_number(size, "draft_vocab", 0))
 
@@ -117,8 +126,9 @@ def _reads_features(res: Resources, family: str) -> None:
 
 FAMILIES: dict[str, Family] = {
     "autoregressive": Family("plain decoding: one target forward per token", (), lambda m, r: None, takes_k=False),
-    "draft": Family("a smaller model with the target's tokenizer proposes (a chain, or a tree with branch > 1)",
-                    ("branch", "branch_depth"), _draft,
+    "draft": Family("a smaller model with the target's tokenizer proposes (a chain, or a tree with branch > 1; "
+                    "draft_vocab: among that many frequent tokens, by an LM head over them, 0 for all, by default "
+                    "the draft's own)", ("branch", "branch_depth", "draft_vocab"), _draft,
                     lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1)),
     "ngram": Family("prompt lookup: what followed the text's last n-gram earlier", ("max_ngram", "min_ngram"),
                     lambda m, r: PromptLookup(m.k or 4, **m.options)),

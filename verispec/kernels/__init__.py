@@ -1,7 +1,8 @@
 """verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, the row-wise work
-around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), and the
-argmax and a greedy chain's step to its next token, so that a forward on them is nothing but kernel calls and can be
-captured and replayed (kernels/capture.py).
+around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), a causal
+forward's positions and visible slots, the argmax and a greedy chain's step to its next token, so that a forward on
+them, and a decoding step around it, is nothing but kernel calls and can be captured and replayed
+(kernels/capture.py).
 
 Each gives a row the same bits whatever else shares the call (see simd.h), and the matmul reads its weight at
 about the memory's rate at the row counts decoding uses: in bfloat16 a forward's matmuls read the weights at about
@@ -22,7 +23,7 @@ from verispec.kernels.build import library, reason
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
 __all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "argmax", "next_token", "run", "program", "Program", "address", "capturing", "NotCapturable",
+           "store_kv", "argmax", "causal_rows", "next_token", "run", "program", "Program", "address", "capturing", "NotCapturable",
            "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (linear.cpp)
@@ -217,18 +218,35 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def causal_rows(positions: torch.Tensor, visible: torch.Tensor, length: ctypes.c_int64, offset: int = 0
+                ) -> tuple[str, list[Arg]]:
+    """A causal forward's inputs, written when the call runs: row r of R at position length.value + offset + r in
+    `positions` (int64 (R,)), seeing the slots up to its own in `visible` (uint8 (R, S)); a row past the S slots
+    fails the program. Returns the call, checked, for a `program`."""
+    if positions.dtype != torch.int64 or positions.dim() != 1 or not positions.is_contiguous() or visible.dtype != \
+            torch.uint8 or visible.dim() != 2 or not visible.is_contiguous() or len(visible) != len(positions):
+        raise ValueError(f"causal_rows: positions int64 (R,) and visible uint8 (R, S), contiguous; got "
+                         f"{positions.dtype} {tuple(positions.shape)} and {visible.dtype} {tuple(visible.shape)}")
+    return "causal_rows", [positions, visible, visible.shape[1], len(positions), length, offset]
+
+
 def next_token(logits: torch.Tensor, out: torch.Tensor, i: int, token: torch.Tensor, position: torch.Tensor,
-               visible: torch.Tensor, length: ctypes.c_int64, stored: int) -> tuple[str, list[Arg]]:
+               visible: torch.Tensor, length: ctypes.c_int64, stored: int, ids: torch.Tensor | None = None
+               ) -> tuple[str, list[Arg]]:
     """A greedy chain's step, after a forward that stored `stored` tokens from slot length.value on: the argmax of
-    `logits` (V,) becomes out[i] and `token` (the next forward's input, one int64) at `position` + 1, which sees the
-    slots up to its own (`visible`, uint8 (S,)), and the length grows by `stored`; all read and written when the call
-    runs. Returns the call, checked, for a `program`."""
+    `logits` (V,) (`ids[argmax]` where they are logits over the tokens `ids`, int64 (V,)) becomes out[i] and `token`
+    (the next forward's input, one int64) at `position` + 1, which sees the slots up to its own (`visible`, uint8
+    (S,)), and the length grows by `stored`; all read and written when the call runs. Returns the call, checked, for
+    a `program`."""
     kernel = _kernel("next_token", logits)
     if logits.dim() != 1 or logits.stride(0) != 1 or visible.dim() != 1 or visible.dtype != torch.uint8 or any(
             t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position)) or not 0 <= i < len(out):
         raise ValueError(f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
                          f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}")
-    return kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored]
+    if ids is not None and (ids.dtype != torch.int64 or ids.shape != logits.shape or not ids.is_contiguous()):
+        raise ValueError(f"next_token: ids int64 ({len(logits)},) for logits over them; got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    return kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored, ids]
 
 
 def run(program: Program) -> tuple[str, list[Arg]]:

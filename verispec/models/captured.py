@@ -65,6 +65,8 @@ class CapturedForward:
                 self.into_cache.append((self.program.word(call, argument), part, kernels.address(target) - bases[part]))
         self.words = torch.tensor([word for word, *_ in self.into_cache], dtype=torch.int64)
         self.bound = weakref.ref(cache)
+        # Programs that run this one with calls around it (`replay_causal`, `replay_chain`), for the bound cache
+        self.made: dict[Hashable, tuple] = {}
 
     def __call__(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
         with self.lock:
@@ -78,18 +80,20 @@ class CapturedForward:
         if shapes != [tuple(x.shape) for x in (*self.inputs, self.visible)]:
             raise ValueError(f"inputs of {shapes[:-1]} and visible slots {shapes[-1]} for a forward captured with "
                              f"{[tuple(x.shape) for x in self.inputs]} into a cache of {self.visible.shape[1]} slots")
-        if self.bound() is not cache:
-            self._bind(cache)
+        self.bind(cache)
         for buffer, x in zip(self.inputs, inputs):
             buffer.copy_(x)
         self.visible.copy_(rows.visible)
 
-    def _bind(self, cache: KVCache) -> None:
-        """Point the program's cache arguments at `cache`."""
+    def bind(self, cache: KVCache) -> None:
+        """Point the program's cache arguments at `cache` (its lock held); the programs made for another go."""
+        if self.bound() is cache:
+            return
         bases = _bases(cache)
         self.program.code[self.words] = torch.tensor([bases[part] + offset for _, part, offset in self.into_cache],
                                                      dtype=torch.int64)
         self.bound = weakref.ref(cache)
+        self.made.clear()
 
     def outputs(self) -> Outputs:
         """Copies of the outputs: the next replay overwrites them."""
@@ -169,29 +173,52 @@ def lookup(captured: dict, key: Hashable) -> CapturedForward | None:
         return state
 
 
-def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, inputs: Sequence[torch.Tensor],
-                 rows: KeyRows, step_inputs: Sequence[torch.Tensor], step_rows: KeyRows, n: int, vocab: int
-                 ) -> list[int]:
-    """n tokens of greedy decoding as one program: `first` (a captured forward of the new tokens `inputs`, `rows`,
-    its logits at the last of them), then n - 1 replays of `step` (a captured one-token forward; `first` itself
-    when there is one new token), each forward's argmax made the next one's input by `kernels.next_token`. The two
-    captures' programs run inside the chain's, with no Python between them, and no capture of its own is made.
-    `step_inputs`, `step_rows`: `step`'s input for its first run, where it is not `first`: a token (any:
-    `next_token` writes it), the position before the token's, and the slots it sees but its own."""
-    T = rows.visible.shape[0]
-    out = torch.empty(n, dtype=torch.int64)
-    token, position = step.inputs
-    calls = [kernels.run(first.program)]
-    for i in range(n):
-        logits = (first if i == 0 else step).out[0, -1, :vocab]
-        calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache._length,
-                                        T if i == 0 else 1))
-        if i < n - 1:
-            calls.append(kernels.run(step.program))
-    chain = kernels.program(calls)
+def replay_causal(capture: CapturedForward, cache: KVCache, tokens: torch.Tensor) -> Outputs:
+    """`capture`, a forward whose inputs are tokens (1, T) and their positions (T,), replayed as a causal forward of
+    `tokens` after the cache's length: each row at the next position, seeing every slot before it and its own. A
+    kernel writes the positions and visible slots from the cache's length as the program runs, so that only the
+    tokens are copied in: a decoding step's forward with next to no Python."""
+    with capture.lock:
+        capture.bind(cache)
+        program = capture.made.get("causal")
+        if program is None:
+            positions = capture.inputs[1]
+            program = capture.made["causal"] = kernels.program([
+                kernels.causal_rows(positions, capture.visible, cache._length), kernels.run(capture.program)])
+        capture.inputs[0].copy_(tokens)
+        program()
+        return capture.outputs()
+
+
+def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, tokens: torch.Tensor, n: int,
+                 vocab: int, ids: torch.Tensor | None = None) -> list[int]:
+    """n tokens of greedy decoding as one program: `first` (a captured causal forward of the new `tokens` (1, T),
+    its logits at the last of them), then n - 1 replays of `step` (a captured one-token forward; `first` itself when
+    T is 1), each forward's argmax made the next one's input by `kernels.next_token`. Both take tokens and positions
+    as `replay_causal`'s do, and their positions and visible slots are written from the cache's length as the
+    program runs. The two captures' programs run inside the chain's, with no Python between them, and no capture of
+    its own is made. `ids`: the tokens the logits are over (an LM head over part of the vocabulary), else token i's
+    logits are its row i. (A failure leaves the cache part-advanced: the caller rolls it back.)"""
+    T = tokens.shape[1]
     with first.lock, (step.lock if step is not first else contextlib.nullcontext()):
-        first.load(cache, inputs, rows)
-        if step is not first:
-            step.load(cache, step_inputs, step_rows)
-        chain()  # (a failure leaves the cache part-advanced: the caller rolls it back)
-    return out.tolist()
+        first.bind(cache)
+        step.bind(cache)
+        made = first.made.get(("chain", n))
+        if made is None or made[0] is not step:
+            token, position = step.inputs
+            out = torch.empty(n, dtype=torch.int64)
+            calls = [kernels.causal_rows(first.inputs[1], first.visible, cache._length)]
+            if step is not first:  # its first run follows the last of `tokens` (`next_token` moves it on)
+                calls.append(kernels.causal_rows(position, step.visible, cache._length, T - 1))
+            calls.append(kernels.run(first.program))
+            for i in range(n):
+                logits = (first if i == 0 else step).out[0, -1, :vocab]
+                calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache._length,
+                                                T if i == 0 else 1, ids))
+                if i < n - 1:
+                    calls.append(kernels.run(step.program))
+            made = first.made[("chain", n)] = (step, kernels.program(calls), out, ids)  # (ids alive with it)
+        _, chain, out, _ = made
+        first.inputs[0].copy_(tokens)
+        chain()
+        return out.tolist()

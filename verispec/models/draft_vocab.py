@@ -51,3 +51,13 @@ def head_draft_vocab(folder: str | Path, size: int | None) -> torch.Tensor | Non
     and by default (`size` None) the size its folder chooses (`default_size`)."""
     size = default_size(folder) if size is None else size
     return None if not size else load_draft_vocab(folder, size)
+
+
+def among(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """logits (..., V) with every token but `ids` (all where None) at -inf: a drafter over a reduced vocabulary
+    never proposes the others, and under sampling its q is zero there."""
+    if ids is None:
+        return logits
+    kept = torch.full_like(logits, float("-inf"))
+    kept[..., ids] = logits[..., ids]
+    return kept

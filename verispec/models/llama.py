@@ -13,7 +13,7 @@ from verispec import kernels
 from verispec.errors import ContextLengthError
 from verispec.models.batch_cache import BatchRows
 from verispec.models.cache import KVCache
-from verispec.models.captured import lookup, replay, replay_chain
+from verispec.models.captured import lookup, replay, replay_causal, replay_chain
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packed_here
 from verispec.sampling import argmax
@@ -167,6 +167,15 @@ class KeyRows:
         visible = torch.zeros(T, slots, dtype=torch.uint8)
         visible[:, : start + T] = 1 if mask is None else mask
         return KeyRows(visible)
+
+
+@dataclass(eq=False)
+class VocabHead:
+    """An LM head over part of the vocabulary (a drafter's reduced vocabulary, as in FR-Spec and EAGLE-3): logits for
+    the tokens `ids` only, in that order, for a fraction of the full head's cost (`LlamaForCausalLM.vocab_head`)."""
+
+    ids: torch.Tensor  # (N,) int64 token ids
+    matmul: nn.Module  # final-normed states (..., D) -> (..., N)
 
 
 class Attention(nn.Module):
@@ -325,9 +334,18 @@ class LlamaForCausalLM(nn.Module):
             self.row_floors[key] = row_floor(self, rows, width)
         return self.row_floors[key]
 
+    def vocab_head(self, ids: torch.Tensor) -> VocabHead:
+        """An LM head over the tokens `ids` (N,) only: their rows of this model's head, packed as it is."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.dim() != 1 or not len(ids) or not 0 <= int(ids.min()) <= int(ids.max()) < self.lm_head.out_features:
+            raise ValueError(f"an LM head over {tuple(ids.shape)} token ids, of {self.lm_head.out_features}")
+        linear = nn.Linear(self.config.hidden_size, len(ids), bias=False, device="meta")
+        linear.weight = nn.Parameter(self.lm_head.weight.detach()[ids], requires_grad=False)
+        return VocabHead(ids, linear if self.head is None else PackedLinear([linear], self.head.rows, self.own_kernels))
+
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                hidden: Sequence[int] | None = None, logits_to_keep: int = 0
+                hidden: Sequence[int] | None = None, logits_to_keep: int = 0, head: VocabHead | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, V) for T new tokens (B, T) stored after the cache's `length` positions; with
         `logits_to_keep` n > 0, of the last n tokens only (B, n, V), as in transformers: a prefill whose logits
@@ -342,7 +360,8 @@ class LlamaForCausalLM(nn.Module):
         all by default: a skipped block neither computes nor writes its cache entries for the new tokens, so
         they hold stale values, and only a caller that truncates them away (layer-skip drafting) may skip.
         `hidden` (block indices, or -1 for the final-normed state) asks for (logits, hidden (B, T, len(hidden), D)):
-        the residual stream after each chosen block, the features that EAGLE and Medusa heads read.
+        the residual stream after each chosen block, the features that EAGLE and Medusa heads read. `head`: logits
+        over its tokens only (B, T, N), from an LM head over part of the vocabulary (`vocab_head`).
 
         Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks (of `cache.rows` rows, or
         `LONG_ROWS` on verispec's attention), each padded up to the `row_floor` and laid out by `exact_rows`, so that a
@@ -354,11 +373,18 @@ class LlamaForCausalLM(nn.Module):
         if cache is not None:
             cache.reserve(T)
             start = cache.length
+        first = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
+        if mask is None and positions is None and self._captured(tokens, cache):  # a decoding step, most often
+            run = range(len(self.model.layers)) if layers is None else layers
+            capture = lookup(self.captured, self._key(T, first, run, hidden or (), cache, head))
+            if capture is not None:
+                logits, states = replay_causal(capture, cache, tokens)
+                cache.advance(T)
+                return logits if hidden is None else (logits, torch.stack(states, dim=2))
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
-        first = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
         if cache is not None and cache.rows is not None:
-            return self._exact(tokens, cache, mask, positions, layers, hidden, first)
+            return self._exact(tokens, cache, mask, positions, layers, hidden, first, head)
         attn_mask = mask
         if mask is not None and cache is not None and mask.shape[-1] == start + T:
             attn_mask = mask.to(tokens.device)  # it already says which cached positions each token sees
@@ -368,14 +394,16 @@ class LlamaForCausalLM(nn.Module):
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
         if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
             attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
-        out = self._run(tokens, positions, cache, attn_mask, layers, hidden, first)
+        out = self._run(tokens, positions, cache, attn_mask, layers, hidden, first, head)
         if cache is not None:
             cache.advance(T)
         return out
 
-    def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int) -> list[int]:
+    def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int, head: VocabHead | None = None
+              ) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T), each the argmax of the first `vocab` logits after the one
-        before: a forward of the T tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. On
+        before (with `head`, of its logits, over its tokens: a drafter's reduced vocabulary): a forward of the T
+        tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. On
         verispec's kernels (`KeyRows`), once both shapes are captured (a forward of T tokens whose last row's logits
         are kept, and one of a token), the chain runs them as one program, each argmax made the next forward's input
         by a kernel (models/captured.py `replay_chain`); until then, and elsewhere, a forward at a time (which
@@ -384,46 +412,50 @@ class LlamaForCausalLM(nn.Module):
         cache.reserve(tokens.shape[1] + n - 1)
         start, run = cache.length, range(len(self.model.layers))
         try:
-            own = self.own_attention and self.capture and packed_here(tokens)
+            own = self._captured(tokens, cache)
             if own and tokens.shape[1] > 2:
                 self(tokens[:, :-1], cache, logits_to_keep=1)
                 tokens = tokens[:, -1:]
-            T = tokens.shape[1]
-            first = lookup(self.captured, self._key(T, T - 1, run, (), cache)) if own else None
-            step = first if T == 1 else lookup(self.captured, self._key(1, 0, run, (), cache)) if own else None
+            T, ids = tokens.shape[1], None if head is None else head.ids
+            vocab = vocab if head is None else len(ids)
+            first = lookup(self.captured, self._key(T, T - 1, run, (), cache, head)) if own else None
+            step = first if T == 1 else lookup(self.captured, self._key(1, 0, run, (), cache, head)) if own else None
             if first is None or step is None:
-                out = [int(argmax(self(tokens, cache, logits_to_keep=1)[0, -1, :vocab]))]
+                out, x = [], tokens
                 while len(out) < n:
-                    out.append(int(argmax(self(torch.tensor([out[-1:]], device=tokens.device), cache)[0, -1, :vocab])))
+                    best = int(argmax(self(x, cache, logits_to_keep=1, head=head)[0, -1, :vocab]))
+                    out.append(best if ids is None else int(ids[best]))
+                    x = torch.tensor([out[-1:]], device=tokens.device)
                 return out
-            at = cache.length
-            visible = torch.zeros(T, cache.slots, dtype=torch.uint8)
-            visible[:, :at] = 1
-            visible[:, at: at + T] = torch.ones(T, T, dtype=torch.uint8).tril()
-            # The first one-token forward sees what the last of `tokens` sees, and its own slot (set by `next_token`)
-            step_inputs = (torch.zeros(1, 1, dtype=torch.int64), torch.tensor([at + T - 1]))
-            return replay_chain(first, step, cache, (tokens, torch.arange(at, at + T)), KeyRows(visible),
-                                step_inputs, KeyRows(visible[-1:].clone()), n, vocab)
+            return replay_chain(first, step, cache, tokens, n, vocab, ids)
         except BaseException:
             cache.truncate(start)  # as if the chain never ran
             raise
 
-    def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache) -> tuple:
+    def _captured(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
+        """Whether a forward of `tokens` into `cache` runs on verispec's kernels as captured programs: one sequence
+        through `KeyRows`, with capture on."""
+        return self.own_attention and self.capture and cache is not None and tokens.shape[0] == 1 and \
+            packed_here(tokens)
+
+    def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache,
+             head: VocabHead | None) -> tuple:
         """A `KeyRows` forward's shape, by which it is captured: rows, logits from row `first`, blocks run, states
-        asked for, the cache's layout."""
-        return T, first, tuple(run), tuple(hidden), tuple(cache.k.shape), cache.k.dtype
+        asked for, the cache's layout, the LM head."""
+        return T, first, tuple(run), tuple(hidden), tuple(cache.k.shape), cache.k.dtype, head
 
     def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
         offset, its real tokens and its padding); each slot advances by its row's real tokens only."""
-        out = self._run(tokens, rows.positions, rows, rows.mask, None, None, 0)
+        out = self._run(tokens, rows.positions, rows, rows.mask, None, None, 0, None)
         rows.advance()
         return out
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
              attn_mask: torch.Tensor | Rows | KeyRows | None, layers: Sequence[int] | None,
-             hidden: Sequence[int] | None, first: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward's logits from row `first` on (all the rows' hidden states)."""
+             hidden: Sequence[int] | None, first: int, head: VocabHead | None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward's logits from row `first` on, by `head` if given (all the rows' hidden states)."""
         run = range(len(self.model.layers)) if layers is None else layers
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
@@ -431,17 +463,18 @@ class LlamaForCausalLM(nn.Module):
             self.rope = covering(self.rope, cache.slots, self.config, self.lm_head.weight.dtype)
             positions = as_index(positions)
         if isinstance(attn_mask, KeyRows) and self.capture:  # nothing but kernels: captured once per shape, replayed
-            key = self._key(tokens.shape[1], first, run, hidden or (), cache)
+            key = self._key(tokens.shape[1], first, run, hidden or (), cache, head)
             logits, states = replay(self.captured, key, cache, lambda t, p, rows: self._layers(
-                t, p, cache, rows, run, hidden or (), first), (tokens, positions), attn_mask)
+                t, p, cache, rows, run, hidden or (), first, head), (tokens, positions), attn_mask)
         else:
-            logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or (), first)
+            logits, states = self._layers(tokens, positions, cache, attn_mask, run, hidden or (), first, head)
         return logits if hidden is None else (logits, torch.stack(states, dim=2))
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | BatchRows | None,
                 attn_mask: torch.Tensor | Rows | KeyRows | None, run: Sequence[int], hidden: Sequence[int],
-                first: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits from row `first` on and the residual streams `hidden` asks for, after running the blocks `run`."""
+                first: int, head: VocabHead | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits from row `first` on (by `head`, else the whole LM head) and the residual streams `hidden` asks
+        for, after running the blocks `run`."""
         if isinstance(attn_mask, KeyRows):  # one sequence: rows of the embedding and rotary tables by verispec's kernel
             x = kernels.gather(self.model.embed_tokens.weight, tokens[0])[None]  # (1, T, D)
             cos, sin = kernels.gather(self.rope[0], positions), kernels.gather(self.rope[1], positions)
@@ -456,14 +489,15 @@ class LlamaForCausalLM(nn.Module):
             states[i] = x
         states[-1] = self.model.norm(x)
         B, T, _ = x.shape
+        matmul = head.matmul if head is not None else self.head or self.lm_head
         if first >= T:  # no logits asked for (an allocation, which a capture lets through, unlike new_empty)
-            logits = torch.empty(B, 0, self.lm_head.weight.shape[0], dtype=x.dtype, device=x.device)
+            logits = torch.empty(B, 0, matmul.weight.shape[0], dtype=x.dtype, device=x.device)
         else:
-            logits = (self.head or self.lm_head)(states[-1][:, first:])
+            logits = matmul(states[-1][:, first:])
         return logits, [states[i] for i in hidden]
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, positions: torch.Tensor,
-               layers: Sequence[int] | None, hidden: Sequence[int] | None, keep_from: int
+               layers: Sequence[int] | None, hidden: Sequence[int] | None, keep_from: int, head: VocabHead | None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward into a static cache, logits from row `keep_from` on: chunks of at most R rows, each padded to
         the row floor and laid out by `exact_rows`. On verispec's attention (row floor 1) a row's result does not depend on the rows beside it,
@@ -501,7 +535,7 @@ class LlamaForCausalLM(nn.Module):
                 # kernels) over all its rows or none, as its row floor was measured
                 first = min(max(keep_from - c, 0), n)
                 first = m if first == n else first if floor == 1 else 0
-                out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden, first)
+                out = self._run(x, where, cache, self.exact_rows(rows, cache.width), layers, hidden, first, head)
                 out = (out, None) if hidden is None else out
                 logits.append(out[0][:, : max(n - first, 0)])
                 states.append(None if hidden is None else out[1][:, :n])

@@ -16,7 +16,7 @@ from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.linear import packable
-from verispec.models.llama import LlamaForCausalLM
+from verispec.models.llama import LlamaForCausalLM, VocabHead
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
@@ -106,11 +106,19 @@ class NativeModel:
         return self.module(tokens, cache, mask, positions, layers, hidden, logits_to_keep)
 
     @torch.inference_mode()
-    def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
+    def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int, among: VocabHead | None = None) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T): the argmax after them, then n - 1 more, each the argmax
-        after the one before; the cache grows by T + n - 1 (the last token is not stored). On verispec's kernels the
-        forwards run as one program (`LlamaForCausalLM.chain`)."""
-        return self.module.chain(tokens, cache, n, self.vocab_size)
+        after the one before (`among`: of the logits over its tokens only); the cache grows by T + n - 1 (the last
+        token is not stored). On verispec's kernels the forwards run as one program (`LlamaForCausalLM.chain`)."""
+        return self.module.chain(tokens, cache, n, self.vocab_size, among)
+
+    @torch.inference_mode()
+    def vocab_head(self, ids: torch.Tensor) -> VocabHead:
+        """An LM head over the tokens `ids` only, for `greedy_chain(..., among=)`: a fraction of the whole head's cost
+        (a drafter's reduced vocabulary, as in FR-Spec)."""
+        if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise InvalidArgumentError(f"a draft vocabulary of {len(ids)} token ids, each below {self.vocab_size}")
+        return self.module.vocab_head(ids)
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,9 @@ class Capabilities:
     # `new_batch_cache(slots, max_len)` and `forward_batch(tokens, cache, slots, counts)`: several sequences, each in
     # its own cache slot with its own length, in one forward (the batched engine)
     batching: bool = False
-    # `greedy_chain(tokens, cache, n)`: n tokens of greedy decoding in one call (a draft model's chain), the model's
-    # own way; a model without it is driven a forward at a time
+    # `greedy_chain(tokens, cache, n, among)`: n tokens of greedy decoding in one call (a draft model's chain), the
+    # model's own way, optionally among some tokens only, by an LM head over them (`among = vocab_head(ids)`: a reduced
+    # draft vocabulary); a model without it is driven a forward at a time
     greedy_chains: bool = False
 
 

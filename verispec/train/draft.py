@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import load_model
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
@@ -60,4 +61,7 @@ def train_draft(run_dir: Path, target_dir: Path, cfg: TrainConfig, config=DRAFT_
     init_weights(model)
     print(f"draft: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
     train(model, cfg, run_dir, train_tokens, kl_loss(teacher), agreement_evaluator(teacher, val_tokens, cfg.seq_len))
-    return export(model, target_dir, run_dir / "model")
+    folder = export(model, target_dir, run_dir / "model")
+    # the train split's token frequencies beside it: its reduced draft vocabulary (`draft_vocab`)
+    save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
+    return folder
