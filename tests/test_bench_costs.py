@@ -18,7 +18,7 @@ class MadeUpPrices:
     """Stands in for costs.Prices: a forward of w tokens costs 0.1 w, an EAGLE step over w features 0.2 + 0.01 w, a
     Medusa step 0.3 (target steps)."""
 
-    def forward(self, model, tokens: int) -> float:
+    def forward(self, model, tokens: int, head=None) -> float:
         return 0.1 * tokens
 
     def head(self, drafter: Eagle, width: int = 1) -> float:

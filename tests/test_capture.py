@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from verispec import kernels
+from verispec.errors import InvalidArgumentError
 from verispec.kernels.capture import Program
 from verispec.models import captured
 from verispec.models.cache import KVCache
 from verispec.models.captured import CapturedForward
-from verispec.errors import InvalidArgumentError
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
@@ -240,6 +240,7 @@ def test_a_greedy_chain_among_a_draft_vocabulary(pair_dirs: tuple[Path, Path], e
 
     expected = session(by_forwards)
     assert all(token in ids for chain in expected for token in chain)
+
     def among(tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
         return model.greedy_chain(tokens, cache, n, head)
 

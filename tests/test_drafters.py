@@ -225,6 +225,13 @@ def test_a_draft_models_folder_chooses_its_draft_vocabulary(tmp_path, pair_dirs,
         build_drafter(Method("draft", 3, {"draft_vocab": 5}), Resources(draft=draft))
     with pytest.raises(InvalidArgumentError, match="draft vocabulary of"):
         DraftModel(draft, 3, vocab=torch.tensor([0, draft.vocab_size]))
+    with pytest.raises(InvalidArgumentError, match="draft_vocab must be an integer >= 0"):
+        build_drafter(Method("draft", 3, {"draft_vocab": -1}), Resources(draft=draft))
+    without = WithoutChains(draft)
+    without.capabilities = replace(draft.capabilities, vocab_heads=False)  # (as a transformers model)
+    with pytest.raises(InvalidArgumentError, match="native runtime does"):
+        DraftModel(without, 3, vocab=torch.tensor([1, 2]))
+    assert build_drafter(Method("draft", 3), Resources(draft=without, draft_dir=folder)).vocab is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

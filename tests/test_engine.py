@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
                       build_drafter, generate, generate_batch, load_model)
@@ -21,7 +22,9 @@ N = 24
 
 def drafters(draft):
     auto = build_drafter(Method("draft", "auto"), Resources(draft=draft))  # AdaptiveK: the engine drafts with its inner
-    return {"none": None, "draft": DraftModel(draft, 4), "ngram": PromptLookup(3), "auto": auto}
+    vocab = torch.arange(0, draft.vocab_size, 2)  # the batch drafts by an LM head over these tokens
+    return {"none": None, "draft": DraftModel(draft, 4), "draft vocab": DraftModel(draft, 4, vocab=vocab),
+            "ngram": PromptLookup(3), "auto": auto}
 
 
 def alone(target, prompt, drafter=None, **options):
@@ -41,7 +44,7 @@ def tokens(updates: list) -> list[int]:
     return [t for u in updates for t in u.tokens]
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "ngram", "auto"])
+@pytest.mark.parametrize("method", ["none", "draft", "draft vocab", "ngram", "auto"])
 def test_greedy_batch_is_identical_to_each_prompt_alone(target, draft, method, single_thread) -> None:
     drafter = drafters(draft)[method]
     results = generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True, adaptive=False)

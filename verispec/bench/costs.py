@@ -22,6 +22,7 @@ from verispec.drafters.draft_model import DraftModel, tree_size
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import Medusa
 from verispec.drafters.registry import AUTO
+from verispec.models.llama import VocabHead
 from verispec.models.native import NativeModel
 from verispec.models.timing import forward_seconds, head_step_seconds, medusa_step_seconds
 
@@ -39,10 +40,11 @@ class Prices:
     one: float
     _seen: dict = field(default_factory=dict)
 
-    def forward(self, model: NativeModel, tokens: int, layers: Sequence[int] | None = None) -> float:
-        key = ("forward", id(model), tokens, None if layers is None else tuple(layers))
+    def forward(self, model: NativeModel, tokens: int, layers: Sequence[int] | None = None,
+                head: VocabHead | None = None) -> float:
+        key = ("forward", id(model), tokens, None if layers is None else tuple(layers), id(head))
         if key not in self._seen:
-            self._seen[key] = forward_seconds(model, tokens, layers=layers) / self.one
+            self._seen[key] = forward_seconds(model, tokens, layers=layers, head=head) / self.one
         return self._seen[key]
 
     def head(self, drafter: Eagle, width: int = 1) -> float:
@@ -75,7 +77,7 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
         elif family == "eagle":  # an EAGLE step's cost depends on how wide its LM head is
             c[m.label] = prices.head(_drafting(m))
         elif family == "draft" and draft is not None:  # the unrelated draft has the real one's shape and cost
-            c[m.label] = prices.forward(draft, 1)
+            c[m.label] = prices.forward(draft, 1, head=_drafting(m).head)  # (at its draft vocabulary's width)
         elif family == "layerskip" and skip:
             c[m.label] = prices.forward(target, 1, kept)
         elif family == "ngram":
@@ -107,7 +109,8 @@ def _draft_tree(drafter: DraftModel, prices: Prices) -> dict:
     nodes at depth i) for i < d; the target verifies the tree_size(d) nodes and the root."""
     b, bd = drafter.branch, drafter.branch_depth
     frontier = [b ** min(i, bd) for i in range(drafter.k)]  # [i]: nodes at depth i, each a row of a draft forward
-    draft = [sum(prices.forward(drafter.model, w) for w in frontier[:d]) for d in range(drafter.k + 1)]
+    draft = [sum(prices.forward(drafter.model, w, head=drafter.head) for w in frontier[:d])
+             for d in range(drafter.k + 1)]
     return {"draft": draft, "tokens": [1 + tree_size(d, b, bd) for d in range(drafter.k + 1)]}
 
 

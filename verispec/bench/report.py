@@ -175,7 +175,8 @@ def _plots(out: Path, summary: dict, categories: list[str], methods: dict) -> No
     import matplotlib.pyplot as plt
 
     # the draft model's chains; a tree is no point on this curve
-    drafts = [m for m in summary if methods.get(m) and methods[m]["family"] == "draft" and not methods[m]["options"]
+    drafts = [m for m in summary if methods.get(m) and methods[m]["family"] == "draft"
+              and set(methods[m]["options"]) <= {"draft_vocab"} and methods[m]["options"].get("draft_vocab") != 0
               and isinstance(methods[m]["k"], int) and not methods[m].get("unrelated")]
     fig, ax = plt.subplots(figsize=(6, 4))
     for category in ["all", *categories]:

@@ -12,7 +12,7 @@ from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
-from verispec.models.draft_vocab import among
+from verispec.models.draft_vocab import spread
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw, logits_to_probs
 from verispec.tokenizer import check_same_tokenizer
@@ -31,10 +31,10 @@ class DraftModel:
     deeper nodes one, down to depth k. Each depth is one draft forward over the whole frontier with a tree
     mask; after the verdict the accepted path's cache entries are moved into place and the rest dropped.
 
-    `vocab` (token ids, most frequent first): propose only these tokens. On a model with greedy chains (the native
-    runtime) a greedy chain then runs an LM head over them alone: on the shipped draft the head is 64% of the
-    weights, and 2048 rows of it stay in a core's cache between steps where 8192 do not. The target still scores
-    every token, so the output is unchanged; a token outside `vocab` is only never proposed.
+    `vocab` (token ids, most frequent first): propose only these tokens, by an LM head over them alone, on a model
+    that runs one (`capabilities.vocab_heads`: the native runtime). On the shipped draft the head is 64% of the
+    weights, and 2048 of its rows fit a core's L2 cache where 8192 do not. The target still scores every token, so
+    the output is unchanged; a token outside `vocab` is only never proposed.
     """
 
     name = "draft"
@@ -48,14 +48,12 @@ class DraftModel:
             raise InvalidArgumentError(f"branch > 1 drafts a token tree, which needs a draft model that takes tree "
                                        f"masks (the native runtime); {model.name} does not")
         self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
-        self.vocab = None if vocab is None else vocab.to(device=model.device, dtype=torch.int64)
-        if self.vocab is not None and (self.vocab.dim() != 1 or not len(self.vocab) or int(self.vocab.min()) < 0 or
-                                       int(self.vocab.max()) >= model.vocab_size):
-            raise InvalidArgumentError(f"a draft vocabulary of {tuple(self.vocab.shape)} token ids, each below "
-                                       f"{model.vocab_size}")
-        # The chain's LM head over `vocab` alone, where the model drafts chains its own way
-        self.head = model.vocab_head(self.vocab) if self.vocab is not None and model.capabilities.greedy_chains \
-            else None
+        if vocab is not None and not model.capabilities.vocab_heads:
+            raise InvalidArgumentError(f"a draft vocabulary runs an LM head over part of the vocabulary, which the "
+                                       f"native runtime does; {model.name} does not")
+        # The LM head over `vocab` alone (which checks it), and its token ids
+        self.head = None if vocab is None else model.vocab_head(vocab.to(device=model.device, dtype=torch.int64))
+        self.vocab = None if self.head is None else self.head.ids
         self.width = tree_size(k, branch, branch_depth)
         self.needs = Needs(tree_masks=branch > 1)
         # A chain, on a model that batches; trees are verified through a per-sequence tree mask.
@@ -73,7 +71,7 @@ class DraftModel:
 
     def begin_batch(self, target: CausalLM, slots: int) -> DraftModelBatch:
         """Drafting for up to `slots` sequences of the batched engine at once (chains only: `batched`)."""
-        return DraftModelBatch(self.model, slots, self.vocab)
+        return DraftModelBatch(self.model, slots, self.head)
 
 
 class DraftModelSession:
@@ -103,7 +101,7 @@ class DraftModelSession:
         unseen = torch.tensor([context[self.cache.length:]], device=self.model.device)
         if self.sampling.greedy and self.branch == 1 and self.model.capabilities.greedy_chains:
             return Proposal(self.model.greedy_chain(unseen, self.cache, k, self.head))  # the model's own loop
-        logits = among(self.model(unseen, self.cache, logits_to_keep=1)[0, -1, : self.model.vocab_size], self.vocab)
+        logits = self._logits(unseen, self.cache, logits_to_keep=1)[0, -1]
         if self.branch > 1:
             return self._propose_tree(logits, k)
         tokens, q = [], []
@@ -112,9 +110,14 @@ class DraftModelSession:
             tokens.append(token)
             q += [] if q_i is None else [q_i]
             if i < k - 1:
-                logits = among(self.model(torch.tensor([[token]], device=self.model.device),
-                                          self.cache)[0, -1, : self.model.vocab_size], self.vocab)
+                logits = self._logits(torch.tensor([[token]], device=self.model.device), self.cache)[0, -1]
         return Proposal(tokens, torch.stack(q) if q else None)
+
+    def _logits(self, *args, **kwargs) -> torch.Tensor:
+        """A draft forward's logits (..., V); over a draft vocabulary, by the LM head over it, -inf elsewhere."""
+        if self.head is None:
+            return self.model(*args, **kwargs)[..., : self.model.vocab_size]
+        return spread(self.model(*args, head=self.head, **kwargs), self.vocab, self.model.vocab_size)
 
     def _propose_tree(self, root_logits: torch.Tensor, k: int) -> Proposal:
         """Grow the tree a depth at a time, from the logits at the last committed token (already in the cache)."""
@@ -161,7 +164,7 @@ class DraftModelSession:
         device = self.model.device
         x = torch.tensor([[tokens[node] for node in frontier]], device=device)
         positions = torch.full((T,), start - 1 + d, device=device)
-        return among(self.model(x, self.cache, mask.to(device), positions)[0, :, : self.model.vocab_size], self.vocab)
+        return self._logits(x, self.cache, mask.to(device), positions)[0]
 
     def accepted(self, verdict: Verdict) -> None:
         if self.branch == 1:

@@ -8,7 +8,8 @@ import torch
 
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
-from verispec.models.draft_vocab import among
+from verispec.models.draft_vocab import spread
+from verispec.models.llama import VocabHead
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw
 
@@ -20,8 +21,8 @@ class DraftModelBatch:
     first draft step). A sequence drafts the same tokens here as alone: the same draws from its own generator, in
     the same order; only the forward's arithmetic is batched."""
 
-    def __init__(self, model: CausalLM, slots: int, vocab: torch.Tensor | None = None) -> None:
-        self.model, self.vocab = model, vocab  # (the draft vocabulary, if any: proposals among it only)
+    def __init__(self, model: CausalLM, slots: int, head: VocabHead | None = None) -> None:
+        self.model, self.head = model, head  # (an LM head over the draft vocabulary, if any: proposals among it only)
         self.cache = model.new_batch_cache(slots, model.context_length)
         self._starts: dict[int, SequenceStart] = {}
         self._context_len: dict[int, int] = {}  # per slot: the context its last proposal followed
@@ -61,10 +62,13 @@ class DraftModelBatch:
         x = torch.zeros(len(rows), max(counts), dtype=torch.long, device=self.model.device)
         for b, tokens in enumerate(new):
             x[b, : len(tokens)] = torch.tensor(tokens, device=self.model.device)
-        logits = self.model.forward_batch(x, self.cache, rows, counts)
         last = torch.tensor(counts, device=self.model.device) - 1
-        return among(logits[torch.arange(len(rows), device=self.model.device), last, : self.model.vocab_size],
-                     self.vocab)
+        if self.head is None:
+            logits = self.model.forward_batch(x, self.cache, rows, counts)
+            return logits[torch.arange(len(rows), device=self.model.device), last, : self.model.vocab_size]
+        logits = self.model.forward_batch(x, self.cache, rows, counts, self.head)
+        return spread(logits[torch.arange(len(rows), device=self.model.device), last], self.head.ids,
+                      self.model.vocab_size)
 
     def accepted(self, verdicts: Mapping[int, Verdict]) -> None:
         for slot, verdict in verdicts.items():

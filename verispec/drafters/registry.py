@@ -71,13 +71,16 @@ def _draft(method: Method, res: Resources) -> DraftModel:
     if res.draft is None:
         raise InvalidArgumentError("method draft needs a draft model (--draft DIR)")
     options = {name: value for name, value in method.options.items() if name != "draft_vocab"}
-    if res.draft_dir is not None:
+    size = method.options.get("draft_vocab")
+    size = None if size is None else whole_number(size, "draft_vocab", 0)
+    vocab = None
+    if size is None and res.draft_dir is not None and res.draft.capabilities.vocab_heads:
+        vocab = _draft_vocab(method, res.draft_dir)  # the folder's choice, where an LM head over it runs
+    elif size:
+        if res.draft_dir is None:
+            raise InvalidArgumentError("draft_vocab reads the draft's token frequencies from its folder, which is not "
+                                       "known here")
         vocab = _draft_vocab(method, res.draft_dir)
-    elif method.options.get("draft_vocab", 0):
-        raise InvalidArgumentError("draft_vocab reads the draft's token frequencies from its folder, which is not "
-                                   "known here")
-    else:
-        vocab = None
     return DraftModel(res.draft, method.k or 4, vocab=vocab, **options)
 
 

@@ -23,8 +23,8 @@ from verispec.kernels.build import library, reason
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
 __all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "argmax", "causal_rows", "next_token", "run", "program", "Program", "address", "capturing", "NotCapturable",
-           "MAX_HEAD_DIM"]
+           "store_kv", "argmax", "causal_rows", "next_token", "run", "program", "Program", "address", "capturing",
+           "NotCapturable", "MAX_HEAD_DIM"]
 
 COLS = 64  # output columns per packed weight block (linear.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
@@ -33,7 +33,8 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether the kernels run `dtype` tensors on `device` here (built on first call)."""
-    return torch.device(device).type == "cpu" and dtype in _SUFFIX and library() is not None
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type  # (each step asks)
+    return kind == "cpu" and dtype in _SUFFIX and library() is not None
 
 
 def chosen(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:

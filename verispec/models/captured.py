@@ -3,7 +3,8 @@
 On the kernels (`KeyRows` attention: one sequence into a `KVCache`) a forward is nothing but kernel calls on views
 of the tensors they write, so it can be recorded while it runs and replayed as one C call, as CUDA graphs are on a
 GPU. What changes between two forwards of one shape is copied into the tensors the capture read: the tokens, their
-positions and which cache slots each row sees. The cache is the one a forward names: the program's pointers into
+positions and which cache slots each row sees (for a causal forward, a kernel at the head of the program writes the
+last two from the cache's length: `replay_causal`). The cache is the one a forward names: the program's pointers into
 the capture's cache (its keys, its values, its length, which the kernels read when they run) are rewritten to the
 cache at hand before a replay, so a capture serves every cache of its layout, one generation after another.
 
@@ -152,12 +153,13 @@ def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[...,
     if capture_now:
         try:
             state = CapturedForward(forward, cache, inputs, rows)
+            out = state.outputs()  # before another thread can find it and replay over them
         except NotCapturable:
             state = REFUSED
         with _BOOKS:
             captured[key] = state
         if state is not REFUSED:
-            return state.outputs()
+            return out
     if isinstance(state, CapturedForward):
         return state(cache, inputs, rows)
     return forward(*inputs, rows)
@@ -178,6 +180,8 @@ def replay_causal(capture: CapturedForward, cache: KVCache, tokens: torch.Tensor
     `tokens` after the cache's length: each row at the next position, seeing every slot before it and its own. A
     kernel writes the positions and visible slots from the cache's length as the program runs, so that only the
     tokens are copied in: a decoding step's forward with next to no Python."""
+    if tokens.shape != capture.inputs[0].shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} for a forward captured with {tuple(capture.inputs[0].shape)}")
     with capture.lock:
         capture.bind(cache)
         program = capture.made.get("causal")
@@ -200,11 +204,15 @@ def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, 
     its own is made. `ids`: the tokens the logits are over (an LM head over part of the vocabulary), else token i's
     logits are its row i. (A failure leaves the cache part-advanced: the caller rolls it back.)"""
     T = tokens.shape[1]
+    if tokens.shape != first.inputs[0].shape or step.inputs[0].shape != (1, 1):
+        raise ValueError(f"tokens {tuple(tokens.shape)} for a chain from a forward captured with "
+                         f"{tuple(first.inputs[0].shape)}, then one of {tuple(step.inputs[0].shape)}")
+    following = None if step is first else step  # (not `first` itself: no reference cycle)
     with first.lock, (step.lock if step is not first else contextlib.nullcontext()):
         first.bind(cache)
         step.bind(cache)
-        made = first.made.get(("chain", n))
-        if made is None or made[0] is not step:
+        made = first.made.get(("chain", n, vocab))
+        if made is None or made[0] is not following:
             token, position = step.inputs
             out = torch.empty(n, dtype=torch.int64)
             calls = [kernels.causal_rows(first.inputs[1], first.visible, cache._length)]
@@ -217,7 +225,7 @@ def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, 
                                                 T if i == 0 else 1, ids))
                 if i < n - 1:
                     calls.append(kernels.run(step.program))
-            made = first.made[("chain", n)] = (step, kernels.program(calls), out, ids)  # (ids alive with it)
+            made = first.made[("chain", n, vocab)] = (following, kernels.program(calls), out, ids)  # (ids alive)
         _, chain, out, _ = made
         first.inputs[0].copy_(tokens)
         chain()

@@ -53,11 +53,10 @@ def head_draft_vocab(folder: str | Path, size: int | None) -> torch.Tensor | Non
     return None if not size else load_draft_vocab(folder, size)
 
 
-def among(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """logits (..., V) with every token but `ids` (all where None) at -inf: a drafter over a reduced vocabulary
-    never proposes the others, and under sampling its q is zero there."""
-    if ids is None:
-        return logits
-    kept = torch.full_like(logits, float("-inf"))
-    kept[..., ids] = logits[..., ids]
-    return kept
+def spread(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits (..., N) over the tokens `ids` (N,) as logits over the whole vocabulary (..., vocab_size), -inf at
+    every other token: a drafter over a reduced vocabulary never proposes the others, and under sampling its q is
+    zero there."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., ids] = logits
+    return full

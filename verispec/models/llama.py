@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
 
     def vocab_head(self, ids: torch.Tensor) -> VocabHead:
         """An LM head over the tokens `ids` (N,) only: their rows of this model's head, packed as it is."""
-        ids = ids.to(torch.int64).contiguous()
+        ids = ids.to(torch.int64, copy=True).contiguous()  # its own: programs point into it
         if ids.dim() != 1 or not len(ids) or not 0 <= int(ids.min()) <= int(ids.max()) < self.lm_head.out_features:
             raise ValueError(f"an LM head over {tuple(ids.shape)} token ids, of {self.lm_head.out_features}")
         linear = nn.Linear(self.config.hidden_size, len(ids), bias=False, device="meta")
@@ -444,10 +444,11 @@ class LlamaForCausalLM(nn.Module):
         asked for, the cache's layout, the LM head."""
         return T, first, tuple(run), tuple(hidden), tuple(cache.k.shape), cache.k.dtype, head
 
-    def forward_rows(self, tokens: torch.Tensor, rows: BatchRows) -> torch.Tensor:
+    def forward_rows(self, tokens: torch.Tensor, rows: BatchRows, head: VocabHead | None = None) -> torch.Tensor:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
-        offset, its real tokens and its padding); each slot advances by its row's real tokens only."""
-        out = self._run(tokens, rows.positions, rows, rows.mask, None, None, 0, None)
+        offset, its real tokens and its padding); each slot advances by its row's real tokens only. `head`: over its
+        tokens only (B, T, N)."""
+        out = self._run(tokens, rows.positions, rows, rows.mask, None, None, 0, head)
         rows.advance()
         return out
 

@@ -70,7 +70,7 @@ class NativeModel:
         self.exact = exact
         # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
         self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
-                                         greedy_chains=True)
+                                         greedy_chains=True, vocab_heads=True)
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
@@ -91,19 +91,19 @@ class NativeModel:
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache, slots: Sequence[int],
-                      counts: Sequence[int]) -> torch.Tensor:
+                      counts: Sequence[int], head: VocabHead | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
-        counts[b] tokens, and only those are stored."""
-        return self.module.forward_rows(tokens, cache.rows(slots, counts, tokens.shape[1]))
+        counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N))."""
+        return self.module.forward_rows(tokens, cache.rows(slots, counts, tokens.shape[1]), head)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None,
-                 hidden: Sequence[int] | None = None, logits_to_keep: int = 0
+                 hidden: Sequence[int] | None = None, logits_to_keep: int = 0, head: VocabHead | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if mask is not None and mask.dtype != torch.bool:  # a float mask's 0 would mean "seen" to SDPA only
             raise InvalidArgumentError(f"an attention mask says True where a token sees another; got {mask.dtype}")
-        return self.module(tokens, cache, mask, positions, layers, hidden, logits_to_keep)
+        return self.module(tokens, cache, mask, positions, layers, hidden, logits_to_keep, head)
 
     @torch.inference_mode()
     def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int, among: VocabHead | None = None) -> list[int]:
@@ -117,7 +117,8 @@ class NativeModel:
         """An LM head over the tokens `ids` only, for `greedy_chain(..., among=)`: a fraction of the whole head's cost
         (a drafter's reduced vocabulary, as in FR-Spec)."""
         if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise InvalidArgumentError(f"a draft vocabulary of {len(ids)} token ids, each below {self.vocab_size}")
+            raise InvalidArgumentError(f"a draft vocabulary of {tuple(ids.shape)} token ids, each below "
+                                       f"{self.vocab_size}")
         return self.module.vocab_head(ids)
 
     @torch.inference_mode()

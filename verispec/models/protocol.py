@@ -24,9 +24,11 @@ class Capabilities:
     # its own cache slot with its own length, in one forward (the batched engine)
     batching: bool = False
     # `greedy_chain(tokens, cache, n, among)`: n tokens of greedy decoding in one call (a draft model's chain), the
-    # model's own way, optionally among some tokens only, by an LM head over them (`among = vocab_head(ids)`: a reduced
-    # draft vocabulary); a model without it is driven a forward at a time
+    # model's own way; a model without it is driven a forward at a time
     greedy_chains: bool = False
+    # `vocab_head(ids)`: an LM head over some tokens only (a reduced draft vocabulary), which a forward (`head=`),
+    # `forward_batch` and `greedy_chain` (`among`) then run in place of the whole one: logits over those tokens
+    vocab_heads: bool = False
 
 
 class Cache(Protocol):

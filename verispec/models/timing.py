@@ -8,13 +8,15 @@ from typing import Sequence
 import torch
 
 from verispec.models.linear import matmul_by
+from verispec.models.llama import VocabHead
 from verispec.models.native import NativeModel
 
 
 def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, repeats: int = 7,
-                    layers: Sequence[int] | None = None) -> float:
+                    layers: Sequence[int] | None = None, head: VocabHead | None = None) -> float:
     """Median time of one forward of `new_tokens` tokens after `context` cached ones (batch 1), running only
-    the blocks `layers` (all by default) in the timed forward."""
+    the blocks `layers` (all by default) in the timed forward, and `head` (an LM head over part of the vocabulary)
+    in place of the whole one."""
     times = []
     prefix = torch.arange(context, device=model.device)[None] % model.vocab_size
     chunk = torch.arange(new_tokens, device=model.device)[None]
@@ -22,7 +24,7 @@ def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, rep
     model(prefix, cache)
     for _ in range(repeats):
         start = time.perf_counter()
-        model(chunk, cache, layers=layers)
+        model(chunk, cache, layers=layers, head=head)
         times.append(time.perf_counter() - start)
         cache.truncate(context)
     return sorted(times)[len(times) // 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, tokenized_split
 
 # 2.5M parameters; one decoding step measured at ~0.08 of the target's on this machine (budget: 1/8).
+DRAFT_VOCAB = 2048  # the most frequent tokens it drafts among by default (models/stdlib-draft/README.md)
 DRAFT_CONFIG = replace(TARGET_CONFIG, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
                        num_attention_heads=3, num_key_value_heads=3)
 
@@ -62,6 +64,8 @@ def train_draft(run_dir: Path, target_dir: Path, cfg: TrainConfig, config=DRAFT_
     print(f"draft: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
     train(model, cfg, run_dir, train_tokens, kl_loss(teacher), agreement_evaluator(teacher, val_tokens, cfg.seq_len))
     folder = export(model, target_dir, run_dir / "model")
-    # the train split's token frequencies beside it: its reduced draft vocabulary (`draft_vocab`)
+    # The train split's token frequencies beside it, and the draft vocabulary it drafts over by default
     save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"verispec": {"draft_vocab": DRAFT_VOCAB}}, indent=2) + "\n")
     return folder
