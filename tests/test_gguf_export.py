@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from verispec.bench.gguf_export import write_gguf
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
+from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "models" / "stdlib-draft"
@@ -111,3 +112,14 @@ def test_what_llama_cpp_would_read_differently_is_refused(checkpoint, tmp_path, 
 def test_float64_is_refused(checkpoint, tmp_path) -> None:
     with pytest.raises(CheckpointError, match="float64"):
         write_gguf(checkpoint, tmp_path / "m.gguf", "float64")
+
+
+def test_only_the_weights_files_are_read(checkpoint, tmp_path) -> None:
+    """A draft's folder holds its draft vocabulary beside the weights (draft_vocab.safetensors): not a weight."""
+    folder = shutil.copytree(checkpoint, tmp_path / "copy")
+    save_draft_vocab(folder, torch.arange(256))
+    _, tensors = _read(write_gguf(folder, tmp_path / "m.gguf"))
+    assert "ids" not in tensors and "token_embd.weight" in tensors
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no such weights file"):
+        write_gguf(folder, tmp_path / "n.gguf")

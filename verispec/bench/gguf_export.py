@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
+from verispec.models.checkpoint import weight_files
 
 GGUF_DTYPES = ("float32", "bfloat16", "float16")  # llama.cpp has no float64 weights
 GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}  # GPT-2's split regex, no prefix space
@@ -34,9 +35,10 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise UnsupportedArchitectureError(f"{checkpoint}: RoPE scaling {rope['rope_type']!r} is not written as GGUF")
-    files = sorted(checkpoint.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{checkpoint}: no .safetensors file")
+    files = weight_files(checkpoint)
+    missing = [file for file in files if not file.is_file()]
+    if missing:
+        raise CheckpointError(f"{missing[0]}: no such weights file")
     tokens, types, merges = _vocab(checkpoint, config["vocab_size"])
 
     out.parent.mkdir(parents=True, exist_ok=True)

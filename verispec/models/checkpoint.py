@@ -85,17 +85,22 @@ def check_finite(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
                                   f"the checkpoint is broken")
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The files that hold a checkpoint's weights: the shards its index names, else `model.safetensors` (other
+    .safetensors files beside them, such as a draft vocabulary, are not weights)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return [folder / "model.safetensors"]
+    try:
+        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index}: unreadable shard index ({err!r})") from None
+
+
 def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Read `model.safetensors` (or its shards) and check every expected weight is there with its shape."""
     folder = Path(checkpoint_dir)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{index}: unreadable shard index ({err!r})") from None
-    else:
-        files = [folder / "model.safetensors"]
+    files = weight_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         if not file.is_file():
