@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from verispec import generate, load_model
+from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
 from verispec.train.card import write_cards
@@ -126,9 +127,13 @@ def test_cards_state_measured_numbers(tmp_path, pair_dirs) -> None:
     dirs = [tmp_path / "target", tmp_path / "draft"]
     for d in dirs:
         d.mkdir()
+    save_draft_vocab(dirs[1], torch.arange(draft.vocab_size))  # as `verispec train draft` writes them
+    (dirs[1] / "config.json").write_text(json.dumps({"verispec": {"draft_vocab": 50}}))
     numbers = write_cards(target, draft, *dirs, tmp_path / "t", tmp_path / "d", num_prompts=3)
     pair = numbers["pair"]
     assert pair["prompts"] == 3 and 0 < pair["acceptance_rate"] < 1 and pair["identical_to_autoregressive"] == 1.0
     card = (dirs[0] / "README.md").read_text()
     assert f"tau {pair['tau']:.2f}" in card and "0.900 bits per byte" in card and card.count("```python") == 3
-    assert f"{numbers['draft_cost_ratio']:.3f} of the target's" in (dirs[1] / "README.md").read_text()
+    draft_card = (dirs[1] / "README.md").read_text()
+    assert f"{numbers['draft_cost_ratio']:.3f} of the target's" in draft_card
+    assert "among the 50 most frequent" in draft_card and f"tau {numbers['draft_vocab']['tau']:.2f}" in draft_card

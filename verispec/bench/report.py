@@ -133,12 +133,14 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     (out / "results.json").write_text(f'{head},\n "records": [\n{rows}\n]}}\n')
     categories = [c for c in next(iter(summary.values())) if c != "all"]
     m = info["machine"]
-    c_draft = next((v for label, v in timing["c"].items() if _family(info, label) == "draft"), None)
+    drafts = {label: v for label, v in timing["c"].items() if _family(info, label) == "draft"}
+    c_draft = next(iter(drafts.values()), None)  # the first draft row's; others that differ (a draft vocabulary) below
     md = ["# verispec bench\n", f"Command: `{info['command']}`  ",
           f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
           + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model"
+          + "".join(f"; {label}: {v:.3f}" for label, v in drafts.items() if abs(v - c_draft) > 0.1 * c_draft)
           + "".join(f"; {label}: {v:.3f}" for label, v in timing["c"].items() if _family(info, label) == "eagle")
           + _tree_costs(timing, info) + "); "
           "r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())

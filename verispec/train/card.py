@@ -12,6 +12,8 @@ import torch
 
 from verispec.drafters import DraftModel, Drafter
 from verispec.generate import generate
+from verispec.models.draft_vocab import default_size, load_draft_vocab
+from verispec.models.llama import VocabHead
 from verispec.models.native import NativeModel
 from verispec.stats import GenerationStats
 from verispec.train.corpus import load_split
@@ -26,15 +28,16 @@ def validation_prompts(target: NativeModel, count: int = 20, length: int = 64) -
     return prompts[:count]
 
 
-def decode_step_time(model: NativeModel, tokens: int = 32, repeats: int = 5) -> float:
-    """Median seconds per one-token forward after a 64-token prefill (batch 1)."""
+def decode_step_time(model: NativeModel, tokens: int = 32, repeats: int = 5, head: VocabHead | None = None) -> float:
+    """Median seconds per one-token forward after a 64-token prefill (batch 1); `head`: by an LM head over part of the
+    vocabulary."""
     times = []
     for _ in range(repeats):
         cache = model.new_cache()
         model(torch.arange(64, device=model.device)[None], cache)
         start = time.perf_counter()
         for i in range(tokens):
-            model(torch.tensor([[i]], device=model.device), cache)
+            model(torch.tensor([[i]], device=model.device), cache, head=head)
         times.append((time.perf_counter() - start) / tokens)
     return statistics.median(times)
 
@@ -97,6 +100,19 @@ def write_cards(target: NativeModel, draft: NativeModel, target_dir: Path, draft
                    f"(64-token prompts, 64 new tokens): acceptance rate {pair['acceptance_rate']:.1%}, "
                    f"tau {pair['tau']:.2f} tokens per target call, token-identical to plain decoding on "
                    f"{pair['identical_to_autoregressive']:.0%} of prompts.\n")
+    size = default_size(draft_dir)
+    vocabulary = ""
+    if size:  # the draft vocabulary it drafts among by default (`verispec train draft` writes it)
+        drafter = DraftModel(draft, pair["k"], vocab=load_draft_vocab(draft_dir, size))
+        numbers["draft_vocab"] = measure(target, drafter, validation_prompts(target, num_prompts))
+        numbers["draft_vocab_cost_ratio"] = decode_step_time(draft, head=drafter.head) / decode_step_time(target)
+        v = numbers["draft_vocab"]
+        vocabulary = (f"Draft vocabulary: by default (`verispec.draft_vocab` in config.json) it drafts among the {size} "
+                      f"most frequent tokens of the train split (`draft_vocab.safetensors`), by an LM head over them "
+                      f"alone: one decoding step then costs {numbers['draft_vocab_cost_ratio']:.3f} of the target's; "
+                      f"on the same prompts, acceptance rate {v['acceptance_rate']:.1%}, tau {v['tau']:.2f}, "
+                      f"token-identical on {v['identical_to_autoregressive']:.0%} (`--draft-vocab 0`: every token, as "
+                      f"above).\n\n")
     sample_text = "\n\n".join(samples(target, draft))
     (target_dir / "README.md").write_text(
         f"# verispec default target\n\nLlama architecture, {_params(target):.1f}M parameters, "
@@ -110,5 +126,5 @@ def write_cards(target: NativeModel, draft: NativeModel, target_dir: Path, draft
         f"target; one decoding step costs {cost:.3f} of the target's (measured).\n\n{shared}\n"
         f"Training: distilled from the target by KL divergence to its logits, {d_log['tokens_seen'] / 1e6:.2f}M tokens "
         f"in {d_log['hours']:.2f} h; validation KL {d_log['val_kl']:.3f}, top-1 agreement with the target "
-        f"{d_log['val_top1_agreement']:.1%}.\n\n{speculation}")
+        f"{d_log['val_top1_agreement']:.1%}.\n\n{speculation}\n{vocabulary}")
     return numbers
