@@ -5,6 +5,7 @@ does, sampling's distribution kept)."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 import numpy as np
@@ -283,6 +284,31 @@ def test_a_probes_price_includes_draftings_start() -> None:
     probes = [i for i, k in enumerate(inner.asked) if k]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and min(gaps[1:]) == int((0.4 + 0.05) / PROBE_BUDGET)
+
+
+class CatchingUp(Never):
+    """Drafting costs 0.3 ms a proposal, and the first after plain steps reads every token decoded since (a draft
+    model's forward over them): 3 ms more."""
+
+    def propose(self, context, k: int) -> Proposal:
+        if k:
+            time.sleep(0.0003 if self.asked and self.asked[-1] else 0.0033)
+        return super().propose(context, k)
+
+
+def test_a_probes_price_includes_catching_up_as_measured() -> None:
+    """Per-step prices leave catching up out (it is not a cost per drafted token), so the last probe's measured cost
+    spaces the next: 3 ms more over a 1 ms step keeps probes PROBE_WAIT_MAX steps apart, where the predicted price
+    alone (0.3 of a step) would probe every 30 to 64 steps."""
+    inner = CatchingUp()
+    session = AdaptiveK(inner).begin(None)
+    for _ in range(2 * PROBE_WAIT_MAX + 40):
+        session.propose([1, 2, 3], 8)
+        time.sleep(0.001)  # the target's forward
+        session.accepted(Verdict([]))
+    probes = [i for i, k in enumerate(inner.asked) if k and not inner.asked[i - 1]]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps and gaps[-1] == PROBE_WAIT_MAX
 
 
 def test_a_stalled_timing_never_prices_n_tokens_above_n_forwards() -> None:

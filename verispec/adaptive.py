@@ -22,8 +22,10 @@ Estimates, per generation, from this generation's own steps only:
   cost a visible share of it; and these timings are taken under the load the steps themselves run in.
 - While k = 0 is best, a probe (k = 1; a tree or window drafter's full size) runs every so many plain steps, so a
   drafter that starts agreeing later is picked up: first after PROBE_FIRST steps, then twice as long after each probe
-  that had nothing accepted, and never more often than keeps the probes' predicted cost under PROBE_BUDGET of the time
-  (but at least every PROBE_WAIT_MAX steps, since that prediction comes from timings only a probe can renew);
+  that had nothing accepted, and never more often than keeps the probes' cost under PROBE_BUDGET of the time (but at
+  least every PROBE_WAIT_MAX steps, since that cost comes from timings only a probe can renew). A probe's cost is the
+  larger of its predicted one and what the last probe measured: a draft model first reads every token decoded since
+  it last drafted, which the per-step prices leave out;
   after an accepted probe, the next step probes again, until the estimate says drafting pays or a probe fails.
 - The drafting time of the first drafting step, and of the first after plain steps, is not taken as a price: a draft
   model then also reads the tokens it has not seen (the whole prompt, at first).
@@ -237,6 +239,7 @@ class AdaptiveSession:
         self._pending: tuple[int, float, int, float] | None = None  # (drafted, draft seconds, width, when proposed)
         self._drafted_last = False  # whether the previous step drafted: if not, this one's drafting includes a catch-up
         self._probe_again = False  # the last probe was accepted: probe again at once while plain decoding still wins
+        self._probe_cost = 0.0  # what the last probe cost over a plain step, in plain steps (catching up included)
         self._verdict_at: float | None = None  # when the last verdict reached this session
 
     def choose(self, limit: int) -> int:
@@ -260,7 +263,7 @@ class AdaptiveSession:
             return k
         self.plain_run += 1
         probe = 1 if self.chain else limit
-        cost = start + probe * c + r(width(probe) + 1) - 1  # what a probe costs over a plain step
+        cost = max(start + probe * c + r(width(probe) + 1) - 1, self._probe_cost)  # over a plain step
         wait = 0 if self._probe_again else min(max(self.probe_every, cost / PROBE_BUDGET), PROBE_WAIT_MAX)
         if self.plain_run > wait:
             self.plain_run, self._probing = 0, True
@@ -283,17 +286,21 @@ class AdaptiveSession:
     def accepted(self, verdict: Verdict) -> None:
         if self._pending is not None:
             drafted, draft_seconds, width, proposed_at = self._pending
-            self._pending = None
+            self._pending, verify_seconds = None, time.perf_counter() - proposed_at
             # The first drafting step of the generation, or after plain steps, also feeds a draft model the tokens it
             # has not seen (the whole prompt, at first): not a price per drafted token.
             clean = drafted if self._drafted_last else 0
             self._drafted_last = drafted > 0
-            self.timings.observe(clean, draft_seconds, width, time.perf_counter() - proposed_at)
+            self.timings.observe(clean, draft_seconds, width, verify_seconds)
             if width > 1:
                 self.on_widths.append(width - 1)
             self.acceptance.observe(drafted, verdict.num_accepted)
             if self._probing:
                 self._probe_again = verdict.num_accepted > 0
                 self.probe_every = PROBE_FIRST if verdict.num_accepted else min(2 * self.probe_every, PROBE_MAX)
+                plain = self.timings.verify.get(1)
+                if plain and self.fixed_costs is None:  # this probe's drafting and forward over a plain step's
+                    one = statistics.median(plain)
+                    self._probe_cost = max(0.0, (draft_seconds + verify_seconds) / one - 1)
         self._verdict_at = time.perf_counter()  # the drafter's own bookkeeping below counts as the step's overhead
         self.inner.accepted(verdict)
