@@ -368,15 +368,14 @@ class LlamaForCausalLM(nn.Module):
         position's logits are bitwise the same however many tokens share the forward; a chunk sees earlier chunks
         through the cache, so no token may see a later chunk's.
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         start = 0
         if cache is not None:
             cache.reserve(T)
             start = cache.length
         first = max(T - logits_to_keep, 0) if logits_to_keep else 0  # the first row whose logits are returned
         if mask is None and positions is None and self._captured(tokens, cache):  # a decoding step, most often
-            run = range(len(self.model.layers)) if layers is None else layers
-            capture = lookup(self.captured, self._key(T, first, run, hidden or (), cache, head))
+            capture = lookup(self.captured, self._key(T, first, self._blocks(layers), hidden or (), cache, head))
             if capture is not None:
                 logits, states = replay_causal(capture, cache, tokens)
                 cache.advance(T)
@@ -392,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
             new = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
             seen = torch.ones(T, start, dtype=torch.bool, device=tokens.device)
             attn_mask = torch.cat((seen, new.to(tokens.device)), dim=1)  # (T, start + T)
-        if self.own_attention and cache is not None and B == 1 and packed_here(tokens):  # each row over its keys
+        if self._key_rows(tokens, cache):  # each row over its own keys
             attn_mask = KeyRows.seeing(attn_mask, T, start, cache.slots)
         out = self._run(tokens, positions, cache, attn_mask, layers, hidden, first, head)
         if cache is not None:
@@ -410,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         captures them). A prompt (more than two tokens) runs as an ordinary forward (in chunks in exact mode) and the
         chain from its last token. If a chain fails, the cache is left as it was."""
         cache.reserve(tokens.shape[1] + n - 1)
-        start, run = cache.length, range(len(self.model.layers))
+        start, run = cache.length, self._blocks(None)
         try:
             own = self._captured(tokens, cache)
             if own and tokens.shape[1] > 2:
@@ -432,11 +431,18 @@ class LlamaForCausalLM(nn.Module):
             cache.truncate(start)  # as if the chain never ran
             raise
 
+    def _key_rows(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
+        """Whether a forward of `tokens` into `cache` attends through verispec's kernels, each row over its own keys
+        (`KeyRows`): one sequence into a cache, in inference."""
+        return self.own_attention and cache is not None and tokens.shape[0] == 1 and packed_here(tokens)
+
     def _captured(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
-        """Whether a forward of `tokens` into `cache` runs on verispec's kernels as captured programs: one sequence
-        through `KeyRows`, with capture on."""
-        return self.own_attention and self.capture and cache is not None and tokens.shape[0] == 1 and \
-            packed_here(tokens)
+        """Whether a forward of `tokens` into `cache` runs as captured programs: `KeyRows`, with capture on."""
+        return self.capture and self._key_rows(tokens, cache)
+
+    def _blocks(self, layers: Sequence[int] | None) -> Sequence[int]:
+        """The blocks a forward runs: `layers`, or all of them."""
+        return range(len(self.model.layers)) if layers is None else layers
 
     def _key(self, T: int, first: int, run: Sequence[int], hidden: Sequence[int], cache: KVCache,
              head: VocabHead | None) -> tuple:
@@ -457,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
              hidden: Sequence[int] | None, first: int, head: VocabHead | None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward's logits from row `first` on, by `head` if given (all the rows' hidden states)."""
-        run = range(len(self.model.layers)) if layers is None else layers
+        run = self._blocks(layers)
         if hidden is not None and not set(hidden) <= {-1, *run}:
             raise ValueError(f"hidden states {list(hidden)} asked of blocks that do not run ({list(run)})")
         if isinstance(attn_mask, KeyRows):  # one sequence on verispec's kernels
