@@ -35,3 +35,18 @@ def start_session(drafter, target: CausalLM, prompt, sampling: SamplingParams | 
         out = target(torch.tensor([list(prompt)[:-1]]), cache, **({"hidden": layers} if layers else {}))
         hidden = out[1][0] if layers else None
     return drafter.begin(DraftContext(target, list(prompt), sampling or SamplingParams(), generator, cache, hidden))
+
+
+def break_the_rule_for(monkeypatch, top_k: int) -> None:
+    """Make the batched acceptance rule raise for the rows sampled with this `top_k` (a marker), as a sampler
+    given a broken distribution would."""
+    import verispec.engine.batch_step as batch_step
+
+    real = batch_step.verify
+
+    def verify(proposal, q, logits, sampling, generator):
+        if sampling.top_k == top_k:
+            raise RuntimeError("invalid probability distribution")
+        return real(proposal, q, logits, sampling, generator)
+
+    monkeypatch.setattr(batch_step, "verify", verify)

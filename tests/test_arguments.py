@@ -9,6 +9,7 @@ import torch
 
 from verispec import (DraftModel, InvalidArgumentError, LayerSkip, Lookahead, PromptLookup, SamplingParams, generate,
                       stream)
+from verispec.arguments import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from verispec.cli import main
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10]
@@ -50,6 +51,9 @@ def test_prompt_types_are_checked(target, prompt, message) -> None:
     ([1], "list of strings"), (b"\n", "list of strings"), ([b"\n"], "list of strings"),
     (["ok", None], "list of strings"), (3, "list of strings"),
     ("", "must not be empty"), (["\n", ""], "must not be empty"),
+    (["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} stop strings"),
+    ("x" * (MAX_STOP_CHARS + 1), f"at most {MAX_STOP_CHARS} characters"), ("x" * 1_000_000, "at most"),
+    (["ok", "a\ud800"], "lone surrogate"),
 ])
 def test_stop_must_be_strings_checked_before_any_work(target, stop, message) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
@@ -117,3 +121,33 @@ def test_cli_refuses_an_empty_stop_string(capsys, pair_dirs) -> None:
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.startswith("verispec: error:") and err.count("\n") == 1 and "stop strings must not be empty" in err
+
+
+def test_the_longest_and_most_stop_strings_allowed_work(target) -> None:
+    stops = ["x" * MAX_STOP_CHARS] + [f"never{i}" for i in range(MAX_STOP_STRINGS - 1)]
+    expected = generate(target, PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert generate(target, PROMPT, max_new_tokens=6, ignore_eos=True, stop=stops).tokens == expected.tokens
+
+
+@pytest.mark.parametrize("prompt", ["\ud800", "ok \udfff then"])
+def test_a_lone_surrogate_in_a_prompt_is_refused(target, prompt) -> None:
+    with pytest.raises(InvalidArgumentError, match="lone surrogate"):
+        generate(target, prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 5e-324])
+def test_a_temperature_below_the_greedy_floor_decodes_greedily(target, temperature) -> None:
+    """Positive in float64, 0 in float32: once a 0/0 in the sampler (every request in a server batch failed)."""
+    expected = generate(target, PROMPT, max_new_tokens=6, ignore_eos=True).tokens
+    assert generate(target, PROMPT, PromptLookup(2), max_new_tokens=6, ignore_eos=True,
+                    temperature=temperature).tokens == expected
+
+
+def test_cli_decodes_greedily_below_the_floor_and_refuses_a_vanishing_top_p(capsys, pair_dirs) -> None:
+    base = ["generate", "p", "--target", str(pair_dirs[0]), "--max-new-tokens", "3", "--color", "never"]
+    assert main([*base, "--temperature", "1e-300"]) == 0
+    text = capsys.readouterr().out.split("\n\n")[0]  # the stats line after it holds times
+    assert main(base) == 0 and capsys.readouterr().out.split("\n\n")[0] == text
+    assert main([*base, "--temperature", "1", "--top-p", "1e-300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error:") and err.count("\n") == 1 and "top_p must be in" in err

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from verispec.detokenize import TextTracker
+from verispec.stops import StopMatcher
 from verispec.tokenizer import byte_level_tokenizer
 
 
@@ -42,3 +45,29 @@ def test_partial_stop_string_is_held_back_until_resolved() -> None:
     assert kept == 1 and tracker.stopped and tracker.text == "ab"
     assert "".join(p.text for p in tracker.ready(final=True)) == ""  # the held "\n" is never shown
     assert len(tracker.pieces) == 4  # one piece per kept token, the completing one included
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for s in stops if (i := text.find(s)) >= 0]
+    return min(found) if found else None
+
+
+def test_the_stop_matcher_agrees_with_a_plain_search() -> None:
+    """Random pieces over a small alphabet (overlapping, self-similar stop strings): where a stop is first complete,
+    the earliest start among those completed in that piece, and the longest stop prefix the text ends with."""
+    rng = random.Random(0)
+    for _ in range(400):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        matcher, text = StopMatcher(stops), ""
+        while True:
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+            found = matcher.feed(piece)
+            before, text = text, text + piece
+            if found is not None:
+                ends_here = [i for s in stops if (i := text.find(s)) >= 0 and i + len(s) > len(before)]
+                assert _first_stop(before, stops) is None and found == min(ends_here)
+                break
+            assert _first_stop(text, stops) is None
+            held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+            assert matcher.held == held
+

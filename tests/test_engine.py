@@ -12,6 +12,7 @@ from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, Promp
 from verispec.engine import Engine, Request
 from verispec.models.random_init import random_pair, tiny_config
 
+from drafting import break_the_rule_for
 from test_verify import P_VALUE_MIN, compare
 
 # Prompts of different lengths (byte ids); the last repeats itself, so prompt lookup finds something to propose.
@@ -196,6 +197,51 @@ def test_a_failed_step_leaves_every_sequence_consistent(target, draft, fail_at, 
         got[rid] += tokens(updates)
     for rid, prompt in zip(ids, PROMPTS):
         assert got[rid] == alone(target, prompt).tokens
+
+
+@pytest.mark.parametrize("where", ["rule", "draft"])
+def test_one_sequence_failing_ends_it_alone(target, draft, where, monkeypatch, single_thread) -> None:
+    """The acceptance rule (its sampling) or the batch's drafting raises for one sequence only (the one whose prompt
+    is [7]): that request ends with finish_reason "error" and the exception; the others decode as they do alone,
+    and generate_batch raises the failure."""
+    poisoned = PROMPTS[1]
+    if where == "rule":
+        break_the_rule_for(monkeypatch, 13)
+    drafter = _Poisoned(draft, 4, poisoned if where == "draft" else None)
+    engine = Engine(target, drafter, adaptive=False)
+    sampling = [SamplingParams(1.0, 13) if p is poisoned and where == "rule" else SamplingParams() for p in PROMPTS]
+    ids = [engine.add(Request(p, N, sampling[i], seed=1, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    updates = run(engine)
+    for rid, prompt in zip(ids, PROMPTS):
+        last = updates[rid][-1]
+        if prompt is poisoned:
+            assert last.finish_reason == "error" and isinstance(last.error, RuntimeError)
+        else:
+            assert last.error is None and tokens(updates[rid]) == alone(target, prompt).tokens
+    assert engine.metrics.failed == 1 and not engine.has_work
+    if where == "draft":
+        with pytest.raises(RuntimeError, match="the draft failed"):
+            generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True, adaptive=False)
+
+
+class _Poisoned(DraftModel):
+    """A draft model whose batched drafting raises for a context that starts with `poisoned` (None: never)."""
+
+    def __init__(self, model, k, poisoned):
+        super().__init__(model, k)
+        self.poisoned = poisoned
+
+    def begin_batch(self, target, slots):
+        session = super().begin_batch(target, slots)
+        propose = session.propose
+
+        def drafting(contexts, ks):
+            if self.poisoned and any(list(c[: len(self.poisoned)]) == self.poisoned for c in contexts.values()):
+                raise RuntimeError("the draft failed")
+            return propose(contexts, ks)
+
+        session.propose = drafting
+        return session
 
 
 def test_refuses_drafters_and_targets_that_do_not_batch(target, draft, pair_dirs) -> None:

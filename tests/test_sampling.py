@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from verispec.errors import InvalidArgumentError
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import GREEDY_TEMPERATURE, LEAST_TOP_P, SamplingParams, logits_to_probs, sample
 
 HAND_PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
 
@@ -35,10 +35,12 @@ def test_invalid_params_raise(kwargs: dict) -> None:
 
 
 def test_valid_params_and_greedy_flag() -> None:
-    """Temperature 0 (the default) means greedy; any positive temperature does not."""
+    """Temperature 0 (the default) means greedy, and so does one below GREEDY_TEMPERATURE (stored as 0); any larger
+    temperature does not."""
     assert SamplingParams().greedy
     assert SamplingParams(temperature=0.0, top_k=5, top_p=0.5).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).temperature == 0.0
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
     assert not SamplingParams(temperature=1.0, top_k=0, top_p=1.0).greedy
 
 
@@ -147,3 +149,28 @@ def test_temperature_zero_is_the_greedy_limit() -> None:
     """logits_to_probs at temperature 0 puts all the mass on the argmax instead of dividing by zero."""
     probs = logits_to_probs(torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]]), SamplingParams())
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-40, 1e-20, GREEDY_TEMPERATURE / 2])
+def test_a_temperature_that_vanishes_in_float32_samples_the_argmax(temperature: float) -> None:
+    """Temperatures that are positive in float64 but 0 (or a denormal) in float32 once divided 0 by 0: now they are
+    greedy, and the probabilities are a one-hot on the argmax, never NaN."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    params = SamplingParams(temperature)
+    probs = logits_to_probs(logits, params)
+    assert params.greedy and torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.equal(probs.sum(-1), torch.ones(4))
+    assert torch.equal(sample(probs), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45, LEAST_TOP_P / 2])
+def test_a_top_p_that_rounds_to_zero_in_float32_is_refused(top_p: float) -> None:
+    with pytest.raises(InvalidArgumentError, match="top_p must be in"):
+        SamplingParams(1.0, 0, top_p)
+
+
+def test_the_least_top_p_keeps_the_top_token_alone() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    probs = logits_to_probs(logits, SamplingParams(1.0, 0, LEAST_TOP_P))
+    assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal((probs > 0).sum(-1), torch.ones(3, dtype=torch.long))

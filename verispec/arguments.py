@@ -16,6 +16,8 @@ from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
 
 PROMPT_TYPES = "a str, or token ids as a list, a tuple, or a 1-D integer tensor or array"
+MAX_STOP_STRINGS = 16  # OpenAI allows 4, vLLM any number; matching costs grow with their count
+MAX_STOP_CHARS = 1024  # characters in one stop string; matching holds back at most this much text
 
 
 def whole_number(value: Any, name: str, least: int = 0) -> int:
@@ -46,11 +48,22 @@ def usable_device(device: Any) -> torch.device:
     return parsed
 
 
+def unicode_text(text: str, name: str) -> str:
+    """`text`, refused if it holds a lone surrogate (as JSON's "\\ud800" decodes to): it has no UTF-8 form, so no
+    tokenizer can read it and no output can contain it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(f"{name} is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+                                   f"{err.start}") from None
+    return text
+
+
 def prompt_ids(target: CausalLM, prompt: Any) -> list[int]:
     """The prompt's token ids: text is encoded with the tokenizer's own special tokens (e.g. BOS), ids are checked
     against the model's vocabulary and the context."""
     if isinstance(prompt, str):
-        ids = target.tokenizer.encode(prompt, add_special_tokens=True).ids
+        ids = target.tokenizer.encode(unicode_text(prompt, "the prompt"), add_special_tokens=True).ids
     elif isinstance(prompt, (torch.Tensor, np.ndarray)):
         integer = (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray)
                    else not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool))
@@ -81,6 +94,13 @@ def stop_strings(stop: Any) -> list[str]:
         raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
     if "" in stops:
         raise InvalidArgumentError("stop strings must not be empty")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidArgumentError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
+    for s in stops:
+        unicode_text(s, "a stop string")
     return list(stops)
 
 

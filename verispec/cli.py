@@ -112,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
         plain = generate(target, args.prompt, None, **options)
         print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain.stats.total_time:.3f} s "
               f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
-        note = "" if args.temperature == 0 else " (sampling: same distribution, not the same draws)"
+        note = "" if SamplingParams(args.temperature).greedy else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
     return 0
 
@@ -227,13 +227,17 @@ def _whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,
 def _serve(args: argparse.Namespace) -> None:
     from verispec.serve.app import serving_app  # FastAPI and uvicorn load on demand
     from verispec.serve.server import check_server_options, run_server
+    from verispec.serve.options import API_KEY_ENV, ServeOptions, allowed_hosts
 
     check_server_options(args.port, args.shutdown_grace, args.max_batch)
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    options = ServeOptions(key, allowed_hosts(args.host, args.allowed_hosts), not args.no_docs, args.max_body_bytes,
+                           args.health_stall)
     set_threads(args.threads)
     method = _checked_method(args)
     target, drafter = _load_models(args, method)
     app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch,
-                      adaptive=method.k == AUTO)
+                      adaptive=method.k == AUTO, options=options)
     print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
           f"http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.shutdown_grace)
@@ -386,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         args.auto_dtype = getattr(args, "dtype", None) == "auto"
         if args.auto_dtype:  # the native runtime's choice; `_load_target` gives transformers float32
+            set_threads(args.threads)  # first: the kernels run on one thread, so the choice depends on the count
             args.dtype = "float32" if args.backend == "transformers" else auto_dtype(args.device)
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
                 "search-layerskip": _search_layerskip, "serve": _serve,

@@ -7,6 +7,7 @@ import argparse
 from verispec.drafters.registry import FAMILIES
 from verispec.models.auto import BACKENDS
 from verispec.models.native import DTYPES
+from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
     add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default) decodes greedily, as does any value below 1e-5")
     gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
@@ -40,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are ended "
                           "(default 30; a second Ctrl-C quits at once)")
+    srv.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every /v1 route (default: "
+                                       f"${API_KEY_ENV} where set, else none)")
+    srv.add_argument("--allowed-hosts", help="comma-separated Host header names to answer, * for any (default: "
+                                             "localhost, 127.0.0.1 and ::1 when --host is loopback, else any)")
+    srv.add_argument("--no-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json")
+    srv.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                     help=f"larger request bodies get a 413 (default {MAX_BODY_BYTES})")
+    srv.add_argument("--health-stall", type=float, default=STALL_SECONDS,
+                     help=f"/health answers 503 once the engine has spent this many seconds in one step "
+                          f"(default {STALL_SECONDS:g})")
     add_runtime_args(srv)
     bsv = sub.add_parser("bench-serve", help="throughput and latency of a server at 1, 4 and 16 concurrent "
                                              "streaming clients: plain decoding vs speculation")

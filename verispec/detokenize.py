@@ -7,6 +7,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
+from verispec.stops import StopMatcher
+
 PREFIX_TOKENS = 4  # prompt tokens decoded in front of the output, so decoders that strip a leading space don't
 
 
@@ -20,7 +22,7 @@ class TextTracker:
     """Keeps one `Piece` per generated token; their texts join to the output text."""
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.tokenizer, self.stop = tokenizer, StopMatcher(stop)
         # Each token's text is decode(window + token) minus decode(window), over a short window of the tokens
         # before it (vLLM's incremental detokenization): O(1) per token, and correct for decoders whose output
         # depends on neighbours (a stripped leading space, a character split across byte tokens).
@@ -39,9 +41,9 @@ class TextTracker:
             new = self._next_text(token)
             self.text += new
             self.pieces.append(Piece(new, from_draft))
-            found = [i for s in self.stop if (i := self.text.find(s, max(0, len(self.text) - len(new) - len(s) + 1))) >= 0]
-            if found:
-                self._cut(min(found))
+            found = self.stop.feed(new)
+            if found is not None:
+                self._cut(found)
                 return count
         return len(ids)
 
@@ -65,7 +67,7 @@ class TextTracker:
 
     def ready(self, final: bool = False) -> list[Piece]:
         """Pieces not yet handed out: all of them when final, else those that cannot start a stop string."""
-        held = 0 if final else max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        held = 0 if final else self.stop.held
         boundary, start = len(self.text) - held, self.emitted
         while self.emitted < len(self.pieces) and self._emitted_chars + len(self.pieces[self.emitted].text) <= boundary:
             self._emitted_chars += len(self.pieces[self.emitted].text)

@@ -11,10 +11,18 @@ from verispec import kernels
 from verispec.arguments import real_number, whole_number
 from verispec.errors import InvalidArgumentError
 
+# Below this a temperature decodes greedily, as in vLLM: dividing float32 logits by it would overflow, or by a value
+# that rounds to 0 in float32 give 0/0, while the distribution it asks for is already the argmax (up to exact ties).
+GREEDY_TEMPERATURE = 1e-5
+# The least top_p taken: float32's smallest normal number. Smaller values round to 0 (or a denormal) in the float32
+# the filter runs in, which would drop every token; any top_p below 1/V keeps the top token alone anyway.
+LEAST_TOP_P = float(torch.finfo(torch.float32).tiny)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy decoding; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 means greedy decoding (so does any temperature below `GREEDY_TEMPERATURE`, which is stored as 0);
+    top_k 0 and top_p 1 switch those filters off; top_p below `LEAST_TOP_P` is refused."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -27,8 +35,11 @@ class SamplingParams:
         object.__setattr__(self, "top_p", real_number(self.top_p, "top_p"))
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if not LEAST_TOP_P <= self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in [{LEAST_TOP_P:.4g}, 1] (float32's smallest normal number: "
+                                       f"less rounds to 0), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -89,3 +89,10 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, 
             f"draft {draft_name} and target {target_name} use different tokenizers "
             f"({draft.get_vocab_size()} vs {target.get_vocab_size()} tokens); speculation needs a shared vocabulary"
         )
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters any one token stands for: a vocabulary entry's length bounds its text (byte-level entries
+    spell one character per byte, and a character is at least a byte), so a text longer than `n` times this cannot
+    fit in `n` tokens."""
+    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)

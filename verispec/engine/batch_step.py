@@ -25,8 +25,9 @@ class Row:
     generator: torch.Generator
 
 
-def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[Row]) -> list[tuple[int, int]]:
-    """`speculative_step` for every row at once: returns (accepted proposal tokens, the target's next token) per row.
+def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[Row]) -> list[tuple[int, int] | Exception]:
+    """`speculative_step` for every row at once: returns (accepted proposal tokens, the target's next token) per row,
+    or the exception its acceptance rule raised (that row's slot keeps only what it had; the others go on).
 
     The rows are right-padded to the longest; each is verified on its own logits with its own sampling settings and
     generator (the same rule and the same draws as alone), and its slot keeps `last` and its accepted tokens."""
@@ -38,8 +39,13 @@ def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[Row]) -> list
     logits = target.forward_batch(x, cache, [row.slot for row in rows], counts)
     out = []
     for b, (row, start) in enumerate(zip(rows, starts)):
-        n, token = verify(row.proposal.tokens, row.proposal.q, logits[b: b + 1, : counts[b], : target.vocab_size],
-                          row.sampling, row.generator)
+        try:
+            n, token = verify(row.proposal.tokens, row.proposal.q, logits[b: b + 1, : counts[b], : target.vocab_size],
+                              row.sampling, row.generator)
+        except Exception as err:  # one sequence's fault (its sampling, its drafter's q) is that sequence's alone
+            cache.truncate(row.slot, start)
+            out.append(err)
+            continue
         cache.truncate(row.slot, start + 1 + n)
         out.append((n, token))
     return out

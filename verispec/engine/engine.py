@@ -163,7 +163,8 @@ class Engine:
             raise
 
     def _decode(self, live: list[Sequence]) -> None:
-        """One step for the live sequences: choose k, draft, verify in one forward, commit."""
+        """One step for the live sequences: choose k, draft, verify in one forward, commit. A sequence whose own part
+        fails (its draft, its acceptance rule, its text) ends with that error; the others step as they would alone."""
         context = self.target.context_length
         limits = [min(self.max_k, s.room(context) - 1) for s in live]
         if self.draft_length is not None:
@@ -172,20 +173,27 @@ class Engine:
         else:
             k = self.max_k
         asked = {s.slot: min(k, limit) for s, limit in zip(live, limits) if min(k, limit) >= 1}
+        failed: dict[int, Exception] = {}  # slot -> what ended that sequence
         t0 = time.perf_counter()
         try:
-            proposals = self.drafts.propose({s.slot: s.tokens for s in live if s.slot in asked}, asked) if asked else {}
+            proposals = self._propose(live, asked, failed)
             t1 = time.perf_counter()
-            rows = []
+            members, rows = [], []
             for s in live:
                 proposal = proposals.get(s.slot, Proposal([]))
-                _check(self.drafter, proposal, asked.get(s.slot, 0))
-                rows.append(Row(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
-                                s.generator))
-            results = batched_step(self.target, self.cache, rows)
+                try:
+                    _check(self.drafter, proposal, asked.get(s.slot, 0))
+                except DrafterError as err:
+                    failed[s.slot] = err
+                if s.slot not in failed:
+                    members.append(s)
+                    rows.append(Row(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
+                                    s.generator))
+            results = batched_step(self.target, self.cache, rows) if rows else []
+            failed |= {row.slot: r for row, r in zip(rows, results) if isinstance(r, Exception)}
             if asked:
-                self.drafts.accepted({row.slot: Verdict(list(range(n))) for row, (n, _) in zip(rows, results)
-                                      if row.slot in asked})
+                self.drafts.accepted({row.slot: Verdict(list(range(r[0]))) for row, r in zip(rows, results)
+                                      if row.slot in asked and row.slot not in failed})
         except BaseException:  # every slot back to its committed tokens, so the engine can go on
             for s in live:
                 self.cache.truncate(s.slot, min(self.cache.lengths[s.slot], len(s.tokens) - 1))
@@ -193,10 +201,11 @@ class Engine:
                     self.drafts.rollback(s.slot, len(s.tokens))
             raise
         t2 = time.perf_counter()
-        if self.draft_length is not None:
+        done = [(s, row, r) for s, row, r in zip(members, rows, results) if s.slot not in failed]
+        if self.draft_length is not None and rows:
             self.draft_length.observe(len(live), k, t1 - t0, 1 + max(len(r.proposal.tokens) for r in rows), t2 - t1,
-                                      any(n for n, _ in results))
-        for s, row, (n, token) in zip(live, rows, results):
+                                      any(n for _, _, (n, _) in done))
+        for s, row, (n, token) in done:
             stats = s.stats
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + t2 - t1
             stats.target_calls += 1
@@ -204,10 +213,40 @@ class Engine:
             s.acceptance.observe(len(row.proposal.tokens), n)
             self._pooled.observe(len(row.proposal.tokens), n)
             before = len(s.tokens)
-            self.metrics.accepted_tokens += s.commit(row.proposal.tokens, n, token, context)
+            try:
+                self.metrics.accepted_tokens += s.commit(row.proposal.tokens, n, token, context)
+            except Exception as err:  # its text (a tokenizer's decode) failed
+                failed[s.slot] = err
             self.metrics.drafted_tokens += len(row.proposal.tokens)
             self.metrics.generated_tokens += len(s.tokens) - before
+        for s in live:
+            if s.slot in failed:
+                s.fail(failed[s.slot])
+                self.metrics.failed += 1
         self.metrics.record_step(k, len(live))
+
+    def _propose(self, live: list[Sequence], asked: dict[int, int], failed: dict[int, Exception]) -> dict:
+        """The drafter's proposals for the `asked` slots. Where the batch's drafting raises, each slot drafts again
+        alone, so that only the sequences whose drafts fail (recorded in `failed`) end."""
+        if not asked:
+            return {}
+        contexts = {s.slot: s.tokens for s in live if s.slot in asked}
+        try:
+            return self.drafts.propose(contexts, asked)
+        except Exception as err:
+            for slot in asked:
+                self.drafts.rollback(slot, len(contexts[slot]))
+            if len(asked) == 1:
+                failed[next(iter(asked))] = err
+                return {}
+        proposals = {}
+        for slot, k in asked.items():
+            try:
+                proposals |= self.drafts.propose({slot: contexts[slot]}, {slot: k})
+            except Exception as err:
+                self.drafts.rollback(slot, len(contexts[slot]))
+                failed[slot] = err
+        return proposals
 
     def _time_forward(self, live: list[Sequence], width: int) -> float | None:
         """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are

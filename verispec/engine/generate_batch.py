@@ -21,7 +21,7 @@ def generate_batch(target: CausalLM, prompts: Sequence[str | Sequence[int]], dra
     """Decode every prompt (text or token ids) with `generate`'s options, up to `max_batch` at a time in one
     batched engine (`Engine`; `adaptive`: each step's k chosen from the batch size and measured costs, else the
     drafter's k every step); returns their generations in order. A `seed` seeds each prompt's own generator, as
-    `generate` would seed it for that prompt alone."""
+    `generate` would seed it for that prompt alone. Where one prompt's generation fails, its error is raised."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise InvalidArgumentError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     sampling, stops = SamplingParams(temperature, top_k, top_p), tuple(stop_strings(stop))
@@ -37,6 +37,8 @@ def generate_batch(target: CausalLM, prompts: Sequence[str | Sequence[int]], dra
             tokens[update.request_id] += update.tokens
             drafted[update.request_id] += update.drafted
             text[update.request_id] += update.text
+            if update.error is not None:  # as `generate` would have raised for that prompt alone
+                raise update.error
             if update.finished:
                 done[update.request_id] = update
     return [Generation(text[i], tokens[i], drafted[i], done[i].finish_reason, done[i].stats) for i in ids]

@@ -11,7 +11,8 @@ class EngineMetrics:
 
     running: int = 0  # sequences in the batch
     waiting: int = 0  # requests queued for a free slot
-    finished: int = 0  # requests that ended (aborted ones included)
+    finished: int = 0  # requests that ended (aborted and failed ones included)
+    failed: int = 0  # requests that ended with an error of their own
     generated_tokens: int = 0
     target_calls: int = 0  # batched verification forwards: one per step, whatever the batch size (prefills excluded)
     drafted_tokens: int = 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 
-FINISH_REASONS = ("eos", "stop_string", "max_new_tokens", "context_length", "aborted")
+FINISH_REASONS = ("eos", "stop_string", "max_new_tokens", "context_length", "aborted", "error")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Update:
     `tokens` are the ids committed in this step (an EOS that ended the request included); `text` is the text released
     in this step, which may lag the tokens while it could still be the start of a stop string (held back, exactly as
     `verispec.stream` holds it back) and is all released by the request's last update. `drafted` says, per token,
-    whether it was an accepted proposal.
+    whether it was an accepted proposal. A request that failed on its own (its sampling, its drafter) ends with
+    finish_reason "error" and the exception in `error`.
     """
 
     request_id: int
@@ -39,3 +40,4 @@ class Update:
     finish_reason: str | None  # one of FINISH_REASONS once finished, None while running
     stats: GenerationStats  # the request's running stats (the same object each update)
     drafted: list[bool] = field(default_factory=list)
+    error: Exception | None = None  # why it failed, when finish_reason is "error" (the other requests go on)

@@ -30,6 +30,7 @@ class Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
+    error: Exception | None = None  # what ended it, when finish_reason is "error"
     abort_asked: bool = False
     _tokens: list[int] = field(default_factory=list)  # committed since the last update
     _drafted: list[bool] = field(default_factory=list)
@@ -57,6 +58,10 @@ class Sequence:
             self.finish_reason = "max_new_tokens" if full else "context_length"
         return sum(committed.drafted)
 
+    def fail(self, error: Exception) -> None:
+        """End this sequence alone: something in its own part of a step raised."""
+        self.finish_reason, self.error = "error", error
+
     def update(self) -> Update | None:
         """What happened since the last update (None if nothing did); the last one releases all the text."""
         finished = self.finish_reason is not None
@@ -66,6 +71,6 @@ class Sequence:
         if finished:
             self.stats.total_time = time.perf_counter() - self.started
         update = Update(self.id, "".join(p.text for p in pieces), self._tokens, finished, self.finish_reason,
-                        self.stats, self._drafted)
+                        self.stats, self._drafted, self.error)
         self._tokens, self._drafted = [], []
         return update

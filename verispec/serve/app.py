@@ -27,11 +27,14 @@ from verispec.engine.request import Update
 from verispec.errors import ContextLengthError, VerispecError
 from verispec.models.protocol import CausalLM
 from verispec.serve.chat import load_chat_template
+from verispec.serve.guard import Guard
 from verispec.serve.metrics import RequestClock, ServerMetrics
+from verispec.serve.options import ServeOptions
 from verispec.serve.prepare import Prepared, ServedModel, UnknownModelError, prepare_chat, prepare_completion
 from verispec.serve.responses import DONE, Reply, sse, usage
 from verispec.serve.schema import ChatRequest, CompletionRequest, error_body
 from verispec.serve.worker import EngineFailure, EngineWorker, Ticket
+from verispec.tokenizer import longest_token_chars
 
 log = logging.getLogger("verispec.serve")
 
@@ -41,16 +44,19 @@ class ClientGone(Exception):
 
 
 def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
-                name: str | None = None, max_batch: int = 16, adaptive: bool = True) -> FastAPI:
+                name: str | None = None, max_batch: int = 16, adaptive: bool = True,
+                options: ServeOptions = ServeOptions()) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
     the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences that choose each
-    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step."""
+    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step; `options`: who may call it and
+    what it accepts."""
     chat = load_chat_template(target_dir) if target_dir is not None else None
-    model = ServedModel(name or target.name, target, chat, int(time.time()))
-    return create_app(model, Engine(target, drafter, max_batch=max_batch, adaptive=adaptive))
+    longest_text = target.context_length * longest_token_chars(target.tokenizer)
+    model = ServedModel(name or target.name, target, chat, int(time.time()), longest_text)
+    return create_app(model, Engine(target, drafter, max_batch=max_batch, adaptive=adaptive), options)
 
 
-def create_app(model: ServedModel, engine: Engine) -> FastAPI:
+def create_app(model: ServedModel, engine: Engine, options: ServeOptions = ServeOptions()) -> FastAPI:
     """The app serving `model` with `engine` (built before serving, so that a bad setup fails first)."""
     worker = EngineWorker(engine)
     metrics = ServerMetrics(lambda: worker.snapshot)
@@ -61,19 +67,23 @@ def create_app(model: ServedModel, engine: Engine) -> FastAPI:
         yield
         await asyncio.to_thread(worker.stop)  # ends what is still in flight (a forced shutdown)
 
-    app = FastAPI(title="verispec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="verispec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  **docs)
     app.state.worker = worker
+    app.add_middleware(Guard, options=options)
     _add_error_handlers(app)
 
+    # Encoding a prompt (and rendering a chat) runs on a thread: a long one must not stall every stream's events.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = prepare_completion(model, body)
+        prepared = await asyncio.to_thread(prepare_completion, model, body)
         reply = Reply("completion", model.name, body.include_usage)
         return await _respond(worker, metrics, request, prepared, reply, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        prepared = prepare_chat(model, body)
+        prepared = await asyncio.to_thread(prepare_chat, model, body)
         reply = Reply("chat", model.name, body.include_usage)
         return await _respond(worker, metrics, request, prepared, reply, body.stream)
 
@@ -85,8 +95,11 @@ def create_app(model: ServedModel, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine thread stopped"}, status_code=200 if ok else 503)
+        """503 when the engine's thread has stopped, or has been inside one step for `stall_seconds` with work."""
+        stalled = worker.stalled_for
+        status = ("engine thread stopped" if not worker.alive else
+                  f"engine stalled: {stalled:.0f} s in one step" if stalled > options.stall_seconds else "ok")
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

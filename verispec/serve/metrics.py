@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from verispec.engine.request import Update
-from verispec.serve.worker import Snapshot
+from verispec.serve.worker import EngineFailure, Snapshot
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
@@ -65,8 +65,8 @@ class ServerMetrics:
                                "token", buckets=LATENCY_BUCKETS, registry=self.registry)
         self._tpot = Histogram("verispec_time_per_output_token_seconds", "A request's mean time per output token "
                                "after the first", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._finished = Counter("verispec_requests_finished", "Requests that ended, by finish reason",
-                                 ["finish_reason"], registry=self.registry)
+        self._finished = Counter("verispec_requests_finished", "Requests that ended, by finish reason (\"error\": "
+                                 "failed in the engine)", ["finish_reason"], registry=self.registry)
 
     def clock(self) -> RequestClock:
         """Start timing one request (call at its arrival)."""
@@ -77,6 +77,9 @@ class ServerMetrics:
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def failed(self) -> None:
+        self._finished.labels("error").inc()
 
     def finished(self, update: Update, seconds_per_token: float | None) -> None:
         self._finished.labels(update.finish_reason).inc()
@@ -94,7 +97,11 @@ class RequestClock:
         self._first: float | None = None
         self.tokens = 0
 
-    def observe(self, update: Update) -> None:
+    def observe(self, update: Update | Exception) -> None:
+        if isinstance(update, Exception):  # the end of the request: refused (bad input, not counted) or failed
+            if isinstance(update, EngineFailure):
+                self._metrics.failed()
+            return
         now = time.perf_counter()
         if update.tokens and self._first is None:
             self._first = now

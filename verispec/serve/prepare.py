@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.arguments import prompt_ids, seed_value, stop_strings, whole_number
+from verispec.arguments import prompt_ids, seed_value, stop_strings, unicode_text, whole_number
 from verispec.engine.request import Request
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
@@ -37,6 +37,7 @@ class ServedModel:
     target: CausalLM
     chat: ChatTemplate | None
     created: int  # Unix time the server loaded it, as /v1/models reports
+    longest_text: int  # characters past which a text cannot fit in the context (checked before it is encoded)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class Prepared:
 
 def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
     _check_model(model, body)
-    ids = prompt_ids(model.target, body.single_prompt())  # text gets the tokenizer's special tokens (BOS)
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        _check_length(model, len(prompt), "the prompt")
+    ids = prompt_ids(model.target, prompt)  # text gets the tokenizer's special tokens (BOS)
     limit = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     return _prepared(model, body, ids, limit, "max_tokens")
 
@@ -58,12 +62,21 @@ def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
         raise ChatUnsupportedError(f"model {model.name} has no chat template (no chat_template in its "
                                    "tokenizer_config.json, no chat_template.jinja), so it cannot tell which text "
                                    "a conversation is; use /v1/completions with a plain prompt")
-    text = model.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    messages = [{"role": m.role, "content": unicode_text(m.text(), "a message")} for m in body.messages]
+    _check_length(model, sum(len(m["content"]) for m in messages), "the messages")
+    text = model.chat.render(messages)
     # The template writes the special tokens (BOS included) itself, so encoding must not add them again.
     ids = prompt_ids(model.target, model.target.tokenizer.encode(text, add_special_tokens=False).ids)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = model.target.context_length - len(ids) if body.token_limit is None else body.token_limit
     return _prepared(model, body, ids, limit, name)
+
+
+def _check_length(model: ServedModel, length: int, what: str) -> None:
+    """Refuse a text of `length` characters that cannot fit in the context before spending time on encoding it."""
+    if length > model.longest_text:
+        raise ContextLengthError(f"{what} has {length} characters: more than this model's context of "
+                                 f"{model.target.context_length} tokens can hold (at most {model.longest_text})")
 
 
 def _check_model(model: ServedModel, body: ApiRequest) -> None:

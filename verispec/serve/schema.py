@@ -130,5 +130,7 @@ class ChatRequest(ApiRequest):
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}. A lone surrogate that the message quotes
+    from the request is written as its escape: it has no UTF-8 form to send."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -3,7 +3,8 @@
 
 On SIGINT or SIGTERM uvicorn stops accepting connections and waits for the open ones; the worker lets in-flight
 requests finish for `grace` seconds and then ends them (their streams close with finish_reason "abort" and [DONE]),
-so every client gets a complete response. A second Ctrl-C quits at once.
+so every client gets a complete response. Connections still open `SHUTDOWN_MARGIN` seconds after the grace (a client
+that never reads its stream) are closed. A second Ctrl-C quits at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 
 from verispec.arguments import whole_number
 from verispec.errors import InvalidArgumentError
+from verispec.serve.options import SHUTDOWN_MARGIN
 
 
 class GracefulServer(uvicorn.Server):
@@ -46,20 +48,21 @@ def check_server_options(port: int, grace: float, max_batch: int) -> None:
     whole_number(max_batch, "--max-batch", 1)
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+def _config(app: FastAPI, host: str, port: int, log_level: str, grace: float) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN)
 
 
 def run_server(app: FastAPI, host: str, port: int, grace: float) -> None:
     """Serve in the foreground until SIGINT/SIGTERM."""
-    GracefulServer(_config(app, host, port, "info"), grace).run()
+    GracefulServer(_config(app, host, port, "info", grace), grace).run()
 
 
 class ServerThread:
     """The app served on a thread, at 127.0.0.1 on a free port: `with ServerThread(app) as server: server.url`."""
 
     def __init__(self, app: FastAPI, grace: float = 0.0, log_level: str = "warning") -> None:
-        self.server = GracefulServer(_config(app, "127.0.0.1", 0, log_level), grace)
+        self.server = GracefulServer(_config(app, "127.0.0.1", 0, log_level, grace), grace)
         self._thread = threading.Thread(target=self.server.run, name="verispec-uvicorn", daemon=True)
         self.url = ""  # set once it listens
 

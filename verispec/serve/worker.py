@@ -30,14 +30,13 @@ class Ticket:
 
     request: Request
     loop: asyncio.AbstractEventLoop
-    observe: Callable[[Update], None]  # sees every update, also those of a request whose client is gone
+    observe: Callable[[Update | Exception], None]  # sees every item, also those of a request whose client is gone
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     engine_id: int | None = None  # set by the worker once the engine took it
 
     def receive(self, item: Update | Exception) -> None:
         """Runs on the event loop's thread."""
-        if isinstance(item, Update):
-            self.observe(item)
+        self.observe(item)
         self.updates.put_nowait(item)
 
 
@@ -62,6 +61,8 @@ class EngineWorker:
         self._live: dict[int, Ticket] = {}  # engine id -> ticket; touched by the worker thread only
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
         self._drain_at: float | None = None  # monotonic time at which in-flight requests are ended
+        self._beat = time.monotonic()  # when the thread last went round its loop
+        self._idle = True  # waiting for a command with nothing to step
         self.snapshot = Snapshot(dataclasses.replace(engine.metrics), 0)
 
     def start(self) -> None:
@@ -70,6 +71,11 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds the thread has been inside one step (or a prefill) while it had work; 0 while it waits idle."""
+        return 0.0 if self._idle else time.monotonic() - self._beat
 
     def submit(self, request: Request, observe: Callable[[Update], None]) -> Ticket:
         """Queue a request (from the event loop's thread); its updates arrive on the ticket, each seen first by
@@ -100,10 +106,13 @@ class EngineWorker:
         while not (stopping and not self._engine.has_work):
             idle = not self._engine.has_work
             while True:  # every command waiting now; block for one only when there is nothing to step
+                self._idle = idle and not stopping
                 try:
-                    command, ticket = self._inbox.get(block=idle and not stopping)
+                    command, ticket = self._inbox.get(block=self._idle)
                 except queue.Empty:
                     break
+                finally:
+                    self._beat, self._idle = time.monotonic(), False
                 idle = False
                 if command == "stop":
                     stopping = True
@@ -116,6 +125,7 @@ class EngineWorker:
                 self._end_all()
             if self._engine.has_work:
                 self._step()
+            self._beat = time.monotonic()
             self.snapshot = Snapshot(dataclasses.replace(self._engine.metrics), self._inbox.qsize())
 
     def _add(self, ticket: Ticket, stopping: bool) -> None:
@@ -144,8 +154,11 @@ class EngineWorker:
             return
         for update in updates:
             ticket = self._live.get(update.request_id)
+            if update.error is not None:  # that request's own failure (logged here); the others went on
+                log.error("request %d failed", update.request_id, exc_info=update.error)
             if ticket is not None:
-                self._deliver(ticket, update)
+                self._deliver(ticket, update if update.error is None else EngineFailure(
+                    f"generation failed: {type(update.error).__name__}: {update.error}"))
             if update.finished:
                 self._live.pop(update.request_id, None)
 
