@@ -82,7 +82,7 @@ def test_generate_needs_no_arguments(capsys) -> None:
 def test_the_shipped_eagle_head(capsys) -> None:
     """bf16 on disk in EAGLE's layout, made for the shipped target, and `--method eagle` needs no other argument."""
     head = DEFAULT_TARGET.parent / "stdlib-eagle"
-    for name in ("config.json", "model.safetensors", "draft_vocab.safetensors", "README.md"):
+    for name in ("config.json", "model.safetensors", "verispec/draft_vocab.safetensors", "README.md"):
         assert (head / name).is_file(), head / name
     with safe_open(head / "model.safetensors", "pt") as f:
         assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
@@ -97,7 +97,8 @@ def test_the_shipped_medusa_heads(capsys) -> None:
     """bf16 on disk in the Medusa reference layout, with the accuracy table that shapes the tree, and `--method
     medusa` needs no other argument."""
     heads = DEFAULT_TARGET.parent / "stdlib-medusa"
-    for name in ("config.json", "model.safetensors", "medusa_choices.json", "draft_vocab.safetensors", "README.md"):
+    for name in ("config.json", "model.safetensors", "verispec/medusa_accuracy.json", "verispec/draft_vocab.safetensors",
+                 "README.md"):
         assert (heads / name).is_file(), heads / name
     with safe_open(heads / "model.safetensors", "pt") as f:
         assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from verispec.bench.gguf_export import write_gguf
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.draft_vocab import save_draft_vocab
+from verispec.models.draft_vocab import OLD_VOCAB_FILE, save_draft_vocab
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "models" / "stdlib-draft"
@@ -115,9 +115,9 @@ def test_float64_is_refused(checkpoint, tmp_path) -> None:
 
 
 def test_only_the_weights_files_are_read(checkpoint, tmp_path) -> None:
-    """A draft's folder holds its draft vocabulary beside the weights (draft_vocab.safetensors): not a weight."""
+    """An older draft's folder holds its draft vocabulary beside the weights (draft_vocab.safetensors): not a weight."""
     folder = shutil.copytree(checkpoint, tmp_path / "copy")
-    save_draft_vocab(folder, torch.arange(256))
+    save_draft_vocab(folder, torch.arange(256)).rename(folder / OLD_VOCAB_FILE)
     _, tensors = _read(write_gguf(folder, tmp_path / "m.gguf"))
     assert "ids" not in tensors and "token_embd.weight" in tensors
     (folder / "model.safetensors").unlink()

@@ -383,6 +383,14 @@ def _train(args: argparse.Namespace) -> None:
     print(f"exported {folder}")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from verispec.models.eagle_export import export_eagle
+
+    head = Path(args.head) if args.head else MODELS / "stdlib-eagle"
+    draft_vocab = None if args.draft_vocab is None else whole_number(args.draft_vocab, "--draft-vocab", 0)
+    print(f"exported {export_eagle(head, args.out, args.engine, draft_vocab)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -394,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.dtype = "float32" if args.backend == "transformers" else auto_dtype(args.device)
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
                 "search-layerskip": _search_layerskip, "serve": _serve,
-                "bench-serve": _bench_serve}[args.command](args)
+                "bench-serve": _bench_serve, "export": _export}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
                                                  "compute-bound)")
+    exp = sub.add_parser("export", help="a drafter's folder as a serving engine loads it (docs/scale-out.md)")
+    exp.add_argument("what", choices=("eagle",), help="the drafter (the draft model's folder loads as it is)")
+    exp.add_argument("out", help="the folder to write")
+    exp.add_argument("--for", dest="engine", required=True, choices=("vllm", "sglang"), help="the engine")
+    exp.add_argument("--head", help="the EAGLE head's folder (default: the shipped head)")
+    exp.add_argument("--draft-vocab", type=int, help="sglang: tokens in the token map (default: the head's "
+                                                     "verispec.draft_vocab; 0: no token map, the full vocabulary)")
     return parser
 
 

@@ -1,6 +1,9 @@
 """A reduced draft vocabulary (as in FR-Spec and EAGLE-3): the training split's tokens, most frequent first, saved
-beside a drafting head. A head that drafts over a prefix of it pays for a fraction of the LM head; the target still
-scores every token, so verification stays exact."""
+in a drafting head's folder. A head that drafts over a prefix of it pays for a fraction of the LM head; the target
+still scores every token, so verification stays exact.
+
+The file lives in the folder's `verispec/` subfolder, never at its top level: vLLM's and SGLang's loaders read every
+top-level `*.safetensors` of a folder without an index as weights, and would fail on it."""
 
 from __future__ import annotations
 
@@ -13,21 +16,31 @@ from safetensors.torch import load_file, save_file
 from verispec.errors import CheckpointError
 
 
-VOCAB_FILE = "draft_vocab.safetensors"
+EXTRAS = "verispec"  # the subfolder of a head's folder for what only verispec reads
+VOCAB_FILE = f"{EXTRAS}/draft_vocab.safetensors"
+OLD_VOCAB_FILE = "draft_vocab.safetensors"  # where folders written before the move keep it
+
+
+def vocab_file(folder: str | Path) -> Path:
+    """The draft vocabulary's file in a head's folder: `verispec/`, else the top level of an older folder."""
+    old = Path(folder) / OLD_VOCAB_FILE
+    return old if old.is_file() and not (Path(folder) / VOCAB_FILE).is_file() else Path(folder) / VOCAB_FILE
 
 
 def save_draft_vocab(folder: str | Path, token_counts: torch.Tensor) -> Path:
     """The token ids that occur in the training data, most frequent first: a reduced draft vocabulary is a prefix."""
     order = torch.argsort(token_counts, descending=True, stable=True)
     ids = order[: int((token_counts > 0).sum())].to(torch.int32).contiguous()
-    save_file({"ids": ids}, str(Path(folder) / VOCAB_FILE))
-    return Path(folder) / VOCAB_FILE
+    file = Path(folder) / VOCAB_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"ids": ids}, str(file))
+    return file
 
 
 def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
     """The `size` most frequent token ids saved beside a head (for a draft LM head over them only); all of them
     where fewer than `size` tokens occur in its training data."""
-    file = Path(folder) / VOCAB_FILE
+    file = vocab_file(folder)
     if not file.is_file():
         raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary "
                               f"(draft_vocab {size}; 0 drafts over the full vocabulary)")

@@ -129,6 +129,15 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torc
     return folder
 
 
+def without_zero_bias(weights: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """The head's weights without `fc.bias`, which SGLang's export adds as zeros (its fc has a bias, ours none);
+    a bias that is not zero would change the head, so it is refused."""
+    bias = weights.get("fc.bias")
+    if bias is not None and bool(bias.any()):
+        raise CheckpointError(f"{folder}: this EAGLE head's fc has a bias that is not zero; verispec's fc has none")
+    return {name: tensor for name, tensor in weights.items() if name != "fc.bias"}
+
+
 def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
               fast: bool = True) -> EagleHead:
     """A head saved by `save_head`, checked against the target it will draft for; `fast`: with prepacked matmuls
@@ -139,7 +148,8 @@ def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, devic
     wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
     if wrong:
         raise CheckpointError(f"{folder}: this EAGLE head was not made for this target ({', '.join(wrong)})")
-    head = fill_head(EagleHead(head_config(target)), weights, folder, "an EAGLE head", dtype, device)
+    head = fill_head(EagleHead(head_config(target)), without_zero_bias(weights, folder), folder, "an EAGLE head",
+                     dtype, device)
     if fast and packable(dtype, torch.device(device)):
         head.pack(1)
     return head

@@ -2,12 +2,15 @@
 
 The target's own LM head predicts the token after a feature f_t; Medusa head i (0-based) reads the same f_t and
 predicts the token after that one by i + 1 more: a residual SiLU block (`linear`, added back) followed by its own LM
-head, initialised from the target's. Key names follow the Medusa reference repository (`medusa_head.{i}.0.linear.
-weight`/`.bias`, `medusa_head.{i}.1.weight`), so the heads load where Medusa checkpoints load.
+head, initialised from the target's. Key names follow the Medusa reference repository's model (`medusa_head.{i}.0.
+linear.weight`/`.bias`, `medusa_head.{i}.1.weight`), but the folder is verispec's own: no current serving engine
+serves Medusa heads (SGLang has no Medusa algorithm; vLLM's Medusa model wants other names), and the reference
+repository's own files (`medusa_lm_head.safetensors`, `base_model_name_or_path`) are not written.
 
 The tree the heads draft is built from their measured accuracy (`choices`): each path is a tuple of ranks, (r1, r2,
 ...) meaning head 0's r1-th best token, then head 1's r2-th best, and so on; the paths with the highest product of
-per-rank accuracies make the tree, as Medusa's own trees are made.
+per-rank accuracies make the tree, as Medusa's own trees are made. That table is saved as
+`verispec/medusa_accuracy.json`: it is not Medusa's `medusa_choices` (a list of tree paths), so not named so.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 from verispec.errors import CheckpointError
 from verispec.models.checkpoint import fill_head, read_head
 
-CHOICES_FILE = "medusa_choices.json"
+ACCURACY_FILE = "verispec/medusa_accuracy.json"  # beside verispec's other extras (models/draft_vocab.py)
 
 
 class ResBlock(nn.Module):
@@ -99,7 +102,8 @@ def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str, accurac
               "verispec": {"drafter": "medusa", "target": target_name}}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if accuracy is not None:
-        (folder / CHOICES_FILE).write_text(json.dumps({"accuracy": accuracy}, indent=1) + "\n")
+        (folder / ACCURACY_FILE).parent.mkdir(exist_ok=True)
+        (folder / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy}, indent=1) + "\n")
     return folder
 
 
@@ -109,8 +113,8 @@ def load_heads(folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, 
     folder = Path(folder)
     config, weights = read_head(folder, "a Medusa heads")
     try:
-        choices = folder / CHOICES_FILE
-        accuracy = json.loads(choices.read_text())["accuracy"] if choices.is_file() else None
+        table = folder / ACCURACY_FILE
+        accuracy = json.loads(table.read_text())["accuracy"] if table.is_file() else None
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{folder}: not a Medusa heads folder ({err})") from None
     if (config.get("hidden_size"), config.get("vocab_size")) != (hidden, vocab):

@@ -108,7 +108,7 @@ def write_cards(target: NativeModel, draft: NativeModel, target_dir: Path, draft
         numbers["draft_vocab_cost_ratio"] = decode_step_time(draft, head=drafter.head) / decode_step_time(target)
         v = numbers["draft_vocab"]
         vocabulary = (f"Draft vocabulary: by default (`verispec.draft_vocab` in config.json) it drafts among the {size} "
-                      f"most frequent tokens of the train split (`draft_vocab.safetensors`), by an LM head over them "
+                      f"most frequent tokens of the train split (`verispec/draft_vocab.safetensors`), by an LM head over them "
                       f"alone: one decoding step then costs {numbers['draft_vocab_cost_ratio']:.3f} of the target's; "
                       f"on the same prompts, acceptance rate {v['acceptance_rate']:.1%}, tau {v['tau']:.2f}, "
                       f"token-identical on {v['identical_to_autoregressive']:.0%} (`--draft-vocab 0`: every token, as "
