@@ -3,6 +3,9 @@ same checkpoint layout, in every way the runtime is called."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,25 @@ def test_outside_inference_mode_the_plain_linears_run(folder: Path, own_kernels:
     feature = torch.randn(2, 3, fast.hidden_size, requires_grad=True)
     fast.module.head(feature).sum().backward()
     torch.testing.assert_close(feature.grad, plain.lm_head_weight.sum(0).expand(2, 3, -1))
+
+
+def test_where_onednn_cannot_prepack_bfloat16_the_fused_weight_runs_through_pytorch(tmp_path: Path) -> None:
+    """A CPU without AVX-512 (AVX2 only) cannot take oneDNN's bfloat16 weight reorder. ONEDNN_MAX_CPU_ISA=AVX2 makes
+    this CPU such a one, in a child process: packing still succeeds and the logits stay bitwise the plain ones."""
+    script = """
+import sys, torch
+from verispec.models.linear import _prepacked_here
+from tests.test_fast import pair, decode
+from verispec.models.random_init import random_checkpoint, tiny_config
+torch.set_num_threads(1)
+assert not _prepacked_here(torch.bfloat16), "oneDNN still prepacks bfloat16 under ONEDNN_MAX_CPU_ISA=AVX2"
+folder = random_checkpoint(sys.argv[1], tiny_config(num_hidden_layers=2), seed=3)
+for exact in (False, True):
+    plain, fast = pair(folder, torch.bfloat16, exact, own_kernels=False)
+    assert fast.module.head is not None
+    assert torch.equal(decode(fast), decode(plain))
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "VERISPEC_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -29,12 +29,15 @@ from verispec import kernels
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this torch build has prepacked CPU kernels for `dtype` on `device`."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """Whether `PackedLinear` runs `dtype` on `device`: CPU float32 and bfloat16, on whatever kernels run here."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
+def _prepacked_here(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a `dtype` weight on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else dtype == torch.float32
 
 
 MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (measured: 1.2-1.7x
@@ -76,7 +79,9 @@ class PackedLinear(nn.Module):
         if own_kernels is None:
             own_kernels = kernels.chosen(self.weight.dtype, self.weight.device)
         self.kernel = kernels.Matmul(self.weight, self.bias) if own_kernels else None
-        if self.kernel is not None:
+        if self.kernel is not None or not _prepacked_here(self.weight.dtype):
+            # On verispec's kernels; or, where oneDNN cannot prepack this dtype on this CPU (bfloat16 needs
+            # AVX-512), the fused weight through F.linear: one matmul still, with PyTorch's own kernel.
             self.one_row = self.packed = None
             return
         # float32 at one row: MKL's packed sgemm reads fastest; at more rows (verification, prefill) oneDNN does.
@@ -91,7 +96,8 @@ class PackedLinear(nn.Module):
         if not packed_here(x):
             outputs = self.parts(x)
             y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-        elif self.kernel is not None:  # a dtype the weight is not: refuse in PyTorch's words, as F.linear would
+        elif self.kernel is not None or self.packed is None:  # no prepacked weight (or x of another dtype: F.linear
+            # refuses it in PyTorch's words)
             y = F.linear(x, self.weight, self.bias)
         elif self.one_row is not None and x.numel() == x.shape[-1]:
             y = torch.ops.mkl._mkl_linear(x, self.one_row, self.weight, self.bias, 1)
