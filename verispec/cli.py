@@ -16,9 +16,11 @@ from typing import Sequence
 
 from verispec.drafters.base import Drafter, Needs
 from verispec.arguments import whole_number
+from verispec.cli_output import GREEN, RESET, print_stream, stats_lines, turn_line, use_color
 from verispec.cli_parser import build_parser
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError, VerispecError
+from verispec.chat import Chat
 from verispec.generate import generate, stream
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
@@ -26,23 +28,9 @@ from verispec.models.default import MODELS, default_paths
 from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
+from verispec.serve.chat import ChatTemplate, load_chat_template
 from verispec.stats import GenerationStats
 from verispec.threads import set_threads, torch_threads
-
-GREEN, RESET = "\x1b[32m", "\x1b[0m"
-
-
-def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
-    lines = [f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {stop_reason}",
-             f"target calls {s.target_calls}, tau {s.tau:.2f} tokens/call"]
-    if s.drafter_calls:
-        by_pos = " ".join(f"{rate:.2f}" for rate in s.acceptance_by_position)
-        lines += [f"drafted {s.proposed}, accepted {s.accepted} ({s.acceptance_rate:.1%}); by position: {by_pos}",
-                  f"time: prefill {s.prefill_time:.3f} s, draft {s.draft_time:.3f} s, verify {s.verify_time:.3f} s, "
-                  f"other {s.other_time:.3f} s"]
-        lines.insert(3, "steps by tokens drafted: " + ", ".join(f"{d}: {n}" for d, n in enumerate(s.steps_by_depth) if n))
-    return lines
-
 
 OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
                 "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
@@ -84,37 +72,94 @@ def _generate(args: argparse.Namespace) -> int:
     _check_options(args)
     set_threads(args.threads)
     target, drafter = _load_models(args, _checked_method(args))
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    options = _decoding_options(args)
+    prompt = args.prompt  # --chat: the message as the template's one user turn, after the system message if any
+    if args.chat:
+        turn = [*([{"role": "system", "content": args.system}] if args.system else []),
+                {"role": "user", "content": args.prompt}]
+        prompt = target.tokenizer.encode(_chat_template(args).render(turn), add_special_tokens=False).ids
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
         for warm in (drafter, None):
-            generate(target, args.prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
-    steps = stream(target, args.prompt, drafter, **options)  # validates every option
+            generate(target, prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
+    color = use_color(args.color)
+    steps = stream(target, prompt, drafter, **options)  # validates every option
     try:
-        pieces = iter(steps)
-        first = next(pieces, None)  # prefill and the first step run before anything is printed
-        print(args.prompt, end="", flush=True)
-        for piece in itertools.chain([first] if first else [], pieces):
-            print(f"{GREEN}{piece.text}{RESET}" if color and piece.drafted else piece.text, end="", flush=True)
+        print_stream(steps, color, "" if args.chat else args.prompt)
     except KeyboardInterrupt:  # Ctrl-C: the counts so far, on a line of their own
         steps.close()  # rolls the caches back and stops the clock; steps.stats keeps the partial counts
         print("\n")
-        print("\n".join(_stats_lines(steps.stats, "interrupted")), flush=True)
+        print("\n".join(stats_lines(steps.stats, "interrupted")), flush=True)
         return 130
     result = steps.result
     print("\n")
     if color and drafter:
         print(f"({GREEN}green{RESET}: accepted draft tokens; plain: the target's own)")
-    print("\n".join(_stats_lines(result.stats, result.stop_reason)))
+    print("\n".join(stats_lines(result.stats, result.stop_reason)))
     if args.compare:  # both timed the same way, without printing, one after the other
-        spec_time = generate(target, args.prompt, drafter, **options).stats.total_time
-        plain = generate(target, args.prompt, None, **options)
+        spec_time = generate(target, prompt, drafter, **options).stats.total_time
+        plain = generate(target, prompt, None, **options)
         print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain.stats.total_time:.3f} s "
               f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
         note = "" if SamplingParams(args.temperature).greedy else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
     return 0
+
+
+def _decoding_options(args: argparse.Namespace) -> dict:
+    """`stream`'s options from the command line (generate, chat)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _chat_template(args: argparse.Namespace) -> ChatTemplate:
+    """The target checkpoint's own chat template; one without refuses chat rather than guess a format."""
+    template = load_chat_template(Path(args.target))
+    if template is None:
+        raise InvalidArgumentError(f"{args.target} has no chat template (no chat_template in its "
+                                   "tokenizer_config.json, no chat_template.jinja): chat needs the model's own; "
+                                   "give `verispec generate` a plain prompt instead")
+    return template
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A multi-turn conversation on the terminal: one line a message, /reset starts over, Ctrl-D quits; Ctrl-C ends
+    the reply being written."""
+    args.stop = [_unescape(stop, "--stop") for stop in args.stop]
+    _check_options(args)
+    set_threads(args.threads)
+    method = _checked_method(args)  # (fills in the shipped pair)
+    template = _chat_template(args)  # before seconds of loading
+    target, drafter = _load_models(args, method)
+    chat, color = Chat(target, template.render, drafter, system=args.system, **_decoding_options(args)), \
+        use_color(args.color)
+    print("verispec chat: one line a message; /reset starts over, Ctrl-D quits", file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if line == "/reset":
+            chat.reset()
+            print("(a new conversation)")
+            continue
+        if not line:
+            continue
+        steps = None
+        try:
+            steps = chat.say(line)
+            print_stream(steps, color)
+        except KeyboardInterrupt:
+            if steps is None:
+                continue
+            steps.close()  # the reply so far joins the conversation
+        except VerispecError as err:
+            print(f"verispec: error: {err}", file=sys.stderr, flush=True)
+            continue
+        print(f"\n{turn_line(steps.stats)}", flush=True)
 
 
 def _checked_method(args: argparse.Namespace) -> Method:
@@ -214,6 +259,8 @@ def _check_options(args: argparse.Namespace) -> None:
     """Options outside the method record that need no model to judge: checked before seconds of loading."""
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.system is not None and args.command == "generate" and not args.chat:
+        raise InvalidArgumentError("--system goes with --chat (or `verispec chat`): a plain prompt has no roles")
     SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature, top-k or top-p
 
 
@@ -401,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             set_threads(args.threads)  # first: the kernels run on one thread, so the choice depends on the count
             args.dtype = "float32" if args.backend == "transformers" else auto_dtype(args.device)
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
-                "search-layerskip": _search_layerskip, "serve": _serve,
+                "search-layerskip": _search_layerskip, "serve": _serve, "chat": _chat,
                 "bench-serve": _bench_serve, "export": _export}[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly

@@ -17,20 +17,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
     gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
     add_model_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 (default) decodes greedily, as does any value below 1e-5")
-    gen.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[],
-                     help="stop string (repeatable); backslash escapes as in Python: '\\n\\n', '\\t', '\\\\', "
-                          "'\\x41', '\\u00e9'")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    add_decoding_args(gen)
+    gen.add_argument("--chat", action="store_true", help="the prompt is a user message: put it (after --system) "
+                                                         "through the checkpoint's chat template and print the reply")
     gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
     add_runtime_args(gen)
-    gen.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                     help="show accepted draft tokens in green (auto: when printing to a terminal)")
+    cht = sub.add_parser("chat", help="a multi-turn conversation through the checkpoint's chat template, streamed; "
+                                      "the KV cache is kept across turns")
+    add_model_args(cht)
+    add_decoding_args(cht, "per reply")
+    add_runtime_args(cht)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, models, health, "
                                        "metrics) over the batched engine")
     add_model_args(srv)
@@ -173,6 +169,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                                                         "frequent tokens only (a cheaper LM head; verification still "
                                                         "scores them all); 0: all of them (default: the draft's or "
                                                         "head's folder's own, 2048 for the shipped ones)")
+
+
+def add_decoding_args(parser: argparse.ArgumentParser, per: str = "") -> None:
+    """What `stream` takes, as generate and chat give it; the system message and the colours of the output."""
+    parser.add_argument("--max-new-tokens", type=int, default=128, help=f"(default 128{', ' + per if per else ''})")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default) decodes greedily, as does any value below 1e-5")
+    parser.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[],
+                        help="stop string (repeatable); backslash escapes as in Python: '\\n\\n', '\\t', "
+                             "'\\\\', '\\x41', '\\u00e9'")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    parser.add_argument("--system", help="a system message at the head of a chat")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                        help="show accepted draft tokens in green (auto: when printing to a terminal)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:

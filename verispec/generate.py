@@ -12,7 +12,7 @@ from verispec.arguments import generation_args
 from verispec.commit import commit_step
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
-from verispec.errors import DrafterError
+from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
 from verispec.stats import GenerationStats
@@ -48,8 +48,13 @@ class Stream:
 
 def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, *,
            max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False) -> Stream:
-    """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed."""
+           seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
+           cache: Cache | None = None) -> Stream:
+    """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed.
+
+    `cache`: the target's cache from an earlier generation, holding the first `cache.length` tokens of this prompt
+    (a conversation's earlier turns, as `verispec.chat.Chat` keeps it), so that only the rest is prefilled; it
+    holds every token but the last after this generation."""
     sampling = SamplingParams(temperature, top_k, top_p)
     ids, max_new_tokens, seed, stop = generation_args(target, prompt, max_new_tokens=max_new_tokens, seed=seed,
                                                       stop=stop)
@@ -60,7 +65,14 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     # The cache holds every token but the last, so prompt + max_new_tokens - 1 positions are all a chain
     # needs; a tree or side branch wider than it is deep needs up to width - 1 slots more while verified.
     width = 0 if drafter is None else drafter.width
-    cache = target.new_cache(min(target.context_length, len(ids) + max_new_tokens) + max(0, width - 1))
+    size = min(target.context_length, len(ids) + max_new_tokens) + max(0, width - 1)
+    if cache is None:
+        cache = target.new_cache(size)
+    elif cache.length >= len(ids) or cache.max_len < size:
+        raise InvalidArgumentError(f"the cache holds {cache.length} of {cache.max_len} positions; this prompt of "
+                                   f"{len(ids)} tokens needs it to hold fewer, with room for {size}")
+    elif drafter is not None and drafter.needs.hidden_states:
+        cache.truncate(0)  # the drafter reads the target's features of the whole prompt: prefill it all
     run = _Run(target, drafter, ids, sampling, generator, max_new_tokens, eos, cache,
                TextTracker(target.tokenizer, ids, stop))
     return Stream(_decode(run), run.stats)
@@ -91,12 +103,13 @@ class _Run:
 
 
 def _begin(run: _Run) -> DraftSession | None:
-    """Prefill the target with the prompt but its last token, then start the drafter's session on it."""
+    """Prefill the target with the prompt but its last token (past what its cache already holds), then start the
+    drafter's session on it."""
     target, tokens = run.target, run.prompt
     layers = () if run.drafter is None else run.drafter.needs.hidden_states
     hidden = torch.empty(0, len(layers), target.hidden_size) if layers else None
-    if len(tokens) > 1:  # its logits are not used: one row's LM head where the model can skip the rest
-        x = torch.tensor([tokens[:-1]], device=target.device)
+    if len(tokens) - 1 > run.cache.length:  # its logits are not used: one row's LM head where the model can skip
+        x = torch.tensor([tokens[run.cache.length:-1]], device=target.device)
         if layers:
             hidden = target(x, run.cache, hidden=layers, logits_to_keep=1)[1][0]
         else:
