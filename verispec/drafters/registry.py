@@ -1,7 +1,7 @@
 """The one place that builds a drafter from a method record: the CLI, the bench and the server all use it.
 
 A `Method` is a family name, a draft length k (None: the family's default; "auto": chosen per step by
-`verispec.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
+`verispec.drafters.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
 window) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
 it needs of the target.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.adaptive import AUTO_MAX_K, AdaptiveK
+from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel

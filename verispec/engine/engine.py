@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from verispec.adaptive import Acceptance, Costs
+from verispec.cost_model import Acceptance, Costs
 from verispec.arguments import generation_args, whole_number
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.adaptive import Acceptance
+from verispec.cost_model import Acceptance
 from verispec.commit import commit_step
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
