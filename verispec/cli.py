@@ -17,7 +17,7 @@ from typing import Sequence
 from verispec.drafters.base import Drafter, Needs
 from verispec.arguments import whole_number
 from verispec.cli_parser import build_parser
-from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
+from verispec.drafters.registry import AUTO, OPTIONS, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError, VerispecError
 from verispec.generate import generate, stream
 from verispec.models.auto import load
@@ -44,14 +44,9 @@ def _stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
     return lines
 
 
-OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
-                "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
-                "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens", "draft_vocab": "draft_vocab"}
-
-
 def _method(args: argparse.Namespace) -> Method:
     """The method record from the command line: only the options that were given."""
-    options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
+    options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     if "skip" in options:
         options["skip"] = _whole_numbers(options["skip"], "--skip", "layer indices such as 2,3")
     k = _k_arg(args.k)
