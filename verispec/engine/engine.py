@@ -14,11 +14,11 @@ from verispec.arguments import generation_args, whole_number
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
 from verispec.drafters.batch import SequenceStart
-from verispec.engine.batch_step import Row, batched_step
+from verispec.engine.batch_step import SequenceStep, batched_step
 from verispec.engine.draft_length import DraftLength
 from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
-from verispec.engine.sequence import Sequence
+from verispec.engine.request_state import RequestState
 from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
@@ -59,9 +59,9 @@ class Engine:
         self._pooled = Acceptance(max(1, self.max_k))  # every sequence's verdicts
         self._next_id = 0
         self._free = list(range(self.max_batch))  # a heap: the lowest free slot first keeps the batch contiguous
-        self._waiting: deque[Sequence] = deque()
-        self._running: dict[int, Sequence] = {}
-        self._dropped: list[Sequence] = []  # aborted while waiting: their last update is due
+        self._waiting: deque[RequestState] = deque()
+        self._running: dict[int, RequestState] = {}
+        self._dropped: list[RequestState] = []  # aborted while waiting: their last update is due
 
     @property
     def last_k(self) -> int:
@@ -82,7 +82,7 @@ class Engine:
                                                 seed=request.seed, stop=request.stop)
         generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
-        sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
+        sequence = RequestState(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
                             list(prompt), len(prompt))
         self._next_id += 1
         self._waiting.append(sequence)
@@ -162,7 +162,7 @@ class Engine:
             self._waiting.extendleft(reversed(joining))
             raise
 
-    def _decode(self, live: list[Sequence]) -> None:
+    def _decode(self, live: list[RequestState]) -> None:
         """One step for the live sequences: choose k, draft, verify in one forward, commit."""
         context = self.target.context_length
         limits = [min(self.max_k, s.room(context) - 1) for s in live]
@@ -180,7 +180,7 @@ class Engine:
             for s in live:
                 proposal = proposals.get(s.slot, Proposal([]))
                 _check(self.drafter, proposal, asked.get(s.slot, 0))
-                rows.append(Row(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
+                rows.append(SequenceStep(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
                                 s.generator))
             results = batched_step(self.target, self.cache, rows)
             if asked:
@@ -209,7 +209,7 @@ class Engine:
             self.metrics.generated_tokens += len(s.tokens) - before
         self.metrics.record_step(k, len(live))
 
-    def _time_forward(self, live: list[Sequence], width: int) -> float | None:
+    def _time_forward(self, live: list[RequestState], width: int) -> float | None:
         """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are
         rolled back after it (what it wrote lies past their lengths, never read). None where a slot lacks room."""
         slots = [s.slot for s in live]
@@ -224,7 +224,7 @@ class Engine:
             self.cache.truncate(slot, length)
         return seconds
 
-    def _release(self, sequence: Sequence) -> None:
+    def _release(self, sequence: RequestState) -> None:
         del self._running[sequence.id]
         self.cache.truncate(sequence.slot, 0)
         if self.drafts is not None:

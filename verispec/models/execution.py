@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from verispec.models.batch_cache import BatchRows
+from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
 from verispec.models.captured import lookup, replay, replay_causal, replay_chain
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, as_index, covering, exact_layout, visible_slots
@@ -78,8 +78,8 @@ class Execution:
             cache.advance(T)
         return out
 
-    def forward_batch(self, tokens: torch.Tensor, rows: BatchRows, head: VocabHead | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchRows`: each row's
+    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout, head: VocabHead | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchLayout`: each row's
         offset, its real tokens and its padding); each slot advances by its row's real tokens only. `head`: over its
         tokens only (B, T, N)."""
         logits, _ = self.module(tokens, rows, AttentionMask(rows.mask), ForwardOptions(positions=rows.positions,

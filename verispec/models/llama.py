@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
-from verispec.models.batch_cache import BatchRows
+from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
 from verispec.models.linear import PackedLinear, packed_here
 from verispec.models.options import ForwardOptions, VocabHead
 
-Cache = KVCache | BatchRows  # where a forward stores its keys and values, and reads them back (`update`)
+Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`)
 
 
 class RMSNorm(nn.Module):

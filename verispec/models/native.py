@@ -107,7 +107,7 @@ class NativeModel:
                       counts: Sequence[int], head: VocabHead | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
         counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N))."""
-        return self.execution.forward_batch(tokens, cache.rows(slots, counts, tokens.shape[1]), head)
+        return self.execution.forward_batch(tokens, cache.layout(slots, counts, tokens.shape[1]), head)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,

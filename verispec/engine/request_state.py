@@ -15,7 +15,7 @@ from verispec.stats import GenerationStats
 
 
 @dataclass
-class Sequence:
+class RequestState:
     """The bookkeeping `verispec.generate` does around each step, for one request of the batch."""
 
     id: int
