@@ -3,7 +3,7 @@
 Exact mode needs a position's logits to be bitwise the same however many tokens share the forward. On verispec's
 own kernels (verispec/kernels) that holds by construction and the floor is 1, unmeasured at load (the tests measure
 it). On PyTorch's kernels, padding every forward to the same 16 rows makes it so, but a 1-token step then pays for
-16 rows: in bfloat16 on this project's Zen 4 (no AMX) 12.6 ms instead of 8.3. What the row count can change is a kernel's code path:
+16 rows, at a visible share of its time in bfloat16. What the row count can change is a kernel's code path:
 oneDNN's bfloat16 matmul over 1,408 inputs (the MLP's down projection) gives one row other bits than 2 to 16 rows
 do, the float32 score matmul against transposed keys takes another path below 4 rows, and an elementwise kernel over
 a contiguous (rows x width) tensor ends its vector loop elsewhere when the width is not a multiple of the vector.
