@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from verispec import generate
-from verispec.adaptive import (AUTO_MAX_K, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Acceptance, AdaptiveK,
-                               Timings, best_k, expected_tokens)
+from verispec.cost_model import (PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Acceptance, Timings, best_k,
+                                 expected_tokens)
+from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter

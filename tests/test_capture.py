@@ -34,8 +34,8 @@ def one_thread(single_thread: None) -> None:
 
 def on_kernels(folder: Path, dtype: torch.dtype, exact: bool, capture: bool) -> NativeModel:
     model = load_model(folder, dtype=dtype, exact=exact, fast=False)
-    model.module.pack(EXACT_ROWS if exact else 1, own_kernels=True)
-    model.module.capture = capture
+    model.pack(EXACT_ROWS if exact else 1, own_kernels=True)
+    model.execution.capture = capture
     return model
 
 
@@ -120,13 +120,13 @@ def test_a_capture_is_the_models_keyed_by_shape_and_serves_every_cache(pair_dirs
         for token in (1, 2, 3):
             model(torch.tensor([[token]]), cache)
         model(PROMPT[:, :4], cache, hidden=[-1])
-    captured = model.module.captured
+    captured = model.execution.captured
     assert sorted((key[0], key[3]) for key in captured) == [(1, ()), (4, ()), (4, (-1,))]
     assert all(isinstance(capture, CapturedForward) for capture in captured.values())
     long = torch.randint(0, 256, (1, 70))  # past MAX_ROWS (ordinary mode: one forward): not captured
     ordinary = on_kernels(pair_dirs[0], torch.bfloat16, exact=False, capture=True)
     ordinary(long, ordinary.new_cache())
-    assert not ordinary.module.captured
+    assert not ordinary.execution.captured
 
 
 def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_past_the_bound(
@@ -136,11 +136,11 @@ def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_pa
         cache = model.new_cache(max_len)
         model(PROMPT[:, :3], cache)
         model(PROMPT[:, 3:4], cache)
-    assert sorted(key[0] for key in model.module.captured) == [1, 3]
+    assert sorted(key[0] for key in model.execution.captured) == [1, 3]
     model(PROMPT[:, :3], model.new_cache(100))  # the 3-row capture, the first made, is now the most recently used
     monkeypatch.setattr(captured, "MAX_HELD_ROWS", 7)
     model(PROMPT[:, :4], model.new_cache(100))  # 3 + 1 + 4 rows would be 8: the least recently used (1 row) goes
-    assert {key[0]: type(capture) for key, capture in model.module.captured.items()} == {3: CapturedForward,
+    assert {key[0]: type(capture) for key, capture in model.execution.captured.items()} == {3: CapturedForward,
                                                                                          4: CapturedForward}
 
 
@@ -148,9 +148,9 @@ def test_a_forward_past_eager_rows_is_captured_when_its_shape_comes_again(pair_d
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     prompt = torch.randint(0, 256, (1, captured.EAGER_ROWS + 1))
     model(prompt, model.new_cache())  # a prompt's prefill, seen once: op by op
-    assert list(model.module.captured.values()) == [captured.ONCE]
+    assert list(model.execution.captured.values()) == [captured.ONCE]
     model(prompt, model.new_cache())
-    assert [type(capture) for capture in model.module.captured.values()] == [CapturedForward]
+    assert [type(capture) for capture in model.execution.captured.values()] == [CapturedForward]
 
 
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:
@@ -171,7 +171,7 @@ def test_a_forward_that_computes_outside_the_kernels_runs_op_by_op(pair_dirs: tu
     for a, b in zip(*out, strict=True):
         assert torch.equal(a, b)
     # refused, and not tried again; the prefills, seen once, were never tried
-    assert set(models[0].module.captured.values()) == {captured.REFUSED, captured.ONCE}
+    assert set(models[0].execution.captured.values()) == {captured.REFUSED, captured.ONCE}
 
 
 def chain_by_forwards(model: NativeModel, tokens: torch.Tensor, cache, n: int) -> list[int]:
@@ -210,7 +210,7 @@ def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_
     # chains from 1 token (2 programs), the one from 2 (1 + 3 one-token replays), the last from 1 (1 program): 6;
     # then 5 a session (that forward replayed, 4 chain programs).
     assert replays.call_count == 6 + 5 + 5
-    assert all(isinstance(key[0], int) for key in model.module.captured)  # no capture of a chain of its own
+    assert all(isinstance(key[0], int) for key in model.execution.captured)  # no capture of a chain of its own
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
@@ -222,7 +222,7 @@ def test_a_greedy_chain_among_a_draft_vocabulary(pair_dirs: tuple[Path, Path], e
     head = model.vocab_head(ids)
     with torch.inference_mode():
         whole, part = model.new_cache(), model.new_cache()
-        assert torch.equal(model.module(PROMPT[:, :6], part, head=head), model(PROMPT[:, :6], whole)[..., ids])
+        assert torch.equal(model(PROMPT[:, :6], part, head=head), model(PROMPT[:, :6], whole)[..., ids])
 
     def by_forwards(tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
         out = []
@@ -292,12 +292,12 @@ def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tup
 
 
 def test_a_greedy_chain_that_fails_leaves_the_cache_as_it_was(pair_dirs: tuple[Path, Path], monkeypatch) -> None:
-    from verispec.models import llama
+    from verispec.models import execution
 
     model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
     cache = model.new_cache()
     model(PROMPT[:, :5], cache)
-    forward, calls = llama.LlamaForCausalLM.forward, []
+    forward, calls = execution.Execution.forward, []
 
     def failing(self, *args, **kwargs):
         calls.append(1)
@@ -306,7 +306,7 @@ def test_a_greedy_chain_that_fails_leaves_the_cache_as_it_was(pair_dirs: tuple[P
         return forward(self, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(llama.LlamaForCausalLM, "forward", failing)
+        patch.setattr(execution.Execution, "forward", failing)
         with pytest.raises(RuntimeError, match="interrupted"):
             model.greedy_chain(PROMPT[:, 5:9], cache, 4)
     assert cache.length == 5
@@ -317,7 +317,7 @@ def test_a_greedy_chain_that_fails_leaves_the_cache_as_it_was(pair_dirs: tuple[P
         cache.length += 2  # part of the way
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(llama, "replay_chain", broken)
+    monkeypatch.setattr(execution, "replay_chain", broken)
     with pytest.raises(RuntimeError, match="interrupted"):
         model.greedy_chain(PROMPT[:, 5:6], cache, 4)
     assert cache.length == 5
@@ -330,7 +330,7 @@ def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pai
     for tokens in expected:
         cache = model.new_cache()
         assert model.greedy_chain(PROMPT[:, :6], cache, 5) == tokens and cache.length == 6 + 4
-    assert captured.REFUSED in model.module.captured.values()
+    assert captured.REFUSED in model.execution.captured.values()
 
 
 @pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "grad-mode"])
@@ -366,3 +366,24 @@ def test_a_replay_reads_new_inputs_and_the_length_when_it_runs() -> None:
     index[0] = 6  # out of the table: the gather refuses, nothing is read
     with pytest.raises(IndexError, match="refused its inputs"):
         program()
+
+
+def test_a_replay_into_another_cache_leaves_no_pointer_into_the_first(pair_dirs: tuple[Path, Path]) -> None:
+    """A program's raw pointers into a cache (`KVCache.storage`: keys, values, the length cell) are rewritten for
+    the cache a replay names: after a replay into a second cache, no word of the program points into the first."""
+    model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
+    first, second = model.new_cache(), model.new_cache()
+
+    def pointers_into(cache: KVCache, capture: CapturedForward) -> int:
+        spans = []
+        for place in cache.storage().values():
+            size = place.untyped_storage().nbytes() if isinstance(place, torch.Tensor) else ctypes.sizeof(place)
+            spans.append((kernels.address(place), kernels.address(place) + size))
+        return sum(any(lo <= word < hi for lo, hi in spans) for word in capture.program.code.tolist())
+
+    model(PROMPT[:, :3], first)  # captured into the first cache
+    capture = next(c for c in model.execution.captured.values() if isinstance(c, CapturedForward))
+    assert pointers_into(first, capture) > 0 and pointers_into(second, capture) == 0
+    model(PROMPT[:, :3], second)  # replayed into the second
+    assert pointers_into(first, capture) == 0 and pointers_into(second, capture) > 0
+    assert torch.equal(second.k[:, :, :, :3], first.k[:, :, :, :3]) and first.length == second.length == 3

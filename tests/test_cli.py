@@ -340,3 +340,16 @@ def test_ctrl_c_while_loading_exits_130_without_stats(capsys, monkeypatch) -> No
     monkeypatch.setattr(cli, "load", load)
     code, out, err = run(capsys, "generate", "p")
     assert code == 130 and out == "" and err == "\n"
+
+
+def test_every_method_option_has_one_flag_made_from_the_registry() -> None:
+    """A drafter option is declared once (registry.OPTIONS): each family's options have a flag, which fills the
+    method record under the option's own name."""
+    from verispec.cli_parser import build_parser
+    from verispec.drafters.registry import FAMILIES, OPTIONS
+
+    assert {name for family in FAMILIES.values() for name in family.options} == set(OPTIONS)
+    args = build_parser().parse_args(["generate", "x", "--method", "lookahead", "--ngram-size", "3", "--window", "4"])
+    assert cli._method(args).options == {"ngram": 3, "window": 4}
+    args = build_parser().parse_args(["generate", "x", "--method", "layerskip", "--skip", "2,3"])
+    assert cli._method(args).options == {"skip": [2, 3]}

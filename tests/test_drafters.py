@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
-from verispec.adaptive import AdaptiveK, AdaptiveSession
+from verispec.drafters.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method

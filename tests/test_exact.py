@@ -14,8 +14,8 @@ from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup
 from verispec.errors import ContextLengthError
 from verispec.generate import generate
 from verispec.models.default import load_default
-from verispec.models import llama
-from verispec.models.llama import TAIL
+from verispec.models import execution
+from verispec.models.layout import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
@@ -35,7 +35,8 @@ def one_thread(single_thread: None) -> None:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
 def own_kernels(request: pytest.FixtureRequest) -> bool:
-    """Exact mode on verispec's kernels (matmul and `KeyRows` attention) and on PyTorch's (oneDNN, `Rows`)."""
+    """Exact mode on verispec's kernels (matmul and `VisibleSlots` attention) and on PyTorch's (oneDNN,
+    `FixedWidthKeys`)."""
     if request.param and not kernels.available(torch.float32):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
     return request.param
@@ -44,7 +45,7 @@ def own_kernels(request: pytest.FixtureRequest) -> bool:
 def exact_on(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
     """The target in exact mode, packed on verispec's kernels or PyTorch's."""
     model = load_model(pair_dirs[0], dtype=dtype, exact=True, fast=False)
-    model.module.pack(EXACT_ROWS, own_kernels)
+    model.pack(EXACT_ROWS, own_kernels)
     return model
 
 
@@ -70,12 +71,12 @@ def chunks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
     """Verispec's attention runs LONG_ROWS-row chunks, or, here, as short ones as PyTorch's (EXACT_ROWS), so that
     chunk boundaries fall inside the forwards of these tests on either kernels."""
     if request.param == "short":
-        monkeypatch.setattr(llama, "LONG_ROWS", EXACT_ROWS)
+        monkeypatch.setattr(execution, "LONG_ROWS", EXACT_ROWS)
 
 
 @pytest.fixture
 def short_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "LONG_ROWS", EXACT_ROWS)
+    monkeypatch.setattr(execution, "LONG_ROWS", EXACT_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: Native
 
 
 def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact_torch: NativeModel) -> None:
-    """A branch under the root's second child sits one slot past its positions: its keys are out of place. `Rows`
+    """A branch under the root's second child sits one slot past its positions: its keys are out of place. `FixedWidthKeys`
     gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
     exact = exact_torch
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
@@ -189,7 +190,7 @@ def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact_
 
 
 def test_own_kernels_take_a_tree_of_any_depth(exact_own: NativeModel) -> None:
-    """`KeyRows` skips the slots a row does not see, so a branch 40 deep, one slot past its positions, is exact."""
+    """`VisibleSlots` skips the slots a row does not see, so a branch 40 deep, one slot past its positions, is exact."""
     exact = exact_own
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL + 7))
     tokens = torch.randint(0, 256, (1, len(parents)), generator=torch.Generator().manual_seed(4))
@@ -237,7 +238,7 @@ def test_the_ordinary_path_differs_where_exact_mode_does_not(pair_dirs: tuple[Pa
     """Without exact mode, on PyTorch's kernels, bfloat16 logits change with the forward's width: the tests above
     can fail."""
     ordinary = load_model(pair_dirs[0], dtype=torch.bfloat16, fast=False)
-    ordinary.module.pack(1, own_kernels=False)
+    ordinary.pack(1, own_kernels=False)
     assert not torch.equal(ordinary(SEQ, ordinary.new_cache())[0], alone(ordinary))
 
 

@@ -14,7 +14,8 @@ import torch
 
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
-from verispec.models.llama import RMSNorm, apply_rotary
+from verispec.models.layout import apply_rotary
+from verispec.models.llama import RMSNorm
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
@@ -297,7 +298,8 @@ def test_the_wrappers_refuse_what_would_read_out_of_bounds() -> None:
 
 @needs_kernels
 def test_a_head_wider_than_the_attention_kernel_attends_through_pytorch(tmp_path) -> None:
-    """The matmuls still run on the kernels; attention (head_dim 320 > 256) takes SDPA, or `Rows` in exact mode."""
+    """The matmuls still run on the kernels; attention (head_dim 320 > 256) takes SDPA, or `FixedWidthKeys` in exact
+    mode."""
     folder = random_checkpoint(tmp_path, tiny_config(head_dim=320, num_attention_heads=2, num_key_value_heads=1))
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     for exact in (False, True):

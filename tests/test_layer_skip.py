@@ -19,7 +19,10 @@ from verispec.cli import main
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import save_checkpoint
+from verispec.models.execution import Execution
 from verispec.models.llama import LlamaForCausalLM
+from verispec.models.options import ForwardOptions
+from verispec.models.precision import pack_model
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs
@@ -64,7 +67,7 @@ def partial_model(target: NativeModel, kept: list[int]) -> LlamaForCausalLM:
         state[name] = value
     model.load_state_dict(state)
     if target.module.head is not None:  # the same kernels as the target's, so that only the layers differ
-        model.pack(1, target.module.own_kernels)
+        pack_model(model, 1, target.module.own_kernels)
     return model
 
 
@@ -73,8 +76,9 @@ def test_forward_with_layers_equals_a_partial_model(target: NativeModel, kept: l
     tokens = torch.tensor([[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]])
     partial = partial_model(target, kept)
     with torch.inference_mode():
-        expected = partial(tokens, None)
-        torch.testing.assert_close(target.module(tokens, None, layers=kept), expected, rtol=0, atol=1e-6)
+        expected = Execution(partial).forward(tokens, None)
+        torch.testing.assert_close(target.execution.forward(tokens, None, ForwardOptions(layers=kept)), expected,
+                                   rtol=0, atol=1e-6)
         # With a cache, fed in two chunks: the kept layers' entries are the partial model's own, in their slots.
         cache = target.new_cache(32)
         cache.k.fill_(float("nan"))
@@ -83,7 +87,7 @@ def test_forward_with_layers_equals_a_partial_model(target: NativeModel, kept: l
         torch.testing.assert_close(torch.cat((first, second), 1), expected, rtol=0, atol=1e-5)
         c = partial.config
         own_cache = KVCache(len(kept), 1, c.num_key_value_heads, 32, c.dim_per_head)
-        partial(tokens, own_cache)
+        Execution(partial).forward(tokens, own_cache)
         for j, layer in enumerate(kept):
             torch.testing.assert_close(cache.k[layer, :, :, :11], own_cache.k[j, :, :, :11], rtol=0, atol=1e-5)
         skipped = [i for i in range(3) if i not in kept]

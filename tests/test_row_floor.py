@@ -39,7 +39,7 @@ def shipped_on(own_kernels: bool) -> NativeModel:
     if own_kernels and not kernels.available(torch.bfloat16):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
     model = load_model(default_paths()[0], dtype="bfloat16", exact=True, fast=False)
-    model.module.pack(EXACT_ROWS, own_kernels=own_kernels)
+    model.pack(EXACT_ROWS, own_kernels=own_kernels)
     return model
 
 
@@ -87,7 +87,7 @@ def test_own_kernels_need_no_padding() -> None:
     floor 1 without measuring, and the measurement over the whole block agrees."""
     shipped_exact = shipped_on(True)
     width = exact_width(shipped_exact.context_length)
-    assert shipped_exact.module.row_floor(EXACT_ROWS, width) == 1 and not shipped_exact.module.row_floors
+    assert shipped_exact.execution.row_floor(EXACT_ROWS, width) == 1 and not shipped_exact.execution.row_floors
     assert row_floor(shipped_exact.module, EXACT_ROWS, width) == 1
 
 
@@ -95,7 +95,7 @@ def test_below_its_floor_the_shipped_target_is_not_exact_here(shipped_torch: Nat
     """So the test above can fail: on PyTorch's kernels, one row below the floor measured here, some position's
     logits differ."""
     shipped_exact = shipped_torch
-    module, key = shipped_exact.module, (1, EXACT_ROWS, exact_width(shipped_exact.context_length))
+    module, key = shipped_exact.execution, (1, EXACT_ROWS, exact_width(shipped_exact.context_length))
     alone = in_chunks(shipped_exact, code, [1] * 16, START)
     floor = module.row_floors[key]  # measured by the forwards above, at this one thread
     if floor == 1:
@@ -115,7 +115,7 @@ def test_an_mlp_width_off_the_vector_length_stays_exact(tmp_path, kind: str) -> 
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
     model = load_model(random_checkpoint(tmp_path, tiny_config(intermediate_size=100)), exact=True, fast=False)
     if kind != "plain":
-        model.module.pack(EXACT_ROWS, own_kernels=kind == "own-kernels")
+        model.pack(EXACT_ROWS, own_kernels=kind == "own-kernels")
     tokens = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(0))
     alone = in_chunks(model, tokens, [1] * 16, 20)
     for sizes in PARTITIONS:

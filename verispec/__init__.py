@@ -2,7 +2,7 @@
 
 from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
                                PromptLookup, Proposal, Resources, SideBranch, Verdict, build_drafter)
-from verispec.adaptive import AdaptiveK  # after the drafters: the registry imports it
+from verispec.drafters.adaptive import AdaptiveK
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
                              InvalidArgumentError, PeerError, TokenizerMismatchError, UnsupportedArchitectureError,
                              VerispecError)

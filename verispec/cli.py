@@ -18,7 +18,7 @@ from verispec.drafters.base import Drafter, Needs
 from verispec.arguments import whole_number
 from verispec.cli_output import GREEN, RESET, print_stream, stats_lines, turn_line, use_color
 from verispec.cli_parser import build_parser
-from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, check_method
+from verispec.drafters.registry import AUTO, OPTIONS, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError, VerispecError
 from verispec.chat import Chat
 from verispec.generate import generate, stream
@@ -32,14 +32,11 @@ from verispec.serve.chat import ChatTemplate, load_chat_template
 from verispec.stats import GenerationStats
 from verispec.threads import set_threads, torch_threads
 
-OPTION_FLAGS = {"max_ngram": "max_ngram", "min_ngram": "min_ngram", "window": "window", "ngram": "ngram_size",
-                "candidates": "candidates", "skip": "skip", "branch": "branch", "branch_depth": "branch_depth",
-                "tree_top_k": "tree_top_k", "tree_tokens": "tree_tokens", "draft_vocab": "draft_vocab"}
 
 
 def _method(args: argparse.Namespace) -> Method:
     """The method record from the command line: only the options that were given."""
-    options = {name: getattr(args, flag) for name, flag in OPTION_FLAGS.items() if getattr(args, flag) is not None}
+    options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     if "skip" in options:
         options["skip"] = _whole_numbers(options["skip"], "--skip", "layer indices such as 2,3")
     k = _k_arg(args.k)
@@ -51,8 +48,8 @@ def _method(args: argparse.Namespace) -> Method:
     return Method(args.method, k, options)
 
 
-# Chains whose draft length auto chooses step by step. Not EAGLE's: on the shipped pair (bfloat16 exact mode, the
-# bench's 42 prompts) its auto drafted shorter than it should (tau 3.24, 1.75x) where k = 4 held tau 3.62 and 1.81x.
+# Chains whose draft length auto chooses step by step. Not EAGLE's: on the shipped pair its auto drafted shorter than
+# it should, below a fixed k = 4 in the bench's report.
 AUTO_BY_DEFAULT = ("draft", "ngram")
 
 

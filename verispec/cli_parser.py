@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.drafters.registry import FAMILIES
+from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
 from verispec.models.auto import BACKENDS
 from verispec.models.native import DTYPES
 from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
@@ -143,32 +143,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                                         "plain decoding")
     parser.add_argument("--method", choices=list(FAMILIES), default="draft",
                         help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
-    # Each method's options default to None here, so that only what was given reaches the method record (the
-    # defaults live in the drafters) and an option given to a method that does not take it is refused.
-    parser.add_argument("--max-ngram", type=int, help="ngram: longest n-gram matched (default 3)")
-    parser.add_argument("--min-ngram", type=int, help="ngram: shortest n-gram matched (default 1)")
-    parser.add_argument("--window", type=int, help="lookahead: columns of the Jacobi window (W, default 5)")
-    parser.add_argument("--ngram-size", type=int, help="lookahead: n-gram size N, N - 1 tokens drafted (default 4)")
-    parser.add_argument("--candidates", type=int, help="lookahead: most n-grams verified per step (G, default 5)")
-    parser.add_argument("--skip", help="layerskip: layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)")
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
                                    "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
                                    "pay (default auto for draft and ngram chains; 4 for eagle and trees; layerskip: the "
                                    "k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or "
                                    "off)")
-    parser.add_argument("--branch", type=int,
-                        help="draft: candidates per node at the first --branch-depth depths; > 1 verifies a token "
-                             "tree (native runtime; default 1, a chain)")
-    parser.add_argument("--branch-depth", type=int, help="draft: how many depths branch (default 1)")
     parser.add_argument("--head", help="eagle, medusa: the head's folder (default: models/stdlib-eagle or "
                                        "models/stdlib-medusa for the shipped target)")
-    parser.add_argument("--tree-top-k", type=int, help="eagle: draft EAGLE-2's dynamic tree, expanding this many nodes "
-                                                       "per depth with this many children each (with --tree-tokens)")
-    parser.add_argument("--tree-tokens", type=int, help="eagle, medusa: nodes of the tree the target verifies")
-    parser.add_argument("--draft-vocab", type=int, help="draft, eagle, medusa: draft over this many of the most "
-                                                        "frequent tokens only (a cheaper LM head; verification still "
-                                                        "scores them all); 0: all of them (default: the draft's or "
-                                                        "head's folder's own, 2048 for the shipped ones)")
+    # The methods' options, as the registry declares them. Each defaults to None here, so that only what was given
+    # reaches the method record (the defaults live in the drafters) and an option given to a method that does not
+    # take it is refused.
+    for name, option in OPTIONS.items():
+        parser.add_argument(option.flag_for(name), dest=name, type=option.type,
+                            help=f"{', '.join(families_taking(name))}: {option.help}")
 
 
 def add_decoding_args(parser: argparse.ArgumentParser, per: str = "") -> None:

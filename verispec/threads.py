@@ -2,8 +2,8 @@
 
 torch starts one thread per core. At batch one the forward is a chain of small ops, each ending at a barrier
 where every thread waits for the slowest; when another process holds one of the cores, the thread that shares it
-runs only in time slices and every barrier waits for its turn. On a 2-core machine with one core busy, the shipped
-pair ran at 1.8-2.4 tok/s with two threads and 32-55 with one (README, "Threads"). Leaving one core free keeps a
+runs only in time slices and every barrier waits for its turn: on a 2-core machine with one core busy, two threads
+ran the shipped pair many times slower than one (README, "Threads", has the numbers). Leaving one core free keeps a
 single busy neighbour from stalling the barriers; on 2 cores that is one thread, which was no slower at its best
 than two at theirs.
 """

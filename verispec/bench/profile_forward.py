@@ -183,8 +183,8 @@ def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_roun
 def _load(target_dir: Path, dtype: str, exact: bool, kind: str) -> NativeModel:
     model = load_model(target_dir, dtype=dtype, exact=exact, fast=False)
     if kind != "plain":
-        model.module.pack(16 if exact else 1, own_kernels=kind in ("own", "captured"))
-    model.module.capture = kind == "captured"
+        model.pack(16 if exact else 1, own_kernels=kind in ("own", "captured"))
+    model.execution.capture = kind == "captured"
     return model
 
 

@@ -1,7 +1,7 @@
 """The one place that builds a drafter from a method record: the CLI, the bench and the server all use it.
 
 A `Method` is a family name, a draft length k (None: the family's default; "auto": chosen per step by
-`verispec.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
+`verispec.drafters.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
 window) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
 it needs of the target.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.adaptive import AUTO_MAX_K, AdaptiveK
+from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
@@ -56,9 +56,40 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class Option:
+    """A drafter option, declared once: the command line's flag is made from it (verispec/cli_parser.py)."""
+
+    help: str  # what it does, after the families that take it
+    type: Callable[[str], Any] = int  # what the command line's text becomes
+    flag: str | None = None  # the command line's name, where it is not --name-with-dashes
+
+    def flag_for(self, name: str) -> str:
+        return self.flag or "--" + name.replace("_", "-")
+
+
+OPTIONS: dict[str, Option] = {
+    "max_ngram": Option("longest n-gram matched (default 3)"),
+    "min_ngram": Option("shortest n-gram matched (default 1)"),
+    "window": Option("columns of the Jacobi window (W, default 5)"),
+    "ngram": Option("n-gram size N, N - 1 tokens drafted (default 4)", flag="--ngram-size"),
+    "candidates": Option("most n-grams verified per step (G, default 5)"),
+    "skip": Option("layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)", str),
+    "branch": Option("candidates per node at the first --branch-depth depths; > 1 verifies a token tree (native "
+                     "runtime; default 1, a chain)"),
+    "branch_depth": Option("how many depths branch (default 1)"),
+    "tree_top_k": Option("draft EAGLE-2's dynamic tree, expanding this many nodes per depth with this many children "
+                         "each (with --tree-tokens)"),
+    "tree_tokens": Option("nodes of the tree the target verifies"),
+    "draft_vocab": Option("draft over this many of the most frequent tokens only (a cheaper LM head; verification "
+                          "still scores them all); 0: all of them (default: the draft's or head's folder's own, 2048 "
+                          "for the shipped ones)"),
+}
+
+
+@dataclass(frozen=True)
 class Family:
     summary: str
-    options: tuple[str, ...]
+    options: tuple[str, ...]  # names in OPTIONS
     build: Callable[[Method, Resources], Drafter | None]
     needs: Callable[[Method], Needs] = lambda method: Needs()  # known before anything is loaded
     takes_k: bool = True
@@ -149,6 +180,11 @@ FAMILIES: dict[str, Family] = {
                      "nodes shaped by their measured accuracy (k is the number of heads)", ("tree_tokens", "draft_vocab"),
                      _medusa, lambda m: Medusa.needs, takes_k=False),
 }
+
+
+def families_taking(option: str) -> list[str]:
+    """The families that take `option`, in FAMILIES' order."""
+    return [name for name, family in FAMILIES.items() if option in family.options]
 
 
 def check_method(method: Method) -> Needs:

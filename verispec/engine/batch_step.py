@@ -15,7 +15,7 @@ from verispec.verify import verify
 
 
 @dataclass(frozen=True)
-class Row:
+class SequenceStep:
     """One sequence's part of the step."""
 
     slot: int  # its cache slot, which holds every committed token but `last`
@@ -25,7 +25,7 @@ class Row:
     generator: torch.Generator
 
 
-def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[Row]) -> list[tuple[int, int] | Exception]:
+def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[SequenceStep]) -> list[tuple[int, int] | Exception]:
     """`speculative_step` for every row at once: returns (accepted proposal tokens, the target's next token) per row,
     or the exception its acceptance rule raised (that row's slot keeps only what it had; the others go on).
 

@@ -1,7 +1,7 @@
 """The batched engine's draft length: one k per step for the whole batch, from the batch size and measured costs.
 
-The model of a step is adaptive.py's, per batch size B: drafting k tokens for each of the B sequences yields
-sum_i E_i(k) tokens (E_i from sequence i's own acceptance by position, `adaptive.Acceptance`) and costs
+The model of a step is cost_model.py's, per batch size B: drafting k tokens for each of the B sequences yields
+sum_i E_i(k) tokens (E_i from sequence i's own acceptance by position, `cost_model.Acceptance`) and costs
 k c_B + r_B(k + 1), in units of a target forward of B rows of one token; plain decoding yields B tokens for 1. As the
 batch grows, the target's forward stops being bound by reading the weights: r_B(n) climbs towards n and the best k
 falls, to 0 (plain decoding) once speculation no longer pays. r_B(n) = f(B n) / f(B), with f the target's forward
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from verispec.adaptive import (PRIOR_C, PRIOR_SLOPE, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Costs,
-                               expected_tokens)
+from verispec.cost_model import PRIOR_C, PRIOR_SLOPE, Costs, Probes, expected_tokens
 from verispec.engine.forward_costs import CostCurve
-
 
 
 class DraftLength:
@@ -30,9 +28,10 @@ class DraftLength:
     def __init__(self, max_k: int, costs: Callable[[int], Costs] | None = None) -> None:
         self.max_k, self.fixed_costs = max_k, costs
         self.forward, self.drafting = CostCurve(), CostCurve()  # by tokens in the forward; per token, by batch size
-        self.plain_run, self.probe_every = 0, PROBE_FIRST
-        self._probing = self._drafted_last = False
-        self._tried = False  # until the drafter has drafted once, nothing is known of it: the first step tries it
+        # Until the drafter has drafted once, nothing is known of it: the first step tries it. An accepted probe is
+        # not repeated at once: one probe already brings a verdict per sequence of the batch.
+        self.probes = Probes(now=True)
+        self._drafted_last = False
 
     def choose(self, rates: Sequence[Sequence[float]], limits: Sequence[int],
                measure: Callable[[int], float | None]) -> int:
@@ -48,21 +47,13 @@ class DraftLength:
             predicted = tokens / (k * c + r(k + 1))
             if predicted > speed * (1 + 1e-9):
                 best, speed = k, predicted
-        self._probing = False
         if speed > len(rates) * (1 + 1e-9):  # plain decoding: a token per sequence for one forward
-            self.plain_run, self.probe_every, self._tried = 0, PROBE_FIRST, True
+            self.probes.drafting()
             return best
         # The probe drafts the most promising k, not 1: where a forward of two tokens costs nearly as much as one of
         # five (a CPU's kernels switch there), only a deep probe can show that the deeper positions are accepted.
-        # Unlike `AdaptiveK`, an accepted probe is not repeated at once: one probe already brings a verdict per
-        # sequence of the batch.
-        self.plain_run += 1
-        cost = best * c + r(best + 1) - 1  # what the probe costs over a plain step
-        wait = min(max(self.probe_every, cost / PROBE_BUDGET), PROBE_WAIT_MAX) if self._tried else 0
-        if self.plain_run > wait:
-            self.plain_run, self._probing, self._tried = 0, True, True
-            return best
-        return 0
+        probe, _ = self.probes.plain(best * c + r(best + 1) - 1)  # what the probe costs over a plain step
+        return best if probe else 0
 
     def costs(self, batch: int, measure: Callable[[int], float | None]) -> Costs:
         """(c, r) at this batch size, timing the target on the batch where the steps have not reached its sizes."""
@@ -91,5 +82,4 @@ class DraftLength:
         self.forward.observe(batch * width, verify_seconds)
         if clean:
             self.drafting.observe(batch, draft_seconds / clean)
-        if self._probing:
-            self.probe_every = PROBE_FIRST if accepted else min(2 * self.probe_every, PROBE_MAX)
+        self.probes.judged(accepted)

@@ -9,16 +9,16 @@ from typing import Callable
 
 import torch
 
-from verispec.adaptive import Acceptance, Costs
+from verispec.cost_model import Acceptance, Costs
 from verispec.arguments import generation_args, whole_number
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
 from verispec.drafters.batch import SequenceStart
-from verispec.engine.batch_step import Row, batched_step
+from verispec.engine.batch_step import SequenceStep, batched_step
 from verispec.engine.draft_length import DraftLength
 from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
-from verispec.engine.sequence import Sequence
+from verispec.engine.request_state import RequestState
 from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
@@ -59,9 +59,9 @@ class Engine:
         self._pooled = Acceptance(max(1, self.max_k))  # every sequence's verdicts
         self._next_id = 0
         self._free = list(range(self.max_batch))  # a heap: the lowest free slot first keeps the batch contiguous
-        self._waiting: deque[Sequence] = deque()
-        self._running: dict[int, Sequence] = {}
-        self._dropped: list[Sequence] = []  # aborted while waiting: their last update is due
+        self._waiting: deque[RequestState] = deque()
+        self._running: dict[int, RequestState] = {}
+        self._dropped: list[RequestState] = []  # aborted while waiting: their last update is due
 
     @property
     def last_k(self) -> int:
@@ -82,7 +82,7 @@ class Engine:
                                                 seed=request.seed, stop=request.stop)
         generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
-        sequence = Sequence(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
+        sequence = RequestState(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
                             list(prompt), len(prompt))
         self._next_id += 1
         self._waiting.append(sequence)
@@ -162,7 +162,7 @@ class Engine:
             self._waiting.extendleft(reversed(joining))
             raise
 
-    def _decode(self, live: list[Sequence]) -> None:
+    def _decode(self, live: list[RequestState]) -> None:
         """One step for the live sequences: choose k, draft, verify in one forward, commit. A sequence whose own part
         fails (its draft, its acceptance rule, its text) ends with that error; the others step as they would alone."""
         context = self.target.context_length
@@ -187,7 +187,7 @@ class Engine:
                     failed[s.slot] = err
                 if s.slot not in failed:
                     members.append(s)
-                    rows.append(Row(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
+                    rows.append(SequenceStep(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
                                     s.generator))
             results = batched_step(self.target, self.cache, rows) if rows else []
             failed |= {row.slot: r for row, r in zip(rows, results) if isinstance(r, Exception)}
@@ -225,7 +225,7 @@ class Engine:
                 self.metrics.failed += 1
         self.metrics.record_step(k, len(live))
 
-    def _propose(self, live: list[Sequence], asked: dict[int, int], failed: dict[int, Exception]) -> dict:
+    def _propose(self, live: list[RequestState], asked: dict[int, int], failed: dict[int, Exception]) -> dict:
         """The drafter's proposals for the `asked` slots. Where the batch's drafting raises, each slot drafts again
         alone, so that only the sequences whose drafts fail (recorded in `failed`) end."""
         if not asked:
@@ -248,7 +248,7 @@ class Engine:
                 failed[slot] = err
         return proposals
 
-    def _time_forward(self, live: list[Sequence], width: int) -> float | None:
+    def _time_forward(self, live: list[RequestState], width: int) -> float | None:
         """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are
         rolled back after it (what it wrote lies past their lengths, never read). None where a slot lacks room."""
         slots = [s.slot for s in live]
@@ -263,7 +263,7 @@ class Engine:
             self.cache.truncate(slot, length)
         return seconds
 
-    def _release(self, sequence: Sequence) -> None:
+    def _release(self, sequence: RequestState) -> None:
         del self._running[sequence.id]
         self.cache.truncate(sequence.slot, 0)
         if self.drafts is not None:

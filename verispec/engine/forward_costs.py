@@ -7,7 +7,7 @@ from collections import deque
 
 import numpy as np
 
-from verispec.adaptive import TIMING_WINDOW
+from verispec.cost_model import TIMING_WINDOW
 
 
 class CostCurve:

@@ -5,8 +5,8 @@ them, and a decoding step around it, is nothing but kernel calls and can be capt
 (kernels/capture.py).
 
 Each gives a row the same bits whatever else shares the call (see simd.h), and the matmul reads its weight at
-about the memory's rate at the row counts decoding uses: in bfloat16 a forward's matmuls read the weights at about
-25 GB/s on one Zen 4 core, against about 14 GB/s for oneDNN's prepacked kernels. They run on one thread.
+about the memory's rate at the row counts decoding uses, faster than oneDNN's prepacked kernels (see
+docs/bench/forward-profile.md for the measurements). They run on one thread.
 `available` says whether this machine has them (kernels/build.py builds them at first use). The wrappers check
 what the C code cannot (dtypes, shapes, strides) and raise ValueError: a wrong call must never read out of bounds.
 """

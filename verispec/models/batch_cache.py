@@ -12,7 +12,7 @@ from verispec.errors import ContextLengthError
 class BatchKVCache:
     """Keys and values of `slots` sequences, preallocated to `max_len` positions each.
 
-    `lengths[s]` is the number of positions slot s holds. A forward over some slots (`rows`) writes each row's real
+    `lengths[s]` is the number of positions slot s holds. A forward over some slots (`layout`) writes each row's real
     tokens at its own offset and advances only that row's length by its real tokens; rolling a slot back is
     `truncate(slot, length)`, which moves that slot's length alone. Zero-initialised: a row of a batched forward
     reads keys up to the longest row's end, past its own length (masked), and 0 * NaN from uninitialised memory
@@ -33,13 +33,13 @@ class BatchKVCache:
         removed, self.lengths[slot] = self.lengths[slot] - length, length
         return removed
 
-    def rows(self, slots: Sequence[int], counts: Sequence[int], width: int) -> BatchRows:
+    def layout(self, slots: Sequence[int], counts: Sequence[int], width: int) -> BatchLayout:
         """The layout of one forward of `width` tokens per row over `slots`, row b holding counts[b] real tokens
         (the rest is padding)."""
-        return BatchRows(self, list(slots), list(counts), width)
+        return BatchLayout(self, list(slots), list(counts), width)
 
 
-class BatchRows:
+class BatchLayout:
     """One batched forward's layout: where each row's tokens go, which keys each sees, their rotary positions.
 
     Row b continues slot slots[b] from its length; its first counts[b] tokens are real, the rest padding. A real

@@ -49,6 +49,28 @@ class KVCache:
     def length(self, n: int) -> None:
         self._length.value = n
 
+    @property
+    def length_cell(self) -> ctypes.c_int64:
+        """Where the length lives: kernels read it (and a chain's write it) as they run, a captured one's included."""
+        return self._length
+
+    def storage(self) -> dict[str, torch.Tensor | ctypes.c_int64]:
+        """What a captured forward's program may point into, by part: the keys, the values and the length cell. A
+        replay into this cache rewrites the program's pointers to these places (models/captured.py)."""
+        return {"k": self.k, "v": self.v, "length": self._length}
+
+    def part_of(self, target: object) -> str | None:
+        """Which part of `storage()` a kernel's pointer argument `target` points into: "k", "v", "length", or None
+        (elsewhere)."""
+        if target is self._length:
+            return "length"
+        if isinstance(target, torch.Tensor):
+            storage = target.untyped_storage().data_ptr()
+            for part in ("k", "v"):
+                if storage == getattr(self, part).untyped_storage().data_ptr():
+                    return part
+        return None
+
     def reserve(self, n: int) -> None:
         """Check that `n` more positions fit, before any layer writes them."""
         if self.length + n > self.max_len:

@@ -1,6 +1,6 @@
 """A forward on verispec's kernels, captured once per shape and replayed without Python (kernels/capture.py).
 
-On the kernels (`KeyRows` attention: one sequence into a `KVCache`) a forward is nothing but kernel calls on views
+On the kernels (`VisibleSlots` attention: one sequence into a `KVCache`) a forward is nothing but kernel calls on views
 of the tensors they write, so it can be recorded while it runs and replayed as one C call, as CUDA graphs are on a
 GPU. What changes between two forwards of one shape is copied into the tensors the capture read: the tokens, their
 positions and which cache slots each row sees (for a causal forward, a kernel at the head of the program writes the
@@ -8,7 +8,7 @@ last two from the cache's length: `replay_causal`). The cache is the one a forwa
 the capture's cache (its keys, its values, its length, which the kernels read when they run) are rewritten to the
 cache at hand before a replay, so a capture serves every cache of its layout, one generation after another.
 
-Captures are kept by the model (`LlamaForCausalLM.captured`, `EagleHead.captured`), keyed by the row count, the
+Captures are kept by the forward's runner (`Execution.captured`, `EagleHead.captured`), keyed by the row count, the
 cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
 else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward,
 so only forwards of at most `MAX_ROWS` rows are captured: at once up to `EAGER_ROWS` (decoding's shapes), and past it
@@ -24,16 +24,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Hashable, Sequence
+from dataclasses import replace
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from verispec import kernels
 from verispec.kernels.capture import NotCapturable
-
-if TYPE_CHECKING:
-    from verispec.models.cache import KVCache
-    from verispec.models.llama import KeyRows
+from verispec.models.cache import KVCache
+from verispec.models.layout import VisibleSlots
 
 MAX_ROWS = 64  # the most rows a captured forward takes: chains, trees, short prefills
 EAGER_ROWS = 16  # forwards of at most this many rows are captured the first time their shape runs
@@ -45,13 +44,11 @@ class CapturedForward:
     """One forward's kernel calls, recorded while `forward(*inputs, rows)` ran into `cache`."""
 
     def __init__(self, forward: Callable[..., Outputs], cache: KVCache, inputs: Sequence[torch.Tensor],
-                 rows: KeyRows) -> None:
-        from verispec.models.llama import KeyRows  # here: llama.py imports this module
-
+                 rows: VisibleSlots) -> None:
         self.inputs, self.visible = [x.clone() for x in inputs], rows.visible.clone()
         self.rows = len(self.visible)
         with kernels.capturing() as capture:
-            self.out, self.states = forward(*self.inputs, KeyRows(self.visible))
+            self.out, self.states = forward(*self.inputs, replace(rows, visible=self.visible))
         self.program = capture.program()
         self.lock = threading.Lock()
         # Pointers into the cache, as (place in the program, which part, offset): rewritten for another cache
@@ -59,7 +56,7 @@ class CapturedForward:
         self.keep = []  # what the other pointers point into, alive as long as the program
         bases = _bases(cache)
         for call, argument, target in capture.pointers:
-            part = _part_of(cache, target)
+            part = cache.part_of(target)
             if part is None:
                 self.keep.append(target)
             else:
@@ -69,13 +66,13 @@ class CapturedForward:
         # Programs that run this one with calls around it (`replay_causal`, `replay_chain`), for the bound cache
         self.made: dict[Hashable, tuple] = {}
 
-    def __call__(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
+    def __call__(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: VisibleSlots) -> Outputs:
         with self.lock:
             self.load(cache, inputs, rows)
             self.program()
             return self.outputs()
 
-    def load(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: KeyRows) -> None:
+    def load(self, cache: KVCache, inputs: Sequence[torch.Tensor], rows: VisibleSlots) -> None:
         """Point the program at `cache` and copy the inputs into the capture's buffers (its lock held)."""
         shapes = [tuple(x.shape) for x in (*inputs, rows.visible)]
         if shapes != [tuple(x.shape) for x in (*self.inputs, self.visible)]:
@@ -115,19 +112,7 @@ def _make_room(captured: dict, rows: int) -> None:
 
 def _bases(cache: KVCache) -> dict[str, int]:
     """Where each part of `cache` that a program may point into starts."""
-    return {"k": kernels.address(cache.k), "v": kernels.address(cache.v), "length": kernels.address(cache._length)}
-
-
-def _part_of(cache: KVCache, target: object) -> str | None:
-    """Which part of `cache` a pointer argument points into: "k", "v", "length", or None (elsewhere)."""
-    if target is cache._length:
-        return "length"
-    if isinstance(target, torch.Tensor):
-        storage = target.untyped_storage().data_ptr()
-        for part in ("k", "v"):
-            if storage == getattr(cache, part).untyped_storage().data_ptr():
-                return part
-    return None
+    return {part: kernels.address(place) for part, place in cache.storage().items()}
 
 
 ONCE, REFUSED = "run once", "not capturable"  # what `captured` holds for a shape run op by op once, or for good
@@ -135,7 +120,7 @@ _BOOKS = threading.Lock()  # held while a captures' dict is read or changed (not
 
 
 def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
-           inputs: Sequence[torch.Tensor], rows: KeyRows) -> Outputs:
+           inputs: Sequence[torch.Tensor], rows: VisibleSlots) -> Outputs:
     """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
     kernels): replayed from `captured[key]`, captured there first (see the module's notes on when). `key` names the
     forward's shape: its row count, the cache's layout and whatever else changes the kernel calls it makes.
@@ -188,7 +173,7 @@ def replay_causal(capture: CapturedForward, cache: KVCache, tokens: torch.Tensor
         if program is None:
             positions = capture.inputs[1]
             program = capture.made["causal"] = kernels.program([
-                kernels.causal_rows(positions, capture.visible, cache._length), kernels.run(capture.program)])
+                kernels.causal_rows(positions, capture.visible, cache.length_cell), kernels.run(capture.program)])
         capture.inputs[0].copy_(tokens)
         program()
         return capture.outputs()
@@ -215,13 +200,13 @@ def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, 
         if made is None or made[0] is not following:
             token, position = step.inputs
             out = torch.empty(n, dtype=torch.int64)
-            calls = [kernels.causal_rows(first.inputs[1], first.visible, cache._length)]
+            calls = [kernels.causal_rows(first.inputs[1], first.visible, cache.length_cell)]
             if step is not first:  # its first run follows the last of `tokens` (`next_token` moves it on)
-                calls.append(kernels.causal_rows(position, step.visible, cache._length, T - 1))
+                calls.append(kernels.causal_rows(position, step.visible, cache.length_cell, T - 1))
             calls.append(kernels.run(first.program))
             for i in range(n):
                 logits = (first if i == 0 else step).out[0, -1, :vocab]
-                calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache._length,
+                calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache.length_cell,
                                                 T if i == 0 else 1, ids))
                 if i < n - 1:
                     calls.append(kernels.run(step.program))

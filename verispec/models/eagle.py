@@ -24,7 +24,9 @@ from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.captured import replay
-from verispec.models.llama import Block, KeyRows, as_index, covering, rotary
+from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
+from verispec.models.llama import Block
+from verispec.models.precision import pack_block
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -55,7 +57,7 @@ class EagleHead(nn.Module):
         the first's output as a residual, so that no concatenation is needed (in bfloat16 the first half's product
         is rounded before the sum: close to the fused fc, not bitwise; the target decides every token)."""
         self.mix = PackedLinear([self.fc], rows)
-        self.layers[0].pack(rows)
+        pack_block(self.layers[0], rows)
         self.halves, self.rope, self.captured = None, None, {}
         if self.layers[0].self_attn.own_attention:
             weight, D = self.fc.weight.detach(), self.config.hidden_size
@@ -81,22 +83,23 @@ class EagleHead(nn.Module):
         if cache is not None and mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=features.device).tril(start)
         if cache is not None and B == 1 and self.halves is not None and packed_here(features):  # as the target
-            x = self._on_kernels(features, embeddings, cache, positions, KeyRows.seeing(mask, T, start, cache.slots))
+            visible = visible_slots(mask, T, start, cache.slots, torch.uint8, features.device)
+            x = self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
         else:
             x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
             cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
-            x = self.layers[0](x, cos, sin, cache, mask)
+            x = self.layers[0](x, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
         if cache is not None:
             cache.advance(T)
         return x
 
     def _on_kernels(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache, positions: torch.Tensor,
-                    rows: KeyRows) -> torch.Tensor:
+                    rows: VisibleSlots) -> torch.Tensor:
         """The forward of one sequence on verispec's kernels, captured once per shape and replayed."""
         self.rope = covering(self.rope, cache.slots, self.config, self.fc.weight.dtype)
         positions = as_index(positions)
 
-        def forward(f: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows: KeyRows) -> tuple[torch.Tensor, list]:
+        def forward(f: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows: VisibleSlots) -> tuple[torch.Tensor, list]:
             x = self.halves[1](f, residual=self.halves[0](e))  # fc([e; f]) = f @ W_f.T + e @ W_e.T
             cos, sin = kernels.gather(self.rope[0], p), kernels.gather(self.rope[1], p)
             return self.layers[0](x, cos, sin, cache, rows), []

@@ -1,9 +1,9 @@
 """Prepacked, fused linear layers for the CPU: what `load_model(..., fast=True)` puts beside a model's projections.
 
 At batch one a forward reads every weight once and does little else, so its time is the matmul kernels' read
-speed. Eager `F.linear` reads a plain row-major weight at 5-11 GB/s on one core (bfloat16 the slowest); the same
-weight reordered once, at load time, into the kernel's blocked layout reads at 9-22 GB/s
-(docs/bench/forward-profile.md).
+speed. Eager `F.linear` reads a plain row-major weight well below the memory's rate on one core (bfloat16 the
+slowest); the same weight reordered once, at load time, into the kernel's blocked layout reads about twice as fast
+(docs/bench/forward-profile.md has the numbers).
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
@@ -40,7 +40,7 @@ def _prepacked_here(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else dtype == torch.float32
 
 
-MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (measured: 1.2-1.7x
+MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (measured
 # faster than a one-row layout at 2 to 9 rows)
 
 

@@ -15,8 +15,11 @@ from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
+from verispec.models.execution import Execution
 from verispec.models.linear import packable
-from verispec.models.llama import LlamaForCausalLM, VocabHead
+from verispec.models.llama import LlamaForCausalLM
+from verispec.models.options import ForwardOptions, VocabHead
+from verispec.models.precision import pack_model
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
@@ -47,7 +50,7 @@ def auto_dtype(device: str | torch.device = "cpu") -> str:
 
 
 EXACT_ROWS = 16  # exact mode on PyTorch's kernels: the most rows of a forward (longer ones run in chunks), and of its
-# score matmul (on verispec's, chunks of llama.LONG_ROWS)
+# score matmul (on verispec's, chunks of execution.LONG_ROWS)
 
 
 class NativeModel:
@@ -57,11 +60,13 @@ class NativeModel:
     logits are bitwise the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill
     chunk): greedy speculative output is then identical to plain greedy decoding in any dtype. On verispec's own
     kernels (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) that holds by construction:
-    attention takes each row's own keys (`KeyRows`), a forward runs in chunks of 256 rows (memory only), and it costs
+    attention takes each row's own keys (`VisibleSlots`), a forward runs in chunks of 256 rows (memory only), and it costs
     nothing over ordinary decoding. On PyTorch's every forward attends over the same key width in chunks of at most
     16 rows, padded up to the row floor measured for this machine's kernels on the first exact forward
     (models/row_floor.py), which costs the padding and attention over the whole context width each forward, and a
-    token tree may be at most 32 deep (`Rows`).
+    token tree may be at most 32 deep (`FixedWidthKeys`).
+
+    Its forwards run through `execution` (models/execution.py), which decides how each one runs.
     """
 
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
@@ -76,6 +81,14 @@ class NativeModel:
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.execution = Execution(module)
+
+    def pack(self, rows: int, own_kernels: bool | None = None) -> None:
+        """Pack the weights for the kernels, laid out for `rows` rows (`precision.pack_model`); the forwards'
+        captures and tables, made for the weights as they were, start afresh."""
+        pack_model(self.module, rows, own_kernels)
+        capture, self.execution = self.execution.capture, Execution(self.module)
+        self.execution.capture = capture
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
@@ -94,7 +107,7 @@ class NativeModel:
                       counts: Sequence[int], head: VocabHead | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
         counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N))."""
-        return self.module.forward_rows(tokens, cache.rows(slots, counts, tokens.shape[1]), head)
+        return self.execution.forward_batch(tokens, cache.layout(slots, counts, tokens.shape[1]), head)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
@@ -103,14 +116,16 @@ class NativeModel:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if mask is not None and mask.dtype != torch.bool:  # a float mask's 0 would mean "seen" to SDPA only
             raise InvalidArgumentError(f"an attention mask says True where a token sees another; got {mask.dtype}")
-        return self.module(tokens, cache, mask, positions, layers, hidden, logits_to_keep, head)
+        options = ForwardOptions(mask, positions, layers, hidden, ForwardOptions.keeping(logits_to_keep, tokens.shape[1]),
+                                 head)
+        return self.execution.forward(tokens, cache, options)
 
     @torch.inference_mode()
     def greedy_chain(self, tokens: torch.Tensor, cache: KVCache, n: int, among: VocabHead | None = None) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T): the argmax after them, then n - 1 more, each the argmax
         after the one before (`among`: of the logits over its tokens only); the cache grows by T + n - 1 (the last
-        token is not stored). On verispec's kernels the forwards run as one program (`LlamaForCausalLM.chain`)."""
-        return self.module.chain(tokens, cache, n, self.vocab_size, among)
+        token is not stored). On verispec's kernels the forwards run as one program (`Execution.chain`)."""
+        return self.execution.chain(tokens, cache, n, self.vocab_size, among)
 
     @torch.inference_mode()
     def vocab_head(self, ids: torch.Tensor) -> VocabHead:
@@ -165,5 +180,5 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
     if fast and packable(torch_dtype, device):
-        module.pack(EXACT_ROWS if exact else 1)
+        pack_model(module, EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)

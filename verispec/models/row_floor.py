@@ -3,7 +3,7 @@
 Exact mode needs a position's logits to be bitwise the same however many tokens share the forward. On verispec's
 own kernels (verispec/kernels) that holds by construction and the floor is 1, unmeasured at load (the tests measure
 it). On PyTorch's kernels, padding every forward to the same 16 rows makes it so, but a 1-token step then pays for
-16 rows: in bfloat16 on this project's Zen 4 (no AMX) 12.6 ms instead of 8.3. What the row count can change is a kernel's code path:
+16 rows, at a visible share of its time in bfloat16. What the row count can change is a kernel's code path:
 oneDNN's bfloat16 matmul over 1,408 inputs (the MLP's down projection) gives one row other bits than 2 to 16 rows
 do, the float32 score matmul against transposed keys takes another path below 4 rows, and an elementwise kernel over
 a contiguous (rows x width) tensor ends its vector loop elsewhere when the width is not a multiple of the vector.
@@ -16,7 +16,7 @@ time for m = 15 .. 1, and is compared bitwise; the floor is one more than the la
 bits (1 when none did). Inputs span a wide range of magnitudes, so that sums round and an accumulation order that
 differs shows (with plain normal bfloat16 values the float32 score sums are exact in any order and hide it). A
 forward then runs its real rows padded up to the floor. It is a measurement, not a proof, and it holds for the
-thread count it was taken at, so the model keeps one per thread count (see `LlamaForCausalLM.row_floor`).
+thread count it was taken at, so a model's forwards keep one per thread count (see `Execution.row_floor`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from verispec.models.cache import KVCache
-from verispec.models.llama import rotary
+from verispec.models.layout import exact_layout, rotary
 
 CHAIN = 32  # positions per span class: whole chunks of 16, and of every m at least once
 
@@ -88,13 +88,14 @@ def _block_chains(module: torch.nn.Module, rows: int, width: int,
 
 def _chain_rows(module: torch.nn.Module, cache: KVCache, x: torch.Tensor, start: int, lo: int, hi: int
                 ) -> torch.Tensor:
-    """Rows lo..hi-1 of the chain at start + lo.., through the block in one forward, as `_exact` lays them out."""
+    """Rows lo..hi-1 of the chain at start + lo.., through the block in one forward, as exact mode lays them out
+    (models/execution.py)."""
     if lo == 0:
         cache.truncate(start)
     positions = torch.arange(start + lo, start + hi, device=x.device)
     visible = torch.arange(cache.slots, device=x.device)[None] <= positions[:, None]  # each row: itself and before
     cos, sin = rotary(positions, module.config.dim_per_head, module.config.rope_theta, x.dtype)
-    out = module.model.layers[0](x[:, lo:hi], cos, sin, cache, module.exact_rows(visible, cache.width))
+    out = module.model.layers[0](x[:, lo:hi], cos, sin, cache, exact_layout(module.own_attention, visible, cache.width))
     cache.advance(hi - lo)
     return out[0]
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from verispec.models.linear import matmul_by
-from verispec.models.llama import VocabHead
+from verispec.models.options import VocabHead
 from verispec.models.native import NativeModel
 
 

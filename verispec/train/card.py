@@ -13,7 +13,7 @@ import torch
 from verispec.drafters import DraftModel, Drafter
 from verispec.generate import generate
 from verispec.models.draft_vocab import default_size, load_draft_vocab
-from verispec.models.llama import VocabHead
+from verispec.models.options import VocabHead
 from verispec.models.native import NativeModel
 from verispec.stats import GenerationStats
 from verispec.train.corpus import load_split

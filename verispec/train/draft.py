@@ -27,8 +27,8 @@ def kl_loss(teacher: LlamaForCausalLM):
 
     def loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            log_p = F.log_softmax(teacher(batch[:, :-1], None).float(), -1)
-        log_q = F.log_softmax(model(batch[:, :-1], None).float(), -1)
+            log_p = F.log_softmax(teacher(batch[:, :-1])[0].float(), -1)
+        log_q = F.log_softmax(model(batch[:, :-1])[0].float(), -1)
         return F.kl_div(log_q.flatten(0, 1), log_p.flatten(0, 1), log_target=True, reduction="batchmean")
 
     return loss
@@ -38,11 +38,11 @@ def agreement_evaluator(teacher: LlamaForCausalLM, tokens: np.ndarray, seq_len: 
     """Validation KL and top-1 agreement of the draft with the target, on fixed windows."""
     batch = even_windows(tokens, windows, seq_len)
     with torch.no_grad():
-        teacher_logits = torch.cat([teacher(batch[i: i + 4, :-1], None) for i in range(0, windows, 4)])
+        teacher_logits = torch.cat([teacher(batch[i: i + 4, :-1])[0] for i in range(0, windows, 4)])
 
     @torch.no_grad()
     def evaluate(model: LlamaForCausalLM) -> dict:
-        logits = torch.cat([model(batch[i: i + 4, :-1], None) for i in range(0, windows, 4)])
+        logits = torch.cat([model(batch[i: i + 4, :-1])[0] for i in range(0, windows, 4)])
         kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(teacher_logits, -1).flatten(0, 1),
                       log_target=True, reduction="batchmean")
         agree = (logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()

@@ -11,6 +11,7 @@ import torch
 from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel, load_model
+from verispec.models.options import ForwardOptions
 from verispec.models.protocol import FINAL
 from verispec.train.loop import TrainConfig
 from verispec.train.target import tokenized_split
@@ -30,9 +31,8 @@ def frozen_target(run_dir: Path, target_dir: Path, cfg: TrainConfig
 def target_view(target: LlamaForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target's final-normed features and logits over the windows' inputs, (B, L, D) and (B, L, V)."""
     with torch.no_grad():
-        logits, hidden = target(batch[:, :-1], None, hidden=[FINAL])
-    return hidden[:, :, 0].float(), logits.float()
-
+        logits, (hidden,) = target(batch[:, :-1], options=ForwardOptions(hidden=[FINAL]))
+    return hidden.float(), logits.float()
 
 
 def save_frequencies(folder: Path, train_tokens: np.ndarray, target: NativeModel) -> Path:

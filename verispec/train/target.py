@@ -52,7 +52,7 @@ def prepare(run_dir: Path, vocab_size: int) -> tuple[Tokenizer, np.ndarray, np.n
 
 
 def lm_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1], None)  # (B, T, V)
+    logits, _ = model(batch[:, :-1])  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.adaptive import Acceptance
+from verispec.cost_model import Acceptance
 from verispec.commit import commit_step
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
@@ -15,7 +15,7 @@ from verispec.stats import GenerationStats
 
 
 @dataclass
-class Sequence:
+class RequestState:
     """The bookkeeping `verispec.generate` does around each step, for one request of the batch."""
 
     id: int

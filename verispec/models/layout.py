@@ -1,0 +1,196 @@
+"""A forward's layout: the rotary tables, and which keys each row of a forward sees, laid out for one attention path.
+
+The math (models/llama.py) runs over whichever layout it is given; models/execution.py picks it. Three layouts:
+- `AttentionMask`: PyTorch's scaled_dot_product_attention with a boolean mask (or causal, or none);
+- `FixedWidthKeys`: exact mode on PyTorch's kernels, every row over the same key width;
+- `VisibleSlots`: verispec's kernels, each row over exactly the cache slots it sees (`on_kernels`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from verispec.errors import ContextLengthError
+from verispec.models.config import ModelConfig
+
+TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (..., T, D) for the given positions (..., T), computed like transformers (float32, then
+    cast)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=compute) / head_dim)
+    freqs = positions.to(compute)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (positions, D) for positions 0 .. positions - 1, for verispec's kernels to read by index. Taken in
+    float64 and rounded, so that a row's values do not depend on the table's length (vectorised float32 cos and sin
+    may round a tensor's last elements differently)."""
+    inv_freq = (1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).double()
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None].double() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
+
+
+def covering(table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config: ModelConfig, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`table` (cos, sin by position), or a longer one where it does not cover a cache of `slots`: kernel forwards
+    read their rotary rows from it (a row's values do not depend on the table's length)."""
+    if table is None or len(table[0]) < slots:
+        return rotary_table(slots, config.dim_per_head, config.rope_theta, dtype)
+    return table
+
+
+def as_index(positions: torch.Tensor) -> torch.Tensor:
+    """Positions as the rotary rows' gather takes them: a contiguous int64 vector."""
+    if positions.dim() != 1 or positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.reshape(-1).to(torch.int64).contiguous()
+    return positions
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def visible_slots(mask: torch.Tensor | None, T: int, start: int, slots: int, dtype: torch.dtype,
+                  device: torch.device | str) -> torch.Tensor:
+    """(T, slots) the cache slots each of T new tokens after `start` cached ones sees: `mask` (T, start + T) says
+    so; `mask` (T, T) says which new tokens each sees, besides every cached one; None, causally."""
+    visible = torch.zeros(T, slots, dtype=dtype, device=device)
+    if mask is not None and mask.shape[-1] == start + T:
+        visible[:, : start + T] = mask.to(device)
+    else:
+        visible[:, :start] = True
+        visible[:, start: start + T] = torch.ones(T, T, dtype=dtype, device=device).tril() if mask is None \
+            else mask.to(device)
+    return visible
+
+
+@dataclass
+class AttentionMask:
+    """PyTorch's scaled_dot_product_attention over the keys a cache returns: `mask` (T, S) or (B, 1, T, S), True
+    where a row sees a key; none with `causal`, each row sees itself and the rows before it; none without, all."""
+
+    mask: torch.Tensor | None = None
+    causal: bool = False
+    on_kernels: ClassVar[bool] = False
+
+    @staticmethod
+    def over_cache(mask: torch.Tensor | None, T: int, start: int, device: torch.device | str) -> AttentionMask:
+        """For T new tokens after `start` cached ones: `mask` (T, start + T) as given; (T, T) among the new tokens,
+        or causal when None, each seeing every cached one (one token alone: no mask at all)."""
+        if mask is not None and mask.shape[-1] == start + T:
+            return AttentionMask(mask.to(device))  # it already says which cached positions each token sees
+        if T == 1 and mask is None:
+            return AttentionMask()
+        new = torch.ones(T, T, dtype=torch.bool, device=device).tril() if mask is None else mask
+        seen = torch.ones(T, start, dtype=torch.bool, device=device)
+        return AttentionMask(torch.cat((seen, new.to(device)), dim=1))  # (T, start + T)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D), k, v (B, Hkv, S, D) -> (B, T, H * D)."""
+        B, _, T, _ = q.shape
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal,
+                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2).reshape(B, T, -1)
+
+
+@dataclass
+class FixedWidthKeys:
+    """Exact mode's attention layout on PyTorch's kernels, for one forward of R rows into a static cache.
+
+    A row's result must not depend on the other rows, nor on where its keys sit (a token tree's nodes sit in
+    slots past their positions), so each row reduces over a key layout fixed by its own count C of visible keys
+    (its position + 1): the W = `cache.width` cache slots in place, of which it sees slots 0..C-TAIL-1 (positions
+    0..C-TAIL-1: committed tokens, or a chain's, which sit at slot == position), then TAIL tail keys, its last
+    positions C-TAIL..C-1 gathered from wherever they sit. Every reduction over keys then adds the same numbers
+    at the same indices whether the token is decoded alone, in a chain, in a tree or in a prefill chunk, and only
+    the short tail is copied. A tree deeper than TAIL would leave out-of-place keys in the prefix: it is refused.
+    """
+
+    tail: torch.Tensor  # (R, TAIL) the cache slot gathered into each tail key of each row
+    bias: torch.Tensor  # (R, 1, W + TAIL) over [prefix | tail] keys: 0 where the row sees the key, -inf elsewhere
+    span: int  # the slots that any row sees lie below this multiple of 64: only their scores are taken
+    on_kernels: ClassVar[bool] = False
+
+    @staticmethod
+    def of(visible: torch.Tensor, width: int) -> FixedWidthKeys:
+        """The layout of rows that see the cache slots `visible` (R, P), True where seen, P >= width."""
+        count, device = visible.sum(-1), visible.device  # (R,)
+        if int(count.max()) > width:
+            raise ContextLengthError(f"exact mode attends over at most {width} keys; a token here sees "
+                                     f"{int(count.max())}")
+        first = (count - TAIL).clamp(min=0)[:, None]  # (R, 1) a row's first tail position
+        slot = torch.arange(visible.shape[-1], device=device)
+        if not (visible | (slot >= first)).all():
+            raise ValueError(f"exact mode: a token here sees keys out of position order more than {TAIL} positions "
+                             f"back (a token tree more than {TAIL} deep)")
+        position = visible.cumsum(-1) - 1  # (R, P) of each seen slot: a row's slots hold its positions in order
+        row, seen = (visible & (position >= first)).nonzero(as_tuple=True)
+        tail = torch.zeros(len(count), TAIL, dtype=torch.long, device=device)
+        tail[row, position[row, seen] - first[row, 0]] = seen
+        keys = torch.cat((slot[:width] < first, torch.arange(TAIL, device=device) < count[:, None] - first), -1)
+        bias = torch.zeros(keys.shape, device=device).masked_fill_(~keys, float("-inf"))
+        last = int(visible.any(0).nonzero().max()) + 1
+        return FixedWidthKeys(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D).
+
+        Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
+        on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
+        the same whatever the number of keys and wherever its key sits, so the scores are taken against the slots
+        that some row sees, the tail's gathered from them, and the prefix's padded to the fixed width W. The
+        softmax runs jointly over [prefix | tail] in float32; the prefix's values are used in place, in one matmul
+        of width W for all rows (an unseen slot adds an exact zero: the cache is zeroed, so its values are
+        finite), and each row's tail values are gathered. The three matmuls run at the forward's row count, at or
+        above the model's row floor (models/row_floor.py).
+        """
+        _, H, R, D = q.shape
+        Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
+        G = H // Hkv
+        q = q[0].view(Hkv, G, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
+        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
+        tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
+        prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
+        p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
+        y = (p[..., :W].reshape(Hkv, -1, W) @ v[0, :, :W]).view(Hkv, R, -1, D)  # (Hkv, R, G, D)
+        y = y + p[..., W:] @ v[0].index_select(1, self.tail.flatten()).view(Hkv, R, TAIL, D)
+        return y.permute(1, 0, 2, 3).reshape(1, R, H * D)
+
+
+@dataclass
+class VisibleSlots:
+    """Attention through verispec's kernels (verispec/kernels), one sequence into a `KVCache`: each row's softmax over
+    exactly the cache slots it sees, taken in slot order, the others skipped rather than masked. A row then adds the
+    same numbers in the same order whether its token is decoded alone, in a chain, in a tree (whose nodes sit past
+    their positions, but in position order) or in a prefill chunk, at no fixed width and with no limit on a tree's
+    depth: exact mode at no cost. A forward laid out this way runs nothing but kernels, so it is captured and replayed
+    (models/captured.py). `rope`: the rotary table (cos, sin by position) its rows' are gathered from.
+    """
+
+    visible: torch.Tensor  # (R, slots) uint8, 1 where the row sees the cache slot
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    on_kernels: ClassVar[bool] = True
+
+    @staticmethod
+    def of(visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> VisibleSlots:
+        """Rows that see the cache slots `visible` (R, slots), True where seen."""
+        return VisibleSlots(visible.to(torch.uint8).contiguous(), rope)
+
+
+def exact_layout(on_kernels: bool, visible: torch.Tensor, width: int) -> FixedWidthKeys | VisibleSlots:
+    """Exact mode's layout for rows that see the cache slots `visible` (R, P), keys `width` wide: each row over its
+    own slots on verispec's kernels (`on_kernels`), else over the fixed width."""
+    return VisibleSlots.of(visible) if on_kernels else FixedWidthKeys.of(visible.bool(), width)
+
+
+Layout = AttentionMask | FixedWidthKeys | VisibleSlots  # what the math (models/llama.py) runs over
