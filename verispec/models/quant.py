@@ -1,0 +1,79 @@
+"""Block-quantized weights in ggml's formats, kept as their blocks: what a GGUF file holds, or what `--quantize`
+makes of a float checkpoint.
+
+A `QuantizedWeight` is a linear's weight (N, K) as N rows of K / 32 blocks, each block 32 consecutive inputs of one
+row, laid out byte for byte as ggml lays it out (and as a GGUF tensor's data is):
+- Q8_0: d (float16), then 32 int8 q: w = d * q;
+- Q4_0: d (float16), then 16 bytes, element j in byte j's low nibble and element j + 16 in its high one: w = d * (q - 8);
+- Q4_1: d (float16), m (float16), then the nibbles as Q4_0: w = d * q + m.
+Quantizing and dequantizing are the `gguf` package's (ggml's reference code in numpy), so a weight quantized here
+has the bits llama.cpp's `llama-quantize` writes. verispec's kernels read the blocks directly (models/precision.py
+packs them); elsewhere a quantized weight runs dequantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
+
+from verispec.errors import InvalidArgumentError
+
+BLOCK = 32  # inputs per block, in every format here
+FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+
+
+def check_format(name: str) -> str:
+    """`name` if it is a format verispec keeps quantized, else an `InvalidArgumentError` that lists them."""
+    if name not in FORMATS:
+        raise InvalidArgumentError(f"unknown quantization {name!r}; choose one of {', '.join(FORMATS)}")
+    return name
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A weight (N, K) in `format`: `blocks` (N, K / 32 * block bytes) uint8, ggml's blocks row by row."""
+
+    format: str
+    blocks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_format(self.format)
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % self.block_bytes:
+            raise ValueError(f"{self.format} blocks are uint8 (N, K / {BLOCK} * {self.block_bytes}); got "
+                             f"{self.blocks.dtype} {tuple(self.blocks.shape)}")
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[FORMATS[self.format]][1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): outputs and inputs, as the float weight's."""
+        return self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a forward reads of it."""
+        return self.blocks.numel()
+
+    @staticmethod
+    def of(weight: torch.Tensor, format: str) -> QuantizedWeight:
+        """A float weight (N, K), K a multiple of 32, quantized as llama.cpp quantizes it (from float32)."""
+        check_format(format)
+        if weight.dim() != 2 or weight.shape[1] % BLOCK:
+            raise InvalidArgumentError(f"{format} quantizes rows of a multiple of {BLOCK} inputs; got a weight of "
+                                       f"{tuple(weight.shape)}")
+        data = quantize(weight.detach().to(torch.float32).cpu().numpy(), FORMATS[format])
+        return QuantizedWeight(format, torch.from_numpy(np.ascontiguousarray(data)))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, K) it stands for, in float32 (exact: every format's values are float32 numbers), then cast."""
+        values = dequantize(self.blocks.numpy(), FORMATS[self.format])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows (outputs) `index` of it, in that order, still quantized (a row is whole blocks)."""
+        return QuantizedWeight(self.format, self.blocks[index].contiguous())
