@@ -19,7 +19,7 @@ from verispec.models.execution import Execution
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
-from verispec.models.precision import pack_model
+from verispec.models.precision import pack_model, quantize_linears, quantized_at_load
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
@@ -154,14 +154,16 @@ def exact_width(context_length: int) -> int:
 
 
 def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
+               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True,
+               quantize: str | None = None) -> NativeModel:
     """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where
     this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
-    the plain linears. Elsewhere it changes nothing."""
+    the plain linears. Elsewhere it changes nothing. `quantize` (q8_0, q4_0 or q4_1): the projections kept in that
+    block format and the LM head in Q8_0 (models/precision.py), run on verispec's kernels with float32 activations."""
     folder = check_folder(checkpoint_dir)
     config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
@@ -179,6 +181,11 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
+    if quantize is not None:
+        if torch_dtype != torch.float32 or not fast:
+            raise InvalidArgumentError(f"a model quantized to {quantize} runs with float32 activations on verispec's "
+                                       f"kernels; got {torch_dtype}{'' if fast else ' and fast=False'}")
+        quantize_linears(module, quantized_at_load(module, quantize))
     if fast and packable(torch_dtype, device):
         pack_model(module, EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)
