@@ -1,7 +1,7 @@
 """The Llama-family transformer (Llama, Qwen2, Mistral math), with the same parameter names as Hugging Face.
 
 Only the math: one forward over a given layout (models/layout.py). Which layout a forward takes, its captures, exact
-mode's chunks and row floors are models/execution.py's; packing the weights for the kernels is models/precision.py's.
+mode's chunks are models/execution.py's; packing the weights for the kernels is models/precision.py's.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ class NativeModel:
     kernels (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) that holds by construction:
     attention takes each row's own keys (`VisibleSlots`), a forward runs in chunks of 256 rows (memory only), and it costs
     nothing over ordinary decoding. On PyTorch's every forward attends over the same key width in chunks of at most
-    16 rows, padded up to the row floor measured for this machine's kernels on the first exact forward
-    (models/row_floor.py), which costs the padding and attention over the whole context width each forward, and a
+    16 rows, each padded to 16 (at one fixed row count a row's bits do not depend on the others: `Execution.row_floor`),
+    which costs the padding and attention over the whole context width each forward, and a
     token tree may be at most 32 deep (`FixedWidthKeys`).
 
     Its forwards run through `execution` (models/execution.py), which decides how each one runs.
