@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
-from verispec.serve.options import SHUTDOWN_MARGIN, ServeOptions, allowed_hosts
+from verispec.serve.options import API_KEY_ENV, ServeOptions, allowed_hosts, api_key
 from verispec.serve.server import ServerThread
 from verispec.threads import torch_threads
 
@@ -262,9 +263,28 @@ def test_hosts_default_to_loopback_names_on_loopback() -> None:
     assert allowed_hosts("0.0.0.0", "api.example, [::1]") == ("api.example", "::1")
 
 
-def test_uvicorn_closes_connections_after_the_grace(models: tuple) -> None:
-    server = ServerThread(serving_app(models[1], None, name="t"), grace=2.0)
-    assert server.server.config.timeout_graceful_shutdown == 2.0 + SHUTDOWN_MARGIN
+def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_key(None) == "from-env" and api_key("flag") == "flag" and api_key("") == ""
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_key(None) is None
+    monkeypatch.delenv(API_KEY_ENV)
+    assert api_key(None) is None
+
+
+def test_a_client_that_never_finishes_its_request_cannot_hold_shutdown_open(models: tuple,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half a body, and then nothing: uvicorn waits for that connection at shutdown, until the margin after the
+    grace has passed (shortened here); without a graceful-shutdown timeout it would wait for ever."""
+    monkeypatch.setattr("verispec.serve.server.SHUTDOWN_MARGIN", 0.5)
+    with (torch_threads(1), ServerThread(serving_app(models[1], None, name="t"), grace=0.0) as srv,
+          socket.create_connection(("127.0.0.1", srv.server.port)) as stalled):
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"model\":")
+        time.sleep(0.3)  # the request has begun: the app waits for the rest of its body
+        start = time.monotonic()
+        srv.shutdown(timeout=20)
+        assert not srv.alive and time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("option", [["--max-body-bytes", "0"], ["--health-stall", "0"], ["--api-key", ""],

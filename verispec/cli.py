@@ -271,12 +271,11 @@ def _whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,
 def _serve(args: argparse.Namespace) -> None:
     from verispec.serve.app import serving_app  # FastAPI and uvicorn load on demand
     from verispec.serve.server import check_server_options, run_server
-    from verispec.serve.options import API_KEY_ENV, ServeOptions, allowed_hosts
+    from verispec.serve.options import ServeOptions, allowed_hosts, api_key
 
     check_server_options(args.port, args.shutdown_grace, args.max_batch)
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    options = ServeOptions(key, allowed_hosts(args.host, args.allowed_hosts), not args.no_docs, args.max_body_bytes,
-                           args.health_stall)
+    options = ServeOptions(api_key(args.api_key), allowed_hosts(args.host, args.allowed_hosts), not args.no_docs,
+                           args.max_body_bytes, args.health_stall)
     set_threads(args.threads)
     method = _checked_method(args)
     target, drafter = _load_models(args, method)

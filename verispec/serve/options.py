@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 from dataclasses import dataclass
 
 from verispec.arguments import whole_number
@@ -35,6 +36,12 @@ class ServeOptions:
         whole_number(self.max_body_bytes, "--max-body-bytes", 1)
         if not (math.isfinite(self.stall_seconds) and self.stall_seconds > 0):
             raise InvalidArgumentError(f"--health-stall must be > 0 seconds, got {self.stall_seconds}")
+
+
+def api_key(flag: str | None) -> str | None:
+    """The key a server requires: `--api-key` where given (even empty, which ServeOptions refuses), else
+    $VERISPEC_API_KEY where set and not empty, else none."""
+    return flag if flag is not None else os.environ.get(API_KEY_ENV) or None
 
 
 def allowed_hosts(bind: str, names: str | None) -> tuple[str, ...] | None:
