@@ -21,8 +21,8 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|im_start|>", "<|im_end|>"]  # beside <|endoftext|>, control tokens of the BPE vocabulary
 USER_DEFINED = "<tool>"
-# Where each block format keeps its float16 scales (byte offsets in a block), and a scale that keeps random
-# blocks' values of the order of a tiny model's weights: the formats gguf can only dequantize get random blocks.
+# The formats written as random blocks (gguf cannot quantize to the K-quants or IQ4_NL): where each keeps its float16
+# scales (byte offsets in a block), and a scale that keeps the blocks' values of the order of a tiny model's weights.
 SCALES = {GGML.Q5_0: ((0,), 2e-3), GGML.Q5_1: ((0, 2), 2e-3), GGML.Q2_K: ((80, 82), 1e-2),
           GGML.Q3_K: ((108,), 2e-3), GGML.Q4_K: ((0, 2), 2e-4), GGML.Q5_K: ((0, 2), 1e-4), GGML.Q6_K: ((208,), 4e-5),
           GGML.IQ4_NL: ((0,), 1e-3)}
@@ -57,7 +57,8 @@ def spm_vocab() -> tuple[list[str], list[int], list[float]]:
                 counts[piece[i:j]] = counts.get(piece[i:j], 0) + 1
     pieces = sorted(counts, key=lambda p: (-counts[p] * len(p), p))
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256 + [TokenType.NORMAL] * len(pieces)
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256,
+             *[TokenType.NORMAL] * len(pieces)]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     return tokens, types, scores
 
@@ -75,7 +76,8 @@ def _blocks(shape: tuple[int, ...], qtype: GGML, rng: np.random.Generator) -> np
     rows = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
     offsets, scale = SCALES[qtype]
     for offset in offsets:
-        rows[..., offset:offset + 2] = (rng.uniform(0.5, 1, rows.shape[:2]) * scale).astype(np.float16)[..., None].view(np.uint8)
+        values = (rng.uniform(0.5, 1, rows.shape[:2]) * scale).astype(np.float16)
+        rows[..., offset:offset + 2] = values[..., None].view(np.uint8)
     return rows.reshape(shape[0], -1)
 
 

@@ -45,11 +45,12 @@ def _transformers(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
-    return AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(**source)
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(**source)
 
 
-def _file(tmp_path_factory, name: str, config, types=MIXED, **options) -> Path:
-    return write_gguf(tmp_path_factory.mktemp(name) / "model.gguf", config, types, **options)
+def _file(tmp_path_factory, folder: str, config, types=MIXED, **options) -> Path:
+    return write_gguf(tmp_path_factory.mktemp(folder) / "model.gguf", config, types, **options)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,8 @@ def _rewritten(path: Path, out: Path, **changes) -> Path:
     """A copy of the GGUF at `path` with metadata dropped (value None), replaced or added (a string), tensors as
     they are."""
     reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(out, changes.get("general.architecture") or reader.fields["general.architecture"].contents())
+    arch = changes.get("general.architecture") or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or changes.get(key, ...) is None:
             continue

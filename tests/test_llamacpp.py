@@ -225,3 +225,15 @@ def test_the_bench_runs_on_without_llama_cpp_rows_it_cannot_have(pair_dirs, tmp_
     out = capsys.readouterr().out
     assert out.count("note: no llama.cpp rows") == 1 and "convert_hf_to_gguf.py" in out
     assert "Note: no llama.cpp rows" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_bench_takes_a_gguf_target(tmp_path) -> None:
+    """Our rows, transformers' (through gguf_file=) and llama.cpp's all on the one file."""
+    file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1),
+                             by_name({}, GGML.Q8_0))
+    only = ["autoregressive", "ngram k=4", "transformers greedy", "llama.cpp plain"]
+    summary = run_bench(file, None, tmp_path / "out", quick_suite(per_category=1, max_new_tokens=4),
+                        BenchOptions(repeats=1, progress=False, only=only, llama_cpp=fake_binaries(tmp_path / "bin")))
+    assert list(summary) == only and summary["transformers greedy"]["all"]["exact_match"] == 1.0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["info"]["target"] == str(file) and results["info"]["notes"] == []

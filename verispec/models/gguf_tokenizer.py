@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from verispec.errors import CheckpointError
 from verispec.models.gguf_file import GGUFFile
-from verispec.tokenizer import EOS_NAMES, as_id_set
+from verispec.tokenizer import conventional_eos
 
 # llama.cpp's regular expressions, by pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_*); llama3's and qwen2's with the
 # case-insensitive contractions spelled out, as llama.cpp adapted them.
@@ -104,10 +104,9 @@ def read_vocab(file: GGUFFile) -> GGUFVocab:
             added[key] = tokens[ids[key]]
     tokenizer.post_processor = _added_around(added.get("bos_token_id"), added.get("eos_token_id"), tokenizer)
     eos_ids = frozenset(ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids)
-    if not eos_ids:  # as for a folder without an eos_token_id: a conventional end-of-text token
-        eos_ids = as_id_set(next((tid for name in EOS_NAMES if (tid := tokenizer.token_to_id(name)) is not None), None))
     special = {name: tokens[ids[key]] for name, key in SPECIAL_KEYS.items() if key in ids}
-    return GGUFVocab(tokenizer, eos_ids, special, file.get("tokenizer.chat_template", str))
+    template = file.get("tokenizer.chat_template", str)
+    return GGUFVocab(tokenizer, eos_ids or conventional_eos(tokenizer), special, template)
 
 
 def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tuple[Tokenizer, bool]:
