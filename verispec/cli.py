@@ -28,7 +28,7 @@ from verispec.models.default import MODELS, default_paths
 from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
-from verispec.serve.chat import ChatTemplate, load_chat_template
+from verispec.serve.chat import WHERE_TEMPLATES_LIVE, ChatTemplate, load_chat_template
 from verispec.stats import GenerationStats
 from verispec.threads import set_threads, torch_threads
 
@@ -112,9 +112,8 @@ def _chat_template(args: argparse.Namespace) -> ChatTemplate:
     """The target checkpoint's own chat template; one without refuses chat rather than guess a format."""
     template = load_chat_template(Path(args.target))
     if template is None:
-        raise InvalidArgumentError(f"{args.target} has no chat template (no chat_template in its "
-                                   "tokenizer_config.json, no chat_template.jinja): chat needs the model's own; "
-                                   "give `verispec generate` a plain prompt instead")
+        raise InvalidArgumentError(f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
+                                   "model's own; give `verispec generate` a plain prompt instead")
     return template
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import weight_files
+from verispec.models.gguf_checkpoint import llama_cpp_rows
 
 GGUF_DTYPES = ("float32", "bfloat16", "float16")  # llama.cpp has no float64 weights
 GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}  # GPT-2's split regex, no prefix space
@@ -81,9 +82,9 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
                 raise CheckpointError(f"{checkpoint}: tensor {name} has no GGUF name")
             data = tensor.float().numpy()
             if name.endswith("q_proj.weight"):
-                data = _rope_permute(data, heads)
+                data = llama_cpp_rows(data, heads)
             elif name.endswith("k_proj.weight"):
-                data = _rope_permute(data, kv_heads)
+                data = llama_cpp_rows(data, kv_heads)
             if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
                 writer.add_tensor(gguf_name, data)
             else:
@@ -93,13 +94,6 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
-
-
-def _rope_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Hugging Face's Llama rotates the two halves of each head; llama.cpp's rotates adjacent pairs. Reordering the
-    rows of W_q and W_k per head turns one into the other (llama.cpp's converter does the same)."""
-    halves = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-    return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
 def _vocab(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:

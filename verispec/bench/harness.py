@@ -108,8 +108,12 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
     if options.peers:
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
+    notes = []  # what could not run, and why: printed, and in the report
     if options.llama_cpp is not None:
-        methods += llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, dtype, options.threads)
+        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, target, dtype, options.threads)
+        methods += rows
+    for note in notes if options.progress else ():
+        print(f"note: {note}", flush=True)
     labels = [m.label for m in methods]
     if only is not None:
         unknown = sorted(set(only) - set(labels))
@@ -126,7 +130,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
-            "prompts": len(suite), "dtype": dtype, "exact": exact,
+            "prompts": len(suite), "dtype": dtype, "exact": exact, "notes": notes,
             "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,

@@ -12,8 +12,8 @@ import torch
 from verispec.bench.costs import LOOKAHEAD_NOTE
 
 LLAMA_CPP_NOTE = (
-    " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on GGUF copies of the same checkpoints "
-    "in this dtype, one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
+    " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
+    "it is, a folder as a GGUF copy in this dtype), one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
     "llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time is llama.cpp's own "
     "decode-only timing (completion's `eval time` line, the others' `decoded N tokens` line), without the prompt's "
     "prefill that our rows' time includes; their exact match compares their text with our autoregressive output's.")
@@ -158,6 +158,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
           "Peak memory is the whole process's."
           + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "") + "\n",
+          *(f"Note: {note}\n" for note in info.get("notes", [])),
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]

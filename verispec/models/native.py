@@ -16,11 +16,14 @@ from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.execution import Execution
+from verispec.models.gguf_checkpoint import Weight, read_gguf
+from verispec.models.gguf_file import is_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
 from verispec.models.precision import pack_model
 from verispec.models.protocol import Capabilities
+from verispec.models.quant import QuantizedWeight
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -153,32 +156,45 @@ def exact_width(context_length: int) -> int:
     return -(-(context_length + EXACT_ROWS) // 16) * 16
 
 
-def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
-    """Load config.json, model.safetensors and tokenizer.json; weights are cast to `dtype` on `device`.
+    """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
+    (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where
     this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
     the plain linears. Elsewhere it changes nothing."""
-    folder = check_folder(checkpoint_dir)
-    config: ModelConfig = read_config(folder)
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
-    tokenizer = load_tokenizer(folder)
-    check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
-    weights = load_weights(folder, config)
+    if is_gguf(checkpoint):
+        gguf = read_gguf(checkpoint)
+        config, tokenizer, eos = gguf.config, gguf.vocab.tokenizer, gguf.vocab.eos_ids
+        weights, name = _as_float(gguf.weights, torch_dtype), Path(checkpoint).name
+    else:
+        folder = check_folder(checkpoint)
+        config: ModelConfig = read_config(folder)
+        tokenizer = load_tokenizer(folder)
+        check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
+        weights, name = load_weights(folder, config), folder.name
+        eos = eos_token_ids(tokenizer, folder, config.eos_token_id)
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
     # Cast one tensor at a time, dropping each original as we go, so loading never holds two full copies.
-    state = {name: weights.pop(name).to(device=device, dtype=torch_dtype) for name in list(weights)}
-    check_finite(state.items(), folder)
+    state = {key: weights.pop(key).to(device=device, dtype=torch_dtype) for key in list(weights)}
+    check_finite(state.items(), checkpoint)
     module.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
     if fast and packable(torch_dtype, device):
         pack_model(module, EXACT_ROWS if exact else 1)
-    return NativeModel(module, tokenizer, eos_token_ids(tokenizer, folder, config.eos_token_id), folder.name, exact=exact)
+    return NativeModel(module, tokenizer, eos, name, exact=exact)
+
+
+def _as_float(weights: dict[str, Weight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A GGUF file's weights with every `QuantizedWeight` dequantized to `dtype` (the others as they are): the
+    model runs them as float weights."""
+    return {name: w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
