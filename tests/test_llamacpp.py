@@ -4,19 +4,24 @@ shipped pair in tests/data/llamacpp), stand-in binaries that replay that output,
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import sys
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as GGML
 
 from verispec.bench import harness
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench
 from verispec.bench.llamacpp import (BINARIES, ENV, TRIES, LlamaCppPeer, Setup, command, find_llama_cpp,
-                                     parse_output)
+                                     llama_cpp_methods, parse_output)
 from verispec.bench.metrics import summarize
 from verispec.cli import main
 from verispec.errors import InvalidArgumentError, PeerError
+from verispec.models.native import load_model
+
+from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf as write_random_gguf
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 PROMPT = b"def parse_header(line):\n"  # what the captured runs were given, 16 new tokens each
@@ -112,8 +117,8 @@ sys.exit({exit_code})
     return folder
 
 
-def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, tmp_path) -> None:
-    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin", cut_short=2), *pair_dirs)
+def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, target, tmp_path) -> None:
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin", cut_short=2), *pair_dirs, target)
     prompt = peer.tokenizer.encode("def f(x):\n").ids
     assert peer.kinds == ["plain", "speculative", "lookup"]
     for kind, per_token in (("plain", 0.12140 / 15), ("speculative", 1 / 198.005), ("lookup", 1 / 123.008)):
@@ -124,31 +129,31 @@ def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, tmp_path) -> None:
     assert peer.setup.target.is_file() and peer.setup.draft.is_file()
 
 
-def test_a_binary_that_fails_or_never_prints_its_timing_is_an_error(pair_dirs, tmp_path) -> None:
-    failing = LlamaCppPeer(fake_binaries(tmp_path / "fails", exit_code=1), *pair_dirs)
+def test_a_binary_that_fails_or_never_prints_its_timing_is_an_error(pair_dirs, target, tmp_path) -> None:
+    failing = LlamaCppPeer(fake_binaries(tmp_path / "fails", exit_code=1), *pair_dirs, target)
     prompt = failing.tokenizer.encode("def f(x):\n").ids
     with pytest.raises(PeerError, match="llama-completion exited with 1: .*graphs reused"):
         failing.run("plain", prompt, 16)
-    cut = LlamaCppPeer(fake_binaries(tmp_path / "cut", cut_short=TRIES), *pair_dirs)
+    cut = LlamaCppPeer(fake_binaries(tmp_path / "cut", cut_short=TRIES), *pair_dirs, target)
     with pytest.raises(PeerError, match=f"llama-lookup ended {TRIES} times without its decode timing"):
         cut.run("lookup", prompt, 16)
 
 
-def test_a_prompt_that_would_reach_llama_cpp_as_other_tokens_is_refused(pair_dirs, tmp_path) -> None:
+def test_a_prompt_that_would_reach_llama_cpp_as_other_tokens_is_refused(pair_dirs, target, tmp_path) -> None:
     """llama.cpp takes text: ids whose text does not read back as them (here half a UTF-8 character) cannot go."""
-    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs)
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs, target)
     half = peer.tokenizer.encode("é").ids[:1]
     with pytest.raises(PeerError, match="does not tokenize back"):
         peer.run("plain", peer.tokenizer.encode("x = ").ids + half, 16)
     assert not (tmp_path / "bin" / "llama-completion.runs").exists()
 
 
-def test_missing_binaries_and_float64_are_refused(pair_dirs, tmp_path) -> None:
+def test_missing_binaries_and_float64_are_refused(pair_dirs, target, tmp_path) -> None:
     with pytest.raises(PeerError, match="no llama-completion, llama-speculative-simple, llama-lookup"):
-        LlamaCppPeer(tmp_path, *pair_dirs)
+        LlamaCppPeer(tmp_path, *pair_dirs, target)
     with pytest.raises(InvalidArgumentError, match="float64"):
-        LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs, dtype="float64")
-    target_only = LlamaCppPeer(fake_binaries(tmp_path / "bin2"), pair_dirs[0], None)
+        LlamaCppPeer(fake_binaries(tmp_path / "bin"), *pair_dirs, target, dtype="float64")
+    target_only = LlamaCppPeer(fake_binaries(tmp_path / "bin2"), pair_dirs[0], None, target)
     assert target_only.kinds == ["plain", "lookup"] and target_only.setup.draft is None
 
 
@@ -180,3 +185,55 @@ def test_bench_adds_the_rows_as_peers(pair_dirs, tmp_path) -> None:
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["methods"]["llama.cpp plain"] is None
     assert "llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def _refused_tokenizer(folder: Path, out: Path) -> Path:
+    """A copy of a checkpoint folder whose tokenizer the GGUF writer refuses (it has a normalizer)."""
+    copy = shutil.copytree(folder, out)
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "NFC"}
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    return copy
+
+
+def test_a_gguf_target_runs_as_it_is_at_any_dtype(tmp_path) -> None:
+    file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0])), by_name({}, GGML.Q8_0))
+    model = load_model(file, dtype="float64")
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), file, None, model, dtype="float64")
+    assert peer.setup.target == file and peer.setup.context == model.context_length
+    assert peer.run("plain", model.tokenizer.encode("def f(x):\n").ids, 16).text.startswith(GENERATED.decode())
+
+
+def test_a_folder_the_writer_refuses_leaves_its_rows_out_with_a_note(pair_dirs, target, tmp_path) -> None:
+    binaries = fake_binaries(tmp_path / "bin")
+    target_dir = _refused_tokenizer(pair_dirs[0], tmp_path / "target")
+    rows, notes = llama_cpp_methods(binaries, target_dir, pair_dirs[1], target)
+    assert rows == [] and len(notes) == 1 and "no llama.cpp rows" in notes[0] and "normalizer" in notes[0]
+    assert f"convert_hf_to_gguf.py {target_dir} --outtype f32 --outfile target.gguf" in notes[0]
+    draft_dir = _refused_tokenizer(pair_dirs[1], tmp_path / "draft")
+    rows, notes = llama_cpp_methods(binaries, pair_dirs[0], draft_dir, target)
+    assert [row.label for row in rows] == ["llama.cpp plain", "llama.cpp lookup"]
+    assert len(notes) == 1 and notes[0].startswith("no llama.cpp speculative row")
+
+
+def test_the_bench_runs_on_without_llama_cpp_rows_it_cannot_have(pair_dirs, tmp_path, capsys) -> None:
+    target_dir = _refused_tokenizer(pair_dirs[0], tmp_path / "target")
+    summary = run_bench(target_dir, None, tmp_path / "out", quick_suite(per_category=1, max_new_tokens=4),
+                        BenchOptions(repeats=1, peers=False, only=["autoregressive", "ngram k=4"],
+                                     llama_cpp=fake_binaries(tmp_path / "bin")))
+    assert set(summary) == {"autoregressive", "ngram k=4"}
+    out = capsys.readouterr().out
+    assert out.count("note: no llama.cpp rows") == 1 and "convert_hf_to_gguf.py" in out
+    assert "Note: no llama.cpp rows" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_bench_takes_a_gguf_target(tmp_path) -> None:
+    """Our rows, transformers' (through gguf_file=) and llama.cpp's all on the one file."""
+    file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1),
+                             by_name({}, GGML.Q8_0))
+    only = ["autoregressive", "ngram k=4", "transformers greedy", "llama.cpp plain"]
+    summary = run_bench(file, None, tmp_path / "out", quick_suite(per_category=1, max_new_tokens=4),
+                        BenchOptions(repeats=1, progress=False, only=only, llama_cpp=fake_binaries(tmp_path / "bin")))
+    assert list(summary) == only and summary["transformers greedy"]["all"]["exact_match"] == 1.0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["info"]["target"] == str(file) and results["info"]["notes"] == []

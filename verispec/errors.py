@@ -37,3 +37,8 @@ class DrafterError(VerispecError):
 
 class PeerError(VerispecError):
     """A benchmark peer outside verispec (llama.cpp's binaries) is missing, failed, or printed what cannot be read."""
+
+
+class PeerUnavailable(PeerError):
+    """A benchmark peer cannot be given this checkpoint (llama.cpp a folder whose tokenizer the GGUF writer refuses):
+    its rows are left out, with a note that says how to give it one."""

@@ -66,10 +66,12 @@ def eos_token_ids(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: 
             ids |= as_id_set(json.loads(gen.read_text()).get("eos_token_id"))
         except (OSError, ValueError, AttributeError, TypeError) as err:
             raise CheckpointError(f"{gen}: unreadable ({err})") from None
-    if not ids:
-        found = (tid for name in EOS_NAMES if (tid := tokenizer.token_to_id(name)) is not None)
-        ids = as_id_set(next(found, None))
-    return ids
+    return ids or conventional_eos(tokenizer)
+
+
+def conventional_eos(tokenizer: Tokenizer) -> frozenset[int]:
+    """For a checkpoint that names no end-of-sequence id: the first conventional end-of-text token it has."""
+    return as_id_set(next((tid for name in EOS_NAMES if (tid := tokenizer.token_to_id(name)) is not None), None))
 
 
 def check_tokenizer_fits(tokens: int, rows: int, name: str | Path) -> None:

@@ -2,15 +2,15 @@
 checkpoints, when its binaries are at hand (`--llama-cpp DIR` or $VERISPEC_LLAMA_CPP; without them, no rows).
 
 Each run is one process of llama.cpp's example binaries over one prompt: greedy, at the bench's thread count (one
-by default), EOS banned (its `--ignore-eos`), the prompt's max_new_tokens. The checkpoints are written as GGUF
-(gguf_export) into a temporary folder at the bench's dtype. The time is llama.cpp's own decode-only time as the
-binary prints it (model loading, process start and prompt prefill excluded); see `parse_output` for the lines read.
+by default), EOS banned (its `--ignore-eos`), the prompt's max_new_tokens. A GGUF target (or draft) runs as it
+is, the very file our rows load; a checkpoint folder is written as GGUF (gguf_export) into a temporary folder at the
+bench's dtype, and one the writer refuses leaves its rows out with a note on converting it. The time is llama.cpp's
+own decode-only time as the binary prints it (model loading, process start and prompt prefill excluded); see `parse_output` for the lines read.
 The binaries print text, not token ids: the bench compares that text with the text of our autoregressive tokens.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -21,8 +21,9 @@ from pathlib import Path
 
 from verispec.bench.gguf_export import GGUF_DTYPES, write_gguf
 from verispec.bench.methods import BenchMethod, Run
-from verispec.errors import InvalidArgumentError, PeerError
-from verispec.tokenizer import load_tokenizer
+from verispec.errors import CheckpointError, InvalidArgumentError, PeerError, PeerUnavailable
+from verispec.models.gguf_file import is_gguf
+from verispec.models.protocol import CausalLM
 
 ENV = "VERISPEC_LLAMA_CPP"
 BINARIES = {"plain": "llama-completion", "speculative": "llama-speculative-simple", "lookup": "llama-lookup"}
@@ -116,27 +117,54 @@ def _last_line(stderr: str) -> str:
     return f": {lines[-1].strip()}" if lines else ""
 
 
-class LlamaCppPeer:
-    """llama.cpp's binaries on GGUF copies of a target (and draft) at one dtype, written into a temporary folder that
-    lives as long as this object."""
+CONVERTER_HINT = ("convert it with llama.cpp's own converter (python convert_hf_to_gguf.py {folder} --outtype {dtype} "
+                  "--outfile {stem}.gguf, from llama.cpp's source tree) and give the bench that file")
 
-    def __init__(self, bin_dir: Path, target_dir: Path, draft_dir: Path | None, dtype: str = "float32",
-                 threads: int = 1) -> None:
-        if dtype not in GGUF_DTYPES:
-            raise InvalidArgumentError(f"--llama-cpp runs in {', '.join(GGUF_DTYPES)}, not {dtype}")
-        self.kinds = ["plain", *(["speculative"] if draft_dir is not None else []), "lookup"]
+
+def as_gguf(checkpoint: Path, out: Path, dtype: str) -> Path:
+    """The GGUF file llama.cpp runs for a checkpoint: a GGUF target as it is, a folder written by `write_gguf`
+    at `dtype`. A folder the writer refuses (a tokenizer other than GPT-2's byte-level BPE, another architecture)
+    is a `PeerUnavailable` that says how to convert it instead."""
+    if is_gguf(checkpoint):
+        return checkpoint
+    try:
+        return write_gguf(checkpoint, out, dtype)
+    except CheckpointError as err:
+        outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, "f32")
+        hint = CONVERTER_HINT.format(folder=checkpoint, dtype=outtype, stem=checkpoint.name)
+        raise PeerUnavailable(f"{err}; to bench llama.cpp on it, {hint}") from None
+
+
+class LlamaCppPeer:
+    """llama.cpp's binaries on a target (and draft): GGUF files as they are, folders as GGUF copies at one dtype
+    written into a temporary folder that lives as long as this object. `target_model` is our model of the same
+    target, whose tokenizer and context the prompts go through. `notes` says what could not run (a draft folder
+    the GGUF writer refuses: no speculative row)."""
+
+    def __init__(self, bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM,
+                 dtype: str = "float32", threads: int = 1) -> None:
+        folders = [path for path in (target, draft) if path is not None and not is_gguf(path)]
+        if folders and dtype not in GGUF_DTYPES:
+            raise InvalidArgumentError(f"--llama-cpp runs a checkpoint folder in {', '.join(GGUF_DTYPES)}, not {dtype}")
+        self.kinds = ["plain", *(["speculative"] if draft is not None else []), "lookup"]
         missing = [BINARIES[k] for k in self.kinds if not (bin_dir / BINARIES[k]).is_file()]
         if missing:
             raise PeerError(f"{bin_dir}: no {', '.join(missing)} (build llama.cpp's tools and examples: "
                             "docs/bench/llama-cpp.md)")
         self._folder = tempfile.TemporaryDirectory(prefix="verispec-gguf-")
         work = Path(self._folder.name)
-        target = write_gguf(target_dir, work / f"target-{dtype}.gguf", dtype)
-        draft = write_gguf(draft_dir, work / f"draft-{dtype}.gguf", dtype) if draft_dir is not None else None
-        context = json.loads((target_dir / "config.json").read_text())["max_position_embeddings"]
-        self.setup = Setup(bin_dir, target, draft, context, threads)
+        self.notes: list[str] = []
+        target_file = as_gguf(target, work / f"target-{dtype}.gguf", dtype)
+        draft_file = None
+        if draft is not None:
+            try:
+                draft_file = as_gguf(draft, work / f"draft-{dtype}.gguf", dtype)
+            except PeerUnavailable as why:
+                self.kinds.remove("speculative")
+                self.notes.append(f"no llama.cpp speculative row: {why}")
+        self.setup = Setup(bin_dir, target_file, draft_file, target_model.context_length, threads)
         self.prompt_file = work / "prompt.txt"
-        self.tokenizer = load_tokenizer(target_dir)
+        self.tokenizer = target_model.tokenizer
 
     def run(self, kind: str, prompt: list[int], max_new_tokens: int) -> Run:
         """One process over one prompt: its text (the binaries print no token ids), and llama.cpp's own decode time
@@ -162,8 +190,12 @@ class LlamaCppPeer:
         return Run([], max_new_tokens * out.seconds / out.tokens, text=out.text.decode(errors="replace"))
 
 
-def llama_cpp_methods(bin_dir: Path, target_dir: Path, draft_dir: Path | None, dtype: str = "float32",
-                      threads: int = 1) -> list[BenchMethod]:
-    """The peer rows: "llama.cpp plain", "llama.cpp speculative" (with a draft) and "llama.cpp lookup"."""
-    peer = LlamaCppPeer(bin_dir, target_dir, draft_dir, dtype, threads)
-    return [BenchMethod(f"llama.cpp {kind}", partial(peer.run, kind)) for kind in peer.kinds]
+def llama_cpp_methods(bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM,
+                      dtype: str = "float32", threads: int = 1) -> tuple[list[BenchMethod], list[str]]:
+    """The peer rows ("llama.cpp plain", "llama.cpp speculative" with a draft, "llama.cpp lookup") and notes on
+    what could not run; a target that llama.cpp cannot be given leaves no rows and one note."""
+    try:
+        peer = LlamaCppPeer(bin_dir, target, draft, target_model, dtype, threads)
+    except PeerUnavailable as why:
+        return [], [f"no llama.cpp rows: {why}"]
+    return [BenchMethod(f"llama.cpp {kind}", partial(peer.run, kind)) for kind in peer.kinds], peer.notes

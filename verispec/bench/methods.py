@@ -13,7 +13,9 @@ import torch
 from verispec.drafters.base import Drafter
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
-from verispec.models.native import NativeModel, parse_dtype
+from verispec.models.hf_adapter import pretrained_source
+from verispec.models.native import NativeModel
+from verispec.models.precision import parse_dtype
 
 DRAFT_KS = (1, 2, 3, 4, 6, 8)
 
@@ -113,8 +115,9 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
 
     logging.set_verbosity_error()  # its notes on generation arguments would interleave with the progress bar
     logging.disable_progress_bar()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype)).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=parse_dtype(dtype)).eval() if draft_dir else None
+    target = AutoModelForCausalLM.from_pretrained(**pretrained_source(target_dir), dtype=parse_dtype(dtype)).eval()
+    assistant = (AutoModelForCausalLM.from_pretrained(**pretrained_source(draft_dir), dtype=parse_dtype(dtype)).eval()
+                 if draft_dir else None)
 
     config = copy.deepcopy(target.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False

@@ -12,8 +12,8 @@ import torch
 from verispec.bench.costs import LOOKAHEAD_NOTE
 
 LLAMA_CPP_NOTE = (
-    " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on GGUF copies of the same checkpoints "
-    "in this dtype, one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
+    " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
+    "it is, a folder as a GGUF copy in this dtype), one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
     "llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time is llama.cpp's own "
     "decode-only timing (completion's `eval time` line, the others' `decoded N tokens` line), without the prompt's "
     "prefill that our rows' time includes; their exact match compares their text with our autoregressive output's.")
@@ -40,7 +40,11 @@ def floor_line(timing: dict) -> str:
 
 
 def _mode(info: dict) -> str:
-    return info["dtype"] + (" exact mode" if info.get("exact") else "")
+    """The dtype, the linears' formats where any is a block format ("float32, linears q4_1 x 210, q8_0 x 1"), and
+    exact mode."""
+    blocks = {name: n for name, n in (info.get("formats") or {}).items() if name.startswith("q")}
+    kept = ", linears " + ", ".join(f"{name} x {n}" for name, n in blocks.items()) if blocks else ""
+    return info["dtype"] + kept + (" exact mode" if info.get("exact") else "")
 
 
 def _table(summary: dict, category: str) -> list[str]:
@@ -158,6 +162,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
           "Peak memory is the whole process's."
           + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "") + "\n",
+          *(f"Note: {note}\n" for note in info.get("notes", [])),
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]

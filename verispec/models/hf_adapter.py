@@ -15,7 +15,8 @@ import torch
 from verispec.arguments import usable_device
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.checkpoint import check_finite, check_folder
-from verispec.models.native import parse_dtype
+from verispec.models.gguf_file import GGUFFile, is_gguf
+from verispec.models.precision import parse_dtype
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import as_id_set, check_tokenizer_fits
 
@@ -87,7 +88,8 @@ class TransformersModel:
 
 def load_transformers_model(name_or_path: str | Path, device: str | torch.device = "cpu",
                             dtype: str | torch.dtype = "float32") -> TransformersModel:
-    """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder, or a hub id where a network exists).
+    """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder or GGUF file, or a hub id where a network
+    exists).
 
     Refuses what transformers would run anyway: weights missing (it fills them at random), unexpected or of the
     wrong shape (the config describes another model), NaN or inf, a tokenizer larger than the model's vocabulary.
@@ -95,15 +97,18 @@ def load_transformers_model(name_or_path: str | Path, device: str | torch.device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
-    if os.path.lexists(name_or_path):  # a local folder, not a hub id
+    if is_gguf(name_or_path):
+        GGUFFile(name_or_path)  # opened here first, so that a missing or broken file is named as such
+    elif os.path.lexists(name_or_path):  # a local folder, not a hub id
         check_folder(name_or_path)
+    source = pretrained_source(name_or_path)
     try:
         with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(**source)
             # Mismatched shapes come back in the loading info like missing keys, instead of as a RuntimeError
             # that points at a report the quiet logger dropped.
-            model, info = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
-                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+            model, info = AutoModelForCausalLM.from_pretrained(**source, dtype=torch_dtype, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True)
     except Exception as err:  # transformers' loaders raise anything from OSError to ZeroDivisionError on a bad folder
         reason = (str(err).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{name_or_path}: transformers cannot load it ({type(err).__name__}: {reason})") from None
@@ -113,6 +118,14 @@ def load_transformers_model(name_or_path: str | Path, device: str | torch.device
         raise CheckpointError(f"{name_or_path}: needs a fast (tokenizers-backed) tokenizer")
     check_tokenizer_fits(len(tokenizer), model.get_output_embeddings().weight.shape[0], name_or_path)
     return TransformersModel(model.to(device), tokenizer, Path(str(name_or_path)).name)
+
+
+def pretrained_source(name_or_path: str | Path) -> dict[str, str]:
+    """`from_pretrained`'s arguments for a folder or hub id, or for a GGUF file (which transformers reads from its
+    folder, dequantized)."""
+    if is_gguf(name_or_path):
+        return {"pretrained_model_name_or_path": str(Path(name_or_path).parent), "gguf_file": Path(name_or_path).name}
+    return {"pretrained_model_name_or_path": str(name_or_path)}
 
 
 def _check_loading_info(info: dict, name: str | Path, model_class: str) -> None:

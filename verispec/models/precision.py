@@ -20,7 +20,16 @@ from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
 from verispec.models.quant import BLOCK, QuantizedLinear, QuantizedWeight, check_format
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def projections(module: nn.Module) -> dict[str, nn.Linear]:
@@ -36,6 +45,8 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
     """Replace the linears named in `weights` (by state-dict prefix, as `projections` names them) with quantized
     linears of those blocks, their biases kept. Quantized weights run on verispec's kernels only: refused where
     they do not run."""
+    if not weights:
+        return
     if not kernels.chosen(torch.float32):
         raise InvalidArgumentError(f"quantized weights run on verispec's kernels, on one thread; here: "
                                    f"{kernels.reason()}, {torch.get_num_threads()} threads")
@@ -49,6 +60,16 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
         setattr(module.get_submodule(parent) if parent else module, attribute, QuantizedLinear(weight, linear.bias))
 
 
+def formats(module: nn.Module) -> dict[str, int]:
+    """How many of a model's linears (`projections`) are in each format: a block format, or a float dtype."""
+    counts: dict[str, int] = {}
+    for linear in projections(module).values():
+        q = getattr(linear, "quantized", None)
+        name = q.format if q is not None else str(linear.weight.dtype).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def quantized_at_load(module: nn.Module, format: str) -> dict[str, QuantizedWeight]:
     """`format` blocks for every projection of a float model, and Q8_0 for its LM head (`--quantize`)."""
     check_format(format)
@@ -59,6 +80,33 @@ def quantized_at_load(module: nn.Module, format: str) -> dict[str, QuantizedWeig
                                    f"{linears[narrow[0]].in_features}")
     return {name: QuantizedWeight.of(linear.weight, HEAD_FORMAT if name == "lm_head" else format)
             for name, linear in linears.items()}
+
+
+def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str | torch.dtype,
+                 device: torch.device | str, keep: bool = True
+                 ) -> tuple[torch.dtype, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
+    tensors, and the linears kept as blocks (by `projections`' names; "lm_head" too where the file ties it to the
+    embedding, whose table is then the blocks dequantized). `dtype="auto"` keeps the file's own formats where they
+    run (`keep`, and verispec's kernels on one thread): Q8_0, Q4_0 and Q4_1 tensors as blocks, with float32
+    activations; a file whose float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts
+    every weight to it, blocks dequantized (exact in float32)."""
+    blocks = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+    keep = keep and dtype == "auto" and bool(blocks) and kernels.chosen(torch.float32, device)
+    if dtype == "auto":
+        floats = {w.dtype for name, w in weights.items() if name not in blocks and w.dim() == 2}
+        dtype = torch.bfloat16 if not blocks and floats == {torch.bfloat16} else torch.float32
+    dtype = parse_dtype(dtype)
+    out = {name: w for name, w in weights.items() if name not in blocks}
+    kept: dict[str, QuantizedWeight] = {}
+    for name, w in blocks.items():
+        if keep and name != "model.embed_tokens.weight":
+            kept[name.removesuffix(".weight")] = w
+        else:
+            out[name] = w.dequantize(dtype)
+    if keep and "model.embed_tokens.weight" in blocks and "lm_head.weight" not in weights:  # tied: the head's blocks
+        kept["lm_head"] = blocks["model.embed_tokens.weight"]
+    return dtype, out, kept
 
 
 def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> None:

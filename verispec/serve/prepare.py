@@ -14,7 +14,7 @@ from verispec.engine.request import Request
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
-from verispec.serve.chat import ChatTemplate
+from verispec.serve.chat import WHERE_TEMPLATES_LIVE, ChatTemplate
 from verispec.serve.schema import ChatRequest, CompletionRequest, ApiRequest
 
 COMPLETION_MAX_TOKENS = 16  # the OpenAI completions API's default; chat defaults to the rest of the context
@@ -59,9 +59,8 @@ def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
 def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
     _check_model(model, body)
     if model.chat is None:
-        raise ChatUnsupportedError(f"model {model.name} has no chat template (no chat_template in its "
-                                   "tokenizer_config.json, no chat_template.jinja), so it cannot tell which text "
-                                   "a conversation is; use /v1/completions with a plain prompt")
+        raise ChatUnsupportedError(f"model {model.name} has no chat template ({WHERE_TEMPLATES_LIVE}), so it cannot "
+                                   "tell which text a conversation is; use /v1/completions with a plain prompt")
     messages = [{"role": m.role, "content": unicode_text(m.text(), "a message")} for m in body.messages]
     _check_length(model, sum(len(m["content"]) for m in messages), "the messages")
     text = model.chat.render(messages)
