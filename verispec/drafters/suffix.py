@@ -158,8 +158,8 @@ class SuffixSession:
             self.drafter.history.record(self.shared, new)
         best = NOTHING
         if k >= 1:
-            limits = replace(self.limits, depth=min(k, self.limits.depth), nodes=min(self.limits.nodes, k)
-                             if not self.limits.tree else self.limits.nodes)
+            nodes = self.limits.nodes if self.limits.tree else min(self.limits.nodes, k)  # a chain: k at most
+            limits = replace(self.limits, depth=min(k, self.limits.depth), nodes=nodes)
             history = self.drafter.history
             best = _best([self.local.speculate(context, limits),
                           NOTHING if history is None else history.speculate(context, limits)])
