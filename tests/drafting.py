@@ -50,3 +50,21 @@ def break_the_rule_for(monkeypatch, top_k: int) -> None:
         return real(proposal, q, logits, sampling, generator)
 
     monkeypatch.setattr(batch_step, "verify", verify)
+
+
+def in_threads(work, arguments: list) -> None:
+    """`work(argument)` for each argument, each in its own thread, all at once, with the interpreter switching
+    threads as often as it can (so that unsynchronised state shows)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(argument,)) for argument in arguments]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)

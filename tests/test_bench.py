@@ -29,6 +29,7 @@ def test_report_files_and_structure(quick) -> None:
                 "transformers greedy", "transformers assisted", "transformers assisted k=4",
                 "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
                 "eagle k=6 tree_top_k=2 tree_tokens=10", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
+                "suffix", "suffix tree_tokens=8", "suffix k=4 eagle_below=3",
                 "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     assert set(summary) == expected
     methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
@@ -114,7 +115,8 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
     table = report[report.index("## All prompts"):report.index("\n## code")]
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
     assert all(cells[method][-2] != "-" and cells[method][-1] != "- |" for method in trees)  # predicted, efficiency
-    assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-"
+    assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-" and cells["suffix tree_tokens=8"][-2] == "-"
+    assert cells["suffix"][-2] != "-"  # a chain that runs no model: c = 0
     assert "lookahead window=5 ngram=4 candidates=5: no prediction: its forward holds the Jacobi window" in report
     assert "medusa: " in report and f" + r({TREE_TOKENS + 1}) per step" in report
 

@@ -21,6 +21,8 @@ from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
 
+from drafting import in_threads
+
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
                                    reason=f"verispec's kernels do not run here: {kernels.reason()}")
 pytestmark = needs_kernels
@@ -256,8 +258,6 @@ def test_a_greedy_chain_among_a_draft_vocabulary(pair_dirs: tuple[Path, Path], e
 def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tuple[Path, Path], monkeypatch) -> None:
     """Three threads decode greedy chains of many shapes on one model, with captures evicted all the while."""
     import random
-    import sys
-    import threading
 
     model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
     reference = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=False)
@@ -278,16 +278,7 @@ def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tup
         except Exception as error:  # noqa: BLE001 (reported below, with the thread's other failures)
             failures.append(repr(error))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    in_threads(work, list(range(3)))
     assert not failures
 
 

@@ -39,6 +39,8 @@ EXAMPLES = {
     "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
     "eagle tree": Method("eagle", 3, {"tree_top_k": 2, "tree_tokens": 6}),
     "medusa": Method("medusa", None, {"tree_tokens": 8}),  # random heads, saved by `built` too
+    "suffix": Method("suffix", 3),  # with its history shared by the generations of each test
+    "suffix tree": Method("suffix", 3, {"tree_tokens": 4, "spec_factor": 2.0, "history_tokens": 0}),
 }
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -106,9 +108,12 @@ def test_abandoned_streams_leave_target_and_drafter_consistent(target, built, tr
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_one_drafter_serves_interleaved_generations(target, built, name) -> None:
-    """Two live streams of one drafter, stepped in turn, each give what they give alone (greedy and seeded)."""
+    """Two live streams of one drafter, stepped in turn, each give what they give alone (greedy and seeded; a
+    drafter with a history shared across generations proposes from what ran before, and so draws differently under
+    sampling: greedy both)."""
     drafter = built(name)
-    runs = [(PROMPT, {}), (PROMPT[3:], dict(temperature=1.0, seed=7))]
+    shared = getattr(drafter, "history", None) is not None
+    runs = [(PROMPT, {}), (PROMPT[3:], {} if shared else dict(temperature=1.0, seed=7))]
     alone = [generate(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options).tokens
              for prompt, options in runs]
     streams = [stream(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
-                      build_drafter, generate, generate_batch, load_model)
+                      SuffixDecoding, build_drafter, generate, generate_batch, load_model)
 from verispec.engine import Engine, Request
 from verispec.models.random_init import random_pair, tiny_config
 
@@ -25,7 +25,8 @@ def drafters(draft):
     auto = build_drafter(Method("draft", "auto"), Resources(draft=draft))  # AdaptiveK: the engine drafts with its inner
     vocab = torch.arange(0, draft.vocab_size, 2)  # the batch drafts by an LM head over these tokens
     return {"none": None, "draft": DraftModel(draft, 4), "draft vocab": DraftModel(draft, 4, vocab=vocab),
-            "ngram": PromptLookup(3), "auto": auto}
+            "ngram": PromptLookup(3), "auto": auto, "suffix": SuffixDecoding(3),
+            "suffix tree": SuffixDecoding(3, tree_tokens=5)}  # (the engine verifies its likeliest chain)
 
 
 def alone(target, prompt, drafter=None, **options):
@@ -45,7 +46,7 @@ def tokens(updates: list) -> list[int]:
     return [t for u in updates for t in u.tokens]
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "draft vocab", "ngram", "auto"])
+@pytest.mark.parametrize("method", ["none", "draft", "draft vocab", "ngram", "auto", "suffix", "suffix tree"])
 def test_greedy_batch_is_identical_to_each_prompt_alone(target, draft, method, single_thread) -> None:
     drafter = drafters(draft)[method]
     results = generate_batch(target, PROMPTS, drafter, max_new_tokens=N, ignore_eos=True, adaptive=False)

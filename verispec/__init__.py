@@ -1,7 +1,7 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
 from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
-                               PromptLookup, Proposal, Resources, SideBranch, Verdict, build_drafter)
+                               PromptLookup, Proposal, Resources, SideBranch, SuffixDecoding, Verdict, build_drafter)
 from verispec.drafters.adaptive import AdaptiveK
 from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
                              InvalidArgumentError, PeerError, TokenizerMismatchError, UnsupportedArchitectureError,
@@ -20,7 +20,8 @@ __all__ = [
     "AdaptiveK", "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
     "DrafterError", "Engine", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError",
     "LayerSkip", "Lookahead", "Method", "NativeModel", "Needs", "PeerError", "PromptLookup", "Proposal", "Request",
-    "Resources", "SamplingParams", "SideBranch", "Stream", "TokenizerMismatchError", "TransformersModel",
+    "Resources", "SamplingParams", "SideBranch", "Stream", "SuffixDecoding", "TokenizerMismatchError",
+    "TransformersModel",
     "UnsupportedArchitectureError", "Update", "Verdict", "VerispecError", "build_drafter", "default_threads", "generate",
     "generate_batch", "load", "load_default", "load_model",
     "load_transformers_model", "set_threads", "stream", "torch_threads",

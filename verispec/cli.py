@@ -170,9 +170,9 @@ def _checked_method(args: argparse.Namespace) -> Method:
     if given_draft and method.family != "draft":  # only --method draft loads it
         raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
                                    "ignore it")
-    if args.head and method.family not in ("eagle", "medusa"):
-        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa; --method {args.method} would "
-                                   "ignore it")
+    if args.head and method.family not in ("eagle", "medusa") and "eagle_below" not in method.options:
+        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa (or suffix with --eagle-below); "
+                                   f"--method {args.method} would ignore it")
     if args.backend == "transformers" and needs != Needs():
         raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
                                    f"layer subsets); --backend transformers offers none of them")
@@ -291,8 +291,11 @@ def _bench_serve(args: argparse.Namespace) -> None:
     from verispec.bench.suite import SUITE, read_suite
 
     levels = tuple(_whole_numbers(args.concurrency, "--concurrency"))
-    work = Workload([item["prompt"] for item in read_suite(Path(args.suite) if args.suite else SUITE)], levels,
-                    args.requests, args.max_tokens)
+    items = read_suite(Path(args.suite) if args.suite else SUITE)
+    if not all(isinstance(item.get("prompt"), str) for item in items):
+        raise InvalidArgumentError("bench-serve sends the suite's prompts: each line needs a prompt (a Spec-Bench "
+                                   "question file is for `verispec bench --suite`)")
+    work = Workload([item["prompt"] for item in items], levels, args.requests, args.max_tokens)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-serve-"))
     if args.url:
         if args.target or args.draft:
@@ -356,6 +359,8 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.repeats is not None and args.repeats < 1:
         raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
@@ -380,7 +385,8 @@ def _bench(args: argparse.Namespace) -> None:
                                quantize=args.quantize,
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
                                medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
-                               unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp))
+                               unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp),
+                               max_new_tokens=args.max_new_tokens)
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")

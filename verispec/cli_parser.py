@@ -87,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "with the shipped target, where it exists)")
     bench.add_argument("--medusa-head", help="Medusa heads folder, which adds the Medusa rows (default: "
                                              "models/stdlib-medusa with the shipped target, where it exists)")
-    bench.add_argument("--suite", default=None, help="prompts (jsonl); default data/bench/suite.jsonl")
+    bench.add_argument("--suite", default=None, help="prompts (jsonl with id, category, prompt, max_new_tokens), or "
+                                                    "Spec-Bench's question.jsonl (question_id, category, turns: each "
+                                                    "turn through the target's chat template); default "
+                                                    "data/bench/suite.jsonl")
+    bench.add_argument("--max-new-tokens", type=int, help="every prompt's answer length; a Spec-Bench turn's: its "
+                                                          "plain greedy answer's, to EOS or at most this (default "
+                                                          "1024, Spec-Bench's)")
     bench.add_argument("--repeats", type=int,
                        help="repeats of each run (default 3); with --profile, rounds of forwards (default 15)")
     bench.add_argument("--out", help="folder for report.md, results.json and plots (default: a new folder under "
@@ -150,11 +156,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
                                    "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
-                                   "pay (default auto for draft and ngram chains; 4 for eagle and trees; layerskip: the "
-                                   "k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or "
-                                   "off)")
-    parser.add_argument("--head", help="eagle, medusa: the head's folder (default: models/stdlib-eagle or "
-                                       "models/stdlib-medusa for the shipped target)")
+                                   "pay (default auto for draft and ngram chains; 4 for eagle and trees; 8 for suffix; "
+                                   "layerskip: the k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, "
+                                   "or auto: on or off)")
+    parser.add_argument("--head", help="eagle, medusa, suffix with --eagle-below: the head's folder (default: "
+                                       "models/stdlib-eagle or models/stdlib-medusa for the shipped target)")
     # The methods' options, as the registry declares them. Each defaults to None here, so that only what was given
     # reaches the method record (the defaults live in the drafters) and an option given to a method that does not
     # take it is refused.

@@ -5,7 +5,7 @@ Every price is a median of timed forwards (`models/timing.py`) over the target's
   drafts costs j c + r(j + 1).
 - a token tree (draft model with branch > 1, EAGLE-2, Medusa) has a table by the depth d the run recorded for a step:
   `draft[d]`, its drafting, plus r(`tokens[d]`), its one target forward (the last committed token and the tree).
-- lookahead has none (LOOKAHEAD_NOTE).
+- lookahead, a suffix tree and suffix with EAGLE have none (NO_PRICE).
 r(n) is the target's time for n tokens over its time for 1, up to the widest forward any row verifies.
 """
 
@@ -29,6 +29,9 @@ from verispec.models.timing import forward_seconds, head_step_seconds, medusa_st
 LOOKAHEAD_NOTE = ("no prediction: its forward holds the Jacobi window and a trie of the pool's n-grams after the last "
                   "token (up to candidates x (ngram - 1) tokens), a size the run does not record, and r(n) varies over "
                   "that range")
+SUFFIX_NOTE = ("no prediction: the run does not record its trees' sizes (at most spec_factor x each step's match, and "
+               "tree_tokens), nor, with eagle_below, which steps the EAGLE head drafted")
+NO_PRICE = {"lookahead": LOOKAHEAD_NOTE, "suffix": SUFFIX_NOTE}  # why a family's rows may have no prediction
 
 
 @dataclass
@@ -72,7 +75,7 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
     for m in (m for m in methods if m.drafter is not None):
         family = m.method.family
         if m.drafter.needs.tree_masks:
-            if family != "lookahead":
+            if family in TREE_COSTS:
                 trees[m.label] = TREE_COSTS[family](_drafting(m), prices)
         elif family == "eagle":  # an EAGLE step's cost depends on how wide its LM head is
             c[m.label] = prices.head(_drafting(m))
@@ -80,8 +83,8 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
             c[m.label] = prices.forward(draft, 1, head=_drafting(m).head)  # (at its draft vocabulary's width)
         elif family == "layerskip" and skip:
             c[m.label] = prices.forward(target, 1, kept)
-        elif family == "ngram":
-            c[m.label] = 0.0
+        elif family == "ngram" or (family == "suffix" and not m.drafter.needs.hidden_states):
+            c[m.label] = 0.0  # no model (a suffix tree's lookups, as prompt lookup's, are left out)
     widest = max([max(DRAFT_KS) + 1, *(n for tree in trees.values() for n in tree["tokens"])])
     return {"c": c, "trees": trees, "r": {1: 1.0} | {n: prices.forward(target, n) for n in range(2, widest + 1)},
             "target_step_seconds": prices.one, "weight_bytes": weight_bytes(target), "read_bandwidth": bandwidth}

@@ -17,7 +17,8 @@ from verispec.bench.methods import our_methods, ours, transformers_methods, unre
 from verispec.bench.metrics import summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
-from verispec.bench.suite import SUITE, read_suite
+from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS, is_spec_bench, turn_prompts
+from verispec.bench.suite import SUITE, check_items, read_suite
 
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
@@ -31,13 +32,18 @@ from verispec.models.random_init import random_pair, tiny_config, unrelated_draf
 from verispec.models.draft_vocab import default_size
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.serve.chat import load_chat_template
 from verispec.threads import torch_threads
 
 
 def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
-    """Token ids of each prompt, cut from the left when prompt and answer would not fit the context."""
+    """Token ids of each prompt, cut from the left when prompt and answer would not fit the context (a Spec-Bench
+    turn's, `prompt_ids`, fit as they are)."""
     out = []
     for item in suite:
+        if "prompt_ids" in item:
+            out.append((item, item["prompt_ids"]))
+            continue
         ids = target.tokenizer.encode(item["prompt"], add_special_tokens=True).ids
         out.append((item, ids[-(target.context_length - item["max_new_tokens"] - 1):]))
     return out
@@ -62,7 +68,8 @@ class BenchOptions:
     """How `run_bench` runs. Everything at a fixed thread count (one by default: at batch one on a shared 2-core
     machine, a second thread mostly waits at barriers). `exact`: our models in exact mode (the peers cannot be).
     `only`: the methods to run, by label. `head_dir`: an EAGLE head for the target, which adds the EAGLE rows;
-    `medusa_dir`: Medusa heads, which add the Medusa rows.
+    `medusa_dir`: Medusa heads, which add the Medusa rows. `max_new_tokens`: each prompt's answer length (a
+    Spec-Bench turn's: its plain greedy answer's, up to this).
     `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
     random weights (the same cost as the real draft; it agrees by chance). `llama_cpp`: llama.cpp's binaries, which
     add its rows as peers (bench/llamacpp.py). `dtype` may be "auto" (a GGUF target's own formats) and `quantize` a
@@ -81,6 +88,7 @@ class BenchOptions:
     medusa_dir: Path | None = None
     unrelated: bool = False
     llama_cpp: Path | None = None
+    max_new_tokens: int | None = None  # every prompt's, where given; a Spec-Bench turn's at most (default 1024)
 
 
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
@@ -127,6 +135,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
                                        f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         methods = [m for m in methods if m.label in only]
+    suite, questions = _turns(target, target_dir, suite, options.max_new_tokens)
     times = timing(target, draft, methods, skip)
     if options.progress:
         print(floor_line(times))
@@ -136,7 +145,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
-            "prompts": len(suite), "dtype": dtype, "formats": formats(target.module), "exact": exact, "notes": notes,
+            "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
+            "exact": exact, "notes": notes,
             "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
@@ -144,6 +154,22 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                         for m in methods}}
     write_report(out, summary, records, times, info)
     return summary
+
+
+def _turns(target: NativeModel, target_dir: Path, suite: list[dict],
+           max_new_tokens: int | None) -> tuple[list[dict], dict | None]:
+    """The suite's prompts: a Spec-Bench suite's questions become a prompt per turn, through the target's chat
+    template (`spec_bench.py`), with a note of how; another suite's items as they are, at `max_new_tokens` if
+    given."""
+    if not is_spec_bench(suite):
+        check_items(suite)
+        return suite if max_new_tokens is None else [item | {"max_new_tokens": max_new_tokens} for item in suite], None
+    limit = SPEC_BENCH_TOKENS if max_new_tokens is None else max_new_tokens
+    template = load_chat_template(target_dir)
+    items, skipped = turn_prompts(target, None if template is None else template.render, suite, limit)
+    if not items:
+        raise InvalidArgumentError(f"no question of the suite fits the context of {target.context_length} tokens")
+    return items, {"questions": len(suite), "turns": len(items), "max_new_tokens": limit, "skipped": skipped}
 
 
 def quick_suite(per_category: int = 2, max_new_tokens: int = 16) -> list[dict]:

@@ -68,13 +68,19 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
 EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
 
 
+# Suffix decoding as a tree as wide as its default chain is long; with EAGLE (SAM-Decoding's combination) on the steps
+# whose match is shorter than 3 tokens, both 4 deep, as the EAGLE chain.
+SUFFIX_TREE, SUFFIX_EAGLE = {"tree_tokens": 8}, {"eagle_below": 3}
+
+
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
                 eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0
                 ) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
-    each continued to depth 4), and every other family at k = 4; the draft model and prompt lookup at k = auto too;
-    layer skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, and EAGLE-2's
-    tree) and Medusa (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
+    each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
+    a tree); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
+    layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
+    (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
     full one), and then over the full one too (draft_vocab=0), for comparison."""
     methods = [Method("autoregressive")]
@@ -83,7 +89,7 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
         methods += [Method("draft", k, vocab) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2} | vocab)]
         if draft_vocab:
             methods.append(Method("draft", 4, {"draft_vocab": 0}))
-    methods += [Method("ngram", 4), Method("ngram", AUTO)]
+    methods += [Method("ngram", 4), Method("ngram", AUTO), Method("suffix"), Method("suffix", None, SUFFIX_TREE)]
     if layerskip:
         methods.append(Method("layerskip", 4))
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
@@ -93,6 +99,7 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
                     Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE | vocab)]
         if eagle_vocab:
             methods.append(Method("eagle", 4, {"draft_vocab": 0}))
+        methods.append(Method("suffix", 4, SUFFIX_EAGLE))
     if medusa:
         methods.append(Method("medusa", None, {"draft_vocab": medusa_vocab} if medusa_vocab else {}))
         if medusa_vocab:

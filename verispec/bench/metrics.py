@@ -20,7 +20,8 @@ def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
 
 def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
               detokenize: Callable[[list[int]], str] | None = None, trees: dict[str, dict] | None = None) -> dict:
-    """Per method and per category ("all" included): speed, speedup, tau, acceptance, exactness, prediction.
+    """Per method and per category ("all" included, and the groups records name): speed, speedup, tau, acceptance,
+    exactness, prediction.
 
     c[method]: a chain's draft step time / target step time; r[n]: target time for n new tokens / for 1. `detokenize`:
     token ids to text, for the exactness of peers that print text (a record with `text`), which counts the baseline's
@@ -30,12 +31,15 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
     """
     rows = per_prompt(records)
     methods = list(dict.fromkeys(r_["method"] for r_ in records))
-    categories = ["all", *dict.fromkeys(r_["category"] for r_ in records)]
+    # Each prompt's category, and the report's groups it belongs to besides (a Spec-Bench multi-turn question's turn)
+    categories = ["all", *dict.fromkeys(r_["category"] for r_ in records),
+                  *dict.fromkeys(group for r_ in records for group in r_.get("groups", ()))]
     out: dict = {}
     for method in methods:
         out[method] = {}
         for category in categories:
-            ids = [i for (m, i), row in rows.items() if m == method and category in ("all", row["category"])]
+            ids = [i for (m, i), row in rows.items()
+                   if m == method and (category in ("all", row["category"]) or category in row.get("groups", ()))]
             mine, base = [rows[method, i] for i in ids], [rows[BASELINE, i] for i in ids]
             new = sum(_new_tokens(x, b) for x, b in zip(mine, base))
             calls = sum(x["target_calls"] for x in mine)

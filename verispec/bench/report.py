@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.bench.costs import LOOKAHEAD_NOTE
+from verispec.bench.costs import NO_PRICE
 
 LLAMA_CPP_NOTE = (
     " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
@@ -65,6 +65,34 @@ def _table(summary: dict, category: str) -> list[str]:
     return lines
 
 
+def _by_category(summary: dict, categories: list[str]) -> list[str]:
+    """Spec-Bench's leaderboard: each method's speedup (ratio of total times) per category, and overall, with tau and
+    the acceptance rate over all prompts."""
+    lines = ["| method | " + " | ".join(categories) + " | overall | tau | acceptance |",
+             "|" + "---|" * (len(categories) + 4)]
+    for method, by_category in summary.items():
+        cells = [f"{by_category[c]['speedup_total']:.2f}x" if c in by_category else "-" for c in categories]
+        e = by_category["all"]
+        tau = format(e["tau"], ".2f") if "tau" in e else "-"
+        acceptance = format(e["acceptance_rate"], ".1%") if "acceptance_rate" in e else "-"
+        lines.append(f"| {method} | {' | '.join(cells)} | {e['speedup_total']:.2f}x | {tau} | {acceptance} |")
+    return lines
+
+
+def _spec_bench_note(info: dict) -> str:
+    """How a Spec-Bench suite became the prompts (empty for another suite)."""
+    spec = info.get("spec_bench")
+    if not spec:
+        return ""
+    skipped = spec["skipped"]
+    skipped = f"; left out, a turn not fitting the context: {', '.join(map(str, skipped))}" if skipped else ""
+    return (f" Spec-Bench suite: {spec['questions']} questions, {spec['turns']} turns, each a prompt rendered by the "
+            "target's chat template; a second turn follows the target's own first answer, decoded once by plain "
+            "greedy decoding (the same for every lossless method) and reused by all; each turn's max_new_tokens is "
+            f"the length of its plain greedy answer, to EOS or at most {spec['max_new_tokens']} tokens, so every "
+            f"method writes that answer and nothing past it{skipped}.")
+
+
 def _drafted(entry: dict) -> str:
     """Mean tokens drafted per step, and the share of plain steps (k = 0) where there were any (adaptive k)."""
     steps = entry.get("steps_by_depth")
@@ -115,11 +143,12 @@ def _goals(summary: dict, info: dict) -> list[str]:
 
 def _tree_costs(timing: dict, info: dict) -> str:
     """Each tree's full-size step (its drafting in target steps, and the tokens of its one target forward), and why
-    lookahead has no prediction."""
+    lookahead and some suffix rows have no prediction."""
     trees = "".join(f"; {label}: {t['draft'][-1]:.3f} + r({t['tokens'][-1]}) per step {len(t['draft']) - 1} deep"
                     for label, t in timing["trees"].items())
-    lookahead = [label for label in info["methods"] if _family(info, label) == "lookahead"]
-    return trees + "".join(f"; {label}: {LOOKAHEAD_NOTE}" for label in lookahead)
+    unpriced = [(label, NO_PRICE[family]) for label in info["methods"] if (family := _family(info, label)) in NO_PRICE
+                and label not in timing["c"] and label not in timing["trees"]]
+    return trees + "".join(f"; {label}: {note}" for label, note in unpriced)
 
 
 def _float64_line(check: dict | None) -> str:
@@ -143,7 +172,8 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
-          + (f"{c_draft:.3f}" if c_draft is not None else "-") + " (prompt lookup: 0, it runs no model"
+          + (f"{c_draft:.3f}" if c_draft is not None else "-")
+          + " (prompt lookup and suffix decoding's chains: 0, they run no model"
           + "".join(f"; {label}: {v:.3f}" for label, v in drafts.items() if abs(v - c_draft) > 0.1 * c_draft)
           + "".join(f"; {label}: {v:.3f}" for label, v in timing["c"].items() if _family(info, label) == "eagle")
           + _tree_costs(timing, info) + "); "
@@ -161,8 +191,10 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "Peers: transformers greedy; assisted with its defaults (adaptive number of assistant tokens) and at k = 4 "
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
           "Peak memory is the whole process's."
-          + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "") + "\n",
+          + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "")
+          + _spec_bench_note(info) + "\n",
           *(f"Note: {note}\n" for note in info.get("notes", [])),
+          "## Speedup by category\n", *_by_category(summary, categories), "",
           "## All prompts\n", *_table(summary, "all")]
     for category in categories:
         md += [f"\n## {category}\n", *_table(summary, category)]

@@ -26,7 +26,7 @@ def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]],
                 gc.collect()  # outside the timed call, so no run pays for another's garbage
                 run = methods[name](ids, item["max_new_tokens"])
                 records.append({"method": name, "id": item["id"], "category": item["category"],
-                                "repeat": repeat, **asdict(run)})
+                                "groups": item.get("groups", []), "repeat": repeat, **asdict(run)})
                 bar.update()
     bar.close()
     return records

@@ -13,6 +13,7 @@ import random
 import re
 from pathlib import Path
 
+from verispec.errors import InvalidArgumentError
 from verispec.train.corpus import MANIFEST, load_files
 
 CATEGORIES = ("code", "docstring", "repetition")
@@ -75,7 +76,31 @@ def write_suite(suite: list[dict], path: Path = SUITE) -> None:
 
 
 def read_suite(path: Path = SUITE) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    """A suite's lines, each a JSON object: this suite's items, or Spec-Bench's questions (bench/spec_bench.py)."""
+    items = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise InvalidArgumentError(f"{path}: line {number} is not JSON ({err})") from None
+        if not isinstance(item, dict):
+            raise InvalidArgumentError(f"{path}: line {number} is not a JSON object")
+        items.append(item)
+    if not items:
+        raise InvalidArgumentError(f"{path}: no prompts")
+    return items
+
+
+def check_items(items: list[dict]) -> None:
+    """This suite's format: every item has an id, a category, a prompt and a max_new_tokens."""
+    for number, item in enumerate(items, 1):
+        missing = [key for key in ("id", "category", "prompt", "max_new_tokens") if key not in item]
+        if missing:
+            raise InvalidArgumentError(f"suite line {number} lacks {', '.join(missing)} (a prompt suite's line has "
+                                       "id, category, prompt and max_new_tokens; a Spec-Bench question's "
+                                       "question_id, category and turns)")
 
 
 def build_from_manifest(manifest: Path = MANIFEST) -> list[dict]:

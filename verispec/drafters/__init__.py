@@ -7,6 +7,8 @@ from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter
+from verispec.drafters.suffix import SuffixDecoding
 
 __all__ = ["DraftContext", "DraftModel", "DraftSession", "Drafter", "FAMILIES", "LayerSkip", "Lookahead", "Method",
-           "Needs", "PromptLookup", "Proposal", "Resources", "SideBranch", "Verdict", "build_drafter"]
+           "Needs", "PromptLookup", "Proposal", "Resources", "SideBranch", "SuffixDecoding", "Verdict",
+           "build_drafter"]

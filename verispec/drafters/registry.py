@@ -21,6 +21,7 @@ from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
+from verispec.drafters.suffix import K as SUFFIX_K, SuffixDecoding, SuffixOptions
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
 from verispec.models.draft_vocab import head_draft_vocab
@@ -80,6 +81,15 @@ OPTIONS: dict[str, Option] = {
     "tree_top_k": Option("draft EAGLE-2's dynamic tree, expanding this many nodes per depth with this many children "
                          "each (with --tree-tokens)"),
     "tree_tokens": Option("nodes of the tree the target verifies"),
+    "suffix_depth": Option("the longest string the suffix trees index, match and continuation (default 24)"),
+    "spec_factor": Option("propose at most this times the matched suffix's length in tokens (default 1.0)", float),
+    "min_prob": Option("propose only continuations whose estimated probability is at least this (default 0.1)",
+                       float),
+    "history_tokens": Option("generated tokens of earlier and concurrent generations that the shared suffix tree "
+                             "keeps (the older half dropped when full; 0: none, which makes seeded sampling "
+                             "reproducible whatever ran before; default 65536)"),
+    "eagle_below": Option("draft with the EAGLE head (--head, default the shipped one) on steps whose best suffix "
+                          "match is shorter than this many tokens (SAM-Decoding's combination)"),
     "draft_vocab": Option("draft over this many of the most frequent tokens only (a cheaper LM head; verification "
                           "still scores them all); 0: all of them (default: the draft's or head's folder's own, 2048 "
                           "for the shipped ones)"),
@@ -135,6 +145,15 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     return Eagle(head, method.k or 4, _draft_vocab(method, folder), tree=None if tree[0] is None else tree)
 
 
+def _suffix(method: Method, res: Resources) -> SuffixDecoding:
+    options = {name: value for name, value in method.options.items() if name in SuffixOptions.__dataclass_fields__}
+    fallback, below = None, method.options.get("eagle_below", 0)
+    if "eagle_below" in method.options:  # EAGLE drafts the steps without a long enough match, a chain as deep
+        fallback = _eagle(Method("eagle", method.k or SUFFIX_K), res)
+    return SuffixDecoding(method.k or SUFFIX_K, method.options.get("tree_tokens"), SuffixOptions(**options),
+                          fallback, below)
+
+
 def _medusa(method: Method, res: Resources) -> Medusa:
     _reads_features(res, "medusa")
     folder = res.head_dir or default_head(res.target_dir, "medusa")
@@ -176,6 +195,12 @@ FAMILIES: dict[str, Family] = {
                     "by default the head's own)",
                     ("tree_top_k", "tree_tokens", "draft_vocab"),
                     _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
+    "suffix": Family("SuffixDecoding: what most often followed the text's suffix, in this generation and earlier ones "
+                     "(suffix trees, no model; a chain of at most spec_factor x the match's length, or a tree of "
+                     "tree_tokens; eagle_below: EAGLE's chain where the match is shorter)",
+                     ("tree_tokens", "suffix_depth", "spec_factor", "min_prob", "history_tokens", "eagle_below"),
+                     _suffix, lambda m: Needs(tree_masks="tree_tokens" in m.options,
+                                              hidden_states=(FINAL,) if "eagle_below" in m.options else ())),
     "medusa": Family("heads on the target's last feature guess the tokens after the next one; a tree of tree_tokens "
                      "nodes shaped by their measured accuracy (k is the number of heads)", ("tree_tokens", "draft_vocab"),
                      _medusa, lambda m: Medusa.needs, takes_k=False),

@@ -1,0 +1,74 @@
+"""Spec-Bench (Xia et al. 2024) as a bench suite: its question.jsonl, one question a line with `question_id`,
+`category` and `turns` (the user's messages; MT-bench's questions have two).
+
+Each turn is one prompt of the suite, rendered by the target's chat template. As in Spec-Bench's own inference, a
+second turn follows the model's own first answer: the conversation is the first question, the answer the target gives
+it, and the second question. That answer is the target's greedy one, the same for every lossless method, so it is
+decoded once here, plainly, and reused by all. Spec-Bench stops each answer at the end of its turn: here every turn
+is first decoded plainly, greedily, to its end (EOS) or `max_new_tokens`, and each method is then asked for exactly
+that many tokens (the bench ignores EOS, so every method writes the same answer and nothing past it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from verispec.errors import InvalidArgumentError
+from verispec.generate import generate
+from verispec.models.protocol import CausalLM
+
+Render = Callable[[list[dict[str, str]]], str]  # messages -> the prompt text, ending where the reply begins
+MAX_NEW_TOKENS = 1024  # Spec-Bench's own limit per turn
+MULTI_TURN = "multi-turn"  # the report's groups over the questions with two turns (MT-bench's categories)
+
+
+def is_spec_bench(items: list[dict]) -> bool:
+    """Whether a suite's lines are Spec-Bench questions (any line with `turns`): each is then checked."""
+    if not any("turns" in item for item in items):
+        return False
+    for number, item in enumerate(items, 1):
+        turns = item.get("turns")
+        if ("question_id" not in item or not isinstance(item.get("category"), str) or not isinstance(turns, list)
+                or not turns or not all(isinstance(turn, str) and turn for turn in turns)):
+            raise InvalidArgumentError(f"suite line {number}: a Spec-Bench question needs question_id, a category "
+                                       "and turns (a list of non-empty strings)")
+    return True
+
+
+def turn_prompts(target: CausalLM, render: Render | None, questions: list[dict],
+                 max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[dict], list]:
+    """The suite's items, a turn each (id "QUESTION/TURN", the token ids of the rendered conversation in
+    `prompt_ids`, `max_new_tokens` the length of the target's plain greedy answer), and the ids of the questions
+    left out because a turn does not fit the context."""
+    if render is None:
+        raise InvalidArgumentError(f"{target.name} has no chat template: a Spec-Bench suite is a set of chat "
+                                   "questions, rendered by the target's own template")
+    items, skipped = [], []
+    for question in questions:
+        turns = _answered(target, render, question, max_new_tokens)
+        if turns is None:
+            skipped.append(question["question_id"])
+            continue
+        two = len(question["turns"]) > 1
+        for turn, (ids, answer) in enumerate(turns, 1):
+            groups = [MULTI_TURN, f"{MULTI_TURN} turn {turn}"] if two else []
+            items.append({"id": f"{question['question_id']}/{turn}", "category": question["category"],
+                          "turn": turn, "groups": groups, "prompt_ids": ids, "max_new_tokens": len(answer)})
+    return items, skipped
+
+
+def _answered(target: CausalLM, render: Render, question: dict,
+              max_new_tokens: int) -> list[tuple[list[int], list[int]]] | None:
+    """(prompt ids, the plain greedy answer's tokens) per turn, each turn after the earlier ones and their answers;
+    None if a turn leaves no room in the context for its answer."""
+    messages, out = [], []
+    for text in question["turns"]:
+        messages.append({"role": "user", "content": text})
+        ids = target.tokenizer.encode(render(messages), add_special_tokens=False).ids
+        room = min(max_new_tokens, target.context_length - len(ids))
+        if room < 1:
+            return None
+        answer = generate(target, ids, max_new_tokens=room)
+        out.append((ids, answer.tokens))
+        messages.append({"role": "assistant", "content": answer.text})
+    return out
