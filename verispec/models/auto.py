@@ -22,8 +22,8 @@ def load(name_or_path: str | Path, backend: str = "auto", device: str | torch.de
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "transformers" and (exact or quantize):
-        raise InvalidArgumentError(f"{'exact mode' if exact else 'quantize'} is the native runtime's; transformers "
-                                   "has none")
+        raise InvalidArgumentError(f"{'exact mode' if exact else 'quantizing'} is a mode of the native runtime; "
+                                   "transformers has none")
     if backend == "transformers":
         return load_transformers_model(name_or_path, device, dtype)
     try:
