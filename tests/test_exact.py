@@ -17,6 +17,7 @@ from verispec.models.default import load_default
 from verispec.models import execution
 from verispec.models.layout import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.quant import FORMATS
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
 PREFIX = 10
@@ -33,25 +34,35 @@ def one_thread(single_thread: None) -> None:
     """One thread, for speed on a shared machine (exactness was also checked with two)."""
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["own-kernels", "torch-kernels"])
-def own_kernels(request: pytest.FixtureRequest) -> bool:
-    """Exact mode on verispec's kernels (matmul and `VisibleSlots` attention) and on PyTorch's (oneDNN,
-    `FixedWidthKeys`)."""
-    if request.param and not kernels.available(torch.float32):
+# Every precision on every kernel family that runs it: float32 and bfloat16 on verispec's kernels (matmul and
+# `VisibleSlots` attention) and on PyTorch's (oneDNN, `FixedWidthKeys`); the block formats on verispec's only.
+SETTINGS = [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False),
+            *((fmt, True) for fmt in FORMATS)]
+
+
+@pytest.fixture(scope="module", params=SETTINGS,
+                ids=[f"{str(p).removeprefix('torch.')}-{'own' if own else 'torch'}-kernels" for p, own in SETTINGS])
+def setting(request: pytest.FixtureRequest) -> tuple[torch.dtype | str, bool]:
+    if request.param[1] and not kernels.available(torch.float32):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
     return request.param
 
 
-def exact_on(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
-    """The target in exact mode, packed on verispec's kernels or PyTorch's."""
-    model = load_model(pair_dirs[0], dtype=dtype, exact=True, fast=False)
+def exact_on(pair_dirs: tuple[Path, Path], precision: torch.dtype | str, own_kernels: bool) -> NativeModel:
+    """The target in exact mode, in a float dtype or a block format (float32 activations), packed on verispec's
+    kernels or PyTorch's."""
+    if precision in FORMATS:
+        with torch_threads(1):  # (quantized weights run on verispec's kernels, which take one thread)
+            model = load_model(pair_dirs[0], exact=True, quantize=precision)
+    else:
+        model = load_model(pair_dirs[0], dtype=precision, exact=True, fast=False)
     model.pack(EXACT_ROWS, own_kernels)
     return model
 
 
 @pytest.fixture(scope="module")
-def exact(pair_dirs: tuple[Path, Path], dtype: torch.dtype, own_kernels: bool) -> NativeModel:
-    return exact_on(pair_dirs, dtype, own_kernels)
+def exact(pair_dirs: tuple[Path, Path], setting: tuple[torch.dtype | str, bool]) -> NativeModel:
+    return exact_on(pair_dirs, *setting)
 
 
 @pytest.fixture(scope="module")

@@ -186,12 +186,12 @@ def _load_target(args: argparse.Namespace) -> CausalLM:
     left at auto (its bfloat16 has none of those kernels)."""
     auto_exact = args.exact is None and args.command == "generate"
     if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
-        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact))
+        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact), quantize=args.quantize)
     exact = own_kernels_run(args.dtype, args.device) if auto_exact else bool(args.exact)
     try:
-        return load(args.target, "native", args.device, args.dtype, exact=exact)
+        return load(args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize)
     except UnsupportedArchitectureError:
-        if args.backend == "native" or args.exact:
+        if args.backend == "native" or args.exact or args.quantize:
             raise
         # auto's own fallback (it says what both runtimes made of the folder), at no exact mode
         return load(args.target, "auto", args.device, "float32" if args.auto_dtype else args.dtype)
@@ -382,6 +382,7 @@ def _bench(args: argparse.Namespace) -> None:
         suite = read_suite(Path(args.suite) if args.suite else SUITE)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
+                               quantize=args.quantize,
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
                                medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
                                unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp),
@@ -447,7 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.auto_dtype = getattr(args, "dtype", None) == "auto"
         if args.auto_dtype:  # the native runtime's choice; `_load_target` gives transformers float32
             set_threads(args.threads)  # first: the kernels run on one thread, so the choice depends on the count
-            args.dtype = "float32" if args.backend == "transformers" else auto_dtype(args.device)
+            if getattr(args, "backend", None) == "transformers" or getattr(args, "quantize", None):
+                args.dtype = "float32"
+            else:
+                args.dtype = auto_dtype(getattr(args, "device", "cpu"), getattr(args, "target", None))
         code = {"generate": _generate, "init-random": _init_random, "train": _train, "bench": _bench,
                 "search-layerskip": _search_layerskip, "serve": _serve, "chat": _chat,
                 "bench-serve": _bench_serve, "export": _export}[args.command](args)

@@ -6,7 +6,8 @@ import argparse
 
 from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
 from verispec.models.auto import BACKENDS
-from verispec.models.native import DTYPES
+from verispec.models.precision import DTYPES
+from verispec.models.quant import FORMATS
 from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
 
 
@@ -102,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
                             "and --threads do not apply")
     bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
-    bench.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                       help="our models' and the peers' dtype (default float32; the float64 check is separate)")
+    bench.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
+                       help="our models' and the peers' dtype (default float32; the float64 check is separate); "
+                            "auto: a GGUF target's own formats, blocks kept")
+    bench.add_argument("--quantize", choices=sorted(FORMATS),
+                       help="keep the target's projections in this block format (its LM head in q8_0); llama.cpp "
+                            "gets the same blocks")
     bench.add_argument("--exact", action="store_true",
                        help="our models in exact mode (batch-invariant forwards; the peers run as they are)")
     bench.add_argument("--profile", action="store_true",
@@ -185,8 +190,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Where and how the models run."""
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                        help="auto (default): bfloat16 where verispec's own kernels run on this CPU (AVX-512 with "
-                             "bfloat16 dot products), else float32")
+                        help="auto (default): a GGUF file's own formats (Q8_0, Q4_0, Q4_1 kept as blocks where "
+                             "verispec's kernels run); else bfloat16 where verispec's kernels run, else float32")
+    parser.add_argument("--quantize", choices=sorted(FORMATS),
+                        help="keep the target's projections in this block format (its LM head in q8_0), on "
+                             "verispec's kernels with float32 activations")
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction,
                         help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype "
                              "(default: on for generate where the native target runs on verispec's kernels, which "

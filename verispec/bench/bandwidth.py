@@ -23,9 +23,12 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
 
 
 def weight_bytes(model: NativeModel) -> int:
-    """Bytes of weights one forward reads: every parameter once (an LM head tied to the embeddings counted once);
-    an untied embedding table not at all, as a forward reads only its tokens' rows."""
-    module = model.module
-    untied_embedding = None if model.config.tie_word_embeddings else module.model.embed_tokens.weight
-    return sum(param.numel() * param.element_size() for param in module.parameters()  # a shared one once
-               if param is not untied_embedding)
+    """Bytes of weights one forward reads: every parameter once (an LM head tied to the embeddings counted once), and
+    the blocks of every quantized linear; an embedding table that is not the LM head's weight not at all, as a
+    forward reads only its tokens' rows."""
+    module, embedding = model.module, model.module.model.embed_tokens.weight
+    head = module.lm_head
+    read_whole = getattr(head, "quantized", None) is None and head.weight is embedding
+    blocks = sum(m.quantized.nbytes for m in module.modules() if getattr(m, "quantized", None) is not None)
+    return blocks + sum(param.numel() * param.element_size() for param in module.parameters()  # a shared one once
+                        if param is not embedding or read_whole)

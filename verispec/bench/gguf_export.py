@@ -11,20 +11,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
+import gguf
 
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import weight_files
 from verispec.models.gguf_checkpoint import llama_cpp_rows
+from verispec.models.precision import HEAD_FORMAT
+from verispec.models.quant import FORMATS
 
-GGUF_DTYPES = ("float32", "bfloat16", "float16")  # llama.cpp has no float64 weights
+GGUF_DTYPES = ("float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1")  # llama.cpp has no float64 weights
+TYPES = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16,
+         "float16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+         "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+FILE_TYPES = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
+              "float16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
 GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}  # GPT-2's split regex, no prefix space
 
 
 def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     """Write `checkpoint` (a Llama folder: config.json, model.safetensors, tokenizer.json) to `out` with its matrices
-    in `dtype` and its norms in float32, as llama.cpp's converter does. Returns `out`."""
-    import gguf
+    in `dtype` and its norms in float32, as llama.cpp's converter does. Returns `out`. A block format (q8_0, q4_0,
+    q4_1) writes the blocks verispec's `load_model(quantize=)` holds: the projections in it, the LM head in Q8_0
+    (precision.HEAD_FORMAT, as its own `output` tensor), the embedding table in float32."""
     from safetensors.torch import load_file
 
     if dtype not in GGUF_DTYPES:
@@ -46,8 +55,7 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    file_type = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "float16": gguf.LlamaFileType.MOSTLY_F16}[dtype]
+    file_type = FILE_TYPES[dtype]
     writer.add_name(checkpoint.name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -73,22 +81,25 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     writer.add_add_eos_token(False)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    qtype = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16,
-             "float16": gguf.GGMLQuantizationType.F16}[dtype]
-    for file in files:
-        for name, tensor in load_file(file).items():
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if gguf_name is None:
-                raise CheckpointError(f"{checkpoint}: tensor {name} has no GGUF name")
-            data = tensor.float().numpy()
-            if name.endswith("q_proj.weight"):
-                data = llama_cpp_rows(data, heads)
-            elif name.endswith("k_proj.weight"):
-                data = llama_cpp_rows(data, kv_heads)
-            if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(gguf_name, data)
-            else:
-                writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    blocks = dtype in FORMATS
+    tensors = {name: tensor for file in files for name, tensor in load_file(file).items()}
+    if blocks and "lm_head.weight" not in tensors:  # tied: the head's own Q8_0 blocks, the table in float32
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    for name, tensor in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise CheckpointError(f"{checkpoint}: tensor {name} has no GGUF name")
+        qtype = TYPES[HEAD_FORMAT if blocks and name == "lm_head.weight" else
+                      "float32" if blocks and name == "model.embed_tokens.weight" else dtype]
+        data = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            data = llama_cpp_rows(data, heads)
+        elif name.endswith("k_proj.weight"):
+            data = llama_cpp_rows(data, kv_heads)
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

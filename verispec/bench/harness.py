@@ -27,6 +27,7 @@ from verispec.drafters.registry import Resources
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
+from verispec.models.precision import formats
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.draft_vocab import default_size
 from verispec.models.eagle import EagleHead, head_config, save_head
@@ -71,13 +72,16 @@ class BenchOptions:
     Spec-Bench turn's: its plain greedy answer's, up to this).
     `unrelated`: also rows on a never-agreeing pair, the target with a draft of the draft's config and tokenizer but
     random weights (the same cost as the real draft; it agrees by chance). `llama_cpp`: llama.cpp's binaries, which
-    add its rows as peers (bench/llamacpp.py)."""
+    add its rows as peers (bench/llamacpp.py). `dtype` may be "auto" (a GGUF target's own formats) and `quantize` a
+    block format for the target's projections (`load_model`'s); the peers then run the target's resulting dtype, and
+    llama.cpp the same blocks."""
 
     repeats: int = 3
     peers: bool = True
     progress: bool = True
     threads: int = 1
     dtype: str = "float32"
+    quantize: str | None = None
     exact: bool = False
     only: Sequence[str] | None = None
     head_dir: Path | None = None
@@ -99,8 +103,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[d
 def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], options: BenchOptions,
          unrelated_dir: Path | None) -> dict:
     dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
-    target = load_model(target_dir, dtype=dtype, exact=exact)
+    target = load_model(target_dir, dtype=dtype, exact=exact, quantize=options.quantize)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
+    dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose: the peers' float dtype
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir, draft_dir)
@@ -118,7 +123,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
     notes = []  # what could not run, and why: printed, and in the report
     if options.llama_cpp is not None:
-        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, target, dtype, options.threads)
+        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, target, options.quantize or dtype,
+                                        options.threads)
         methods += rows
     for note in notes if options.progress else ():
         print(f"note: {note}", flush=True)
@@ -139,7 +145,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
-            "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "exact": exact, "notes": notes,
+            "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
+            "exact": exact, "notes": notes,
             "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,

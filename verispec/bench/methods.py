@@ -14,7 +14,8 @@ from verispec.drafters.base import Drafter
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.models.hf_adapter import pretrained_source
-from verispec.models.native import NativeModel, parse_dtype
+from verispec.models.native import NativeModel
+from verispec.models.precision import parse_dtype
 
 DRAFT_KS = (1, 2, 3, 4, 6, 8)
 

@@ -40,7 +40,11 @@ def floor_line(timing: dict) -> str:
 
 
 def _mode(info: dict) -> str:
-    return info["dtype"] + (" exact mode" if info.get("exact") else "")
+    """The dtype, the linears' formats where any is a block format ("float32, linears q4_1 x 210, q8_0 x 1"), and
+    exact mode."""
+    blocks = {name: n for name, n in (info.get("formats") or {}).items() if name.startswith("q")}
+    kept = ", linears " + ", ".join(f"{name} x {n}" for name, n in blocks.items()) if blocks else ""
+    return info["dtype"] + kept + (" exact mode" if info.get("exact") else "")
 
 
 def _table(summary: dict, category: str) -> list[str]:

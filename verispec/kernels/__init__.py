@@ -19,16 +19,19 @@ from typing import Sequence, Union
 
 import torch
 
-from verispec.kernels.build import library, reason
+from verispec.kernels.build import isa, library, reason
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
-__all__ = ["available", "chosen", "reason", "pack", "Matmul", "attend", "rms_norm", "rotary_", "silu_mul", "gather",
-           "store_kv", "argmax", "causal_rows", "next_token", "run", "program", "Program", "address", "capturing",
-           "NotCapturable", "MAX_HEAD_DIM"]
+__all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
+           "rotary_", "silu_mul", "gather", "store_kv", "argmax", "causal_rows", "next_token", "run", "program",
+           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED"]
 
-COLS = 64  # output columns per packed weight block (linear.cpp)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# ggml's block formats the quantized matmul reads (quant.cpp): bytes per block of 32 inputs, and where in a block
+# its quants start (after the float16 scale, and Q4_1's float16 min)
+QUANTIZED = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
+QUANT_COLS = 16  # output columns per packed quantized block (quant.cpp QCOLS)
 
 
 def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -81,24 +84,53 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A linear's weight (N, K) laid out as the matmul kernel streams it: blocks of 64 output columns, in which
-    bfloat16 weights sit as pairs of inputs ([N/64][K/2][64][2]) and float32 ones input by input ([N/64][K][64]);
-    zero-padded."""
+    """A linear's weight (N, K) laid out as the matmul kernel streams it: blocks of the build's width in output
+    columns (`vs_cols`: 64 on AVX-512, 16 on AVX2), in which bfloat16 weights sit as pairs of inputs
+    ([N/C][K/2][C][2]) and float32 ones input by input ([N/C][K][C]); zero-padded."""
     N, K = weight.shape
+    cols = library().vs_cols()
     pair = 2 if weight.dtype == torch.bfloat16 else 1
-    padded = torch.zeros(-(-N // COLS) * COLS, -(-K // pair) * pair, dtype=weight.dtype, device=weight.device)
+    padded = torch.zeros(-(-N // cols) * cols, -(-K // pair) * pair, dtype=weight.dtype, device=weight.device)
     padded[:N, :K] = weight
-    return padded.view(-1, COLS, padded.shape[1] // pair, pair).transpose(1, 2).contiguous()
+    return padded.view(-1, cols, padded.shape[1] // pair, pair).transpose(1, 2).contiguous()
+
+
+def pack_quantized(format: str, blocks: torch.Tensor) -> torch.Tensor:
+    """A weight in ggml's blocks (N, K / 32 * block bytes), row by row, laid out as the quantized matmul streams it
+    (quant.cpp): by blocks of 16 output columns, and in each by blocks of 32 inputs: the columns' float16 scales, for
+    Q4_1 their mins, then the quants in groups of 4 inputs, each group the 16 columns' 4 bytes side by side (Q8_0's as
+    q + 128); rows past N are zero blocks."""
+    size, start = QUANTIZED[format]
+    N, nb = blocks.shape[0], blocks.shape[1] // size
+    padded = torch.zeros(-(-N // QUANT_COLS) * QUANT_COLS, nb, size, dtype=torch.uint8)
+    padded[:N] = blocks.view(N, nb, size)
+    b = padded.view(-1, QUANT_COLS, nb, size).transpose(1, 2)  # (N/16, nb, 16 columns, block bytes)
+    quants = b[..., start:]
+    if format == "q8_0":
+        quants = quants ^ 0x80  # int8 q as the unsigned q + 128
+    groups = quants.reshape(*b.shape[:3], -1, 4).transpose(2, 3)  # (N/16, nb, groups of 4 inputs, 16 columns, 4)
+    parts = [b[..., 0:2], *([b[..., 2:4]] if format == "q4_1" else []), groups]
+    return torch.cat([part.reshape(*b.shape[:2], -1) for part in parts], -1).contiguous()
 
 
 class Matmul:
     """x (..., K) -> x @ weight.T (+ bias) (..., N) on the kernel, the weight (N, K) packed once (`pack`) and the bias
-    kept in float32; checked here once, so that a call checks only its input."""
+    kept in float32; checked here once, so that a call checks only its input. With `format` (one of `QUANTIZED`),
+    `weight` is the (N, K / 32 * block bytes) uint8 blocks of a weight in that format (`pack_quantized`), and x is
+    float32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.kernel = _kernel("linear", weight)  # checks the dtype
-        self.dtype, self.packed = weight.dtype, pack(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, format: str | None = None) -> None:
+        if format is None:
+            self.out_features, self.in_features = weight.shape
+            self.kernel = _kernel("linear", weight)  # checks the dtype
+            self.dtype, self.packed = weight.dtype, pack(weight)
+        else:
+            if format not in QUANTIZED or weight.dtype != torch.uint8 or weight.dim() != 2 or \
+                    weight.shape[1] % QUANTIZED[format][0]:
+                raise ValueError(f"a quantized matmul takes uint8 blocks of one of {', '.join(QUANTIZED)}; got "
+                                 f"{format!r} {weight.dtype} {tuple(weight.shape)}")
+            self.out_features, self.in_features = weight.shape[0], weight.shape[1] // QUANTIZED[format][0] * 32
+            self.kernel, self.dtype, self.packed = f"linear_{format}", torch.float32, pack_quantized(format, weight)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -10,8 +10,9 @@
 
 static const int MAX_LANES = 16;  // head_dim up to 256
 
+#ifdef VS_AVX512
 // Sixteen vectors -> one: lane j holds the sum of a[j]'s lanes, by a fixed tree that mixes no two vectors.
-static inline __m512 sum16(const __m512* a) {
+static inline vf sum16(const vf* a) {
   __m512 s[8], t[4];
   for (int i = 0; i < 8; i++)
     s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -42,26 +43,52 @@ struct QueryBF16 {
       part[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask[i], q + i * 32);
     }
   }
-  __m512 dot(const bf16* k) const {
+  vf dot(const bf16* k) const {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < N; i++)
       acc = _mm512_dpbf16_ps(acc, part[i], (__m512bh)_mm512_maskz_loadu_epi16(mask[i], k + i * 32));
     return acc;
   }
 };
+#else
+// Sixteen vectors -> one: lane j holds the sum of a[j]'s lanes, each summed alone by the same fixed tree.
+static inline vf sum16(const vf* a) {
+  float s[16];
+  for (int i = 0; i < 16; i++) s[i] = vsum(a[i]);
+  return load(s);
+}
+
+// q . k as a vector whose lanes sum to it: bfloat16 widened to float32, then FMAs.
+template <int NV>
+struct QueryBF16 {
+  vf part[NV];
+  vmask mask[NV];
+  QueryBF16(const bf16* q, long D) {
+    for (int i = 0; i < NV; i++) {
+      mask[i] = lanes(D - i * 16);
+      part[i] = load(q + i * 16, mask[i]);
+    }
+  }
+  vf dot(const bf16* k) const {
+    vf acc = vmul(part[0], load(k, mask[0]));
+    for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(k + i * 16, mask[i]), acc);
+    return acc;
+  }
+};
+#endif
 template <int NV>
 struct QueryF32 {
-  __m512 part[NV];
-  __mmask16 mask[NV];
+  vf part[NV];
+  vmask mask[NV];
   QueryF32(const float* q, long D) {
     for (int i = 0; i < NV; i++) {
       mask[i] = lanes(D - i * 16);
-      part[i] = load_f32(q + i * 16, mask[i]);
+      part[i] = load(q + i * 16, mask[i]);
     }
   }
-  __m512 dot(const float* k) const {
-    __m512 acc = _mm512_mul_ps(part[0], load_f32(k, mask[0]));
-    for (int i = 1; i < NV; i++) acc = _mm512_fmadd_ps(part[i], load_f32(k + i * 16, mask[i]), acc);
+  vf dot(const float* k) const {
+    vf acc = vmul(part[0], load(k, mask[0]));
+    for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(k + i * 16, mask[i]), acc);
     return acc;
   }
 };
@@ -72,11 +99,11 @@ template <int NV> struct Query<float, NV> { typedef QueryF32<NV> type; };
 template <typename T, int NV>
 static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, long kv_head, const uint8_t* visible,
                    long S, T* y, long R, long H, long Hkv, long D) {
-  const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
+  const vf scale = vset1(1.0f / sqrtf((float)D));
   std::vector<float> score(S + 16);
   std::vector<long> slot(S);
-  __mmask16 vmask[NV];
-  for (int i = 0; i < NV; i++) vmask[i] = lanes(D - i * 16);
+  vmask vmasks[NV];
+  for (int i = 0; i < NV; i++) vmasks[i] = lanes(D - i * 16);
   for (long r = 0; r < R; r++) {
     long n = 0;
     for (long s = 0; s < S; s++)
@@ -85,32 +112,32 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
       const T* kh = k + h / (H / Hkv) * kv_head;
       const T* vh = v + h / (H / Hkv) * kv_head;
       const typename Query<T, NV>::type query(q + r * q_row + h * q_head, D);
-      __m512 top = _mm512_set1_ps(-INFINITY);
+      vf top = vset1(-INFINITY);
       for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
-        __m512 dots[16];
-        for (int i = 0; i < 16; i++) dots[i] = j + i < n ? query.dot(kh + slot[j + i] * D) : _mm512_setzero_ps();
-        __mmask16 mk = lanes(n - j);
-        __m512 scores = _mm512_mul_ps(sum16(dots), scale);
-        _mm512_mask_storeu_ps(score.data() + j, mk, scores);
-        top = _mm512_mask_max_ps(top, mk, top, scores);
+        vf dots[16];
+        for (int i = 0; i < 16; i++) dots[i] = j + i < n ? query.dot(kh + slot[j + i] * D) : vzero();
+        const vmask mk = lanes(n - j);
+        const vf scores = vmul(sum16(dots), scale);
+        store(score.data() + j, scores, mk);
+        top = vmax_in(mk, top, scores);
       }
-      const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-      __m512 total = _mm512_setzero_ps();
+      const vf most = vset1(vtop(top));
+      vf total = vzero();
       for (long j = 0; j < n; j += 16) {
-        __mmask16 mk = lanes(n - j);
-        __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, score.data() + j), most)));
-        _mm512_mask_storeu_ps(score.data() + j, mk, e);
-        total = _mm512_add_ps(total, e);
+        const vmask mk = lanes(n - j);
+        const vf e = vkeep(mk, exp_ps(vsub(load(score.data() + j, mk), most)));
+        store(score.data() + j, e, mk);
+        total = vadd(total, e);
       }
-      __m512 out[NV];
-      for (int i = 0; i < NV; i++) out[i] = _mm512_setzero_ps();
+      vf out[NV];
+      for (int i = 0; i < NV; i++) out[i] = vzero();
       for (long j = 0; j < n; j++) {
         const T* vj = vh + slot[j] * D;
-        __m512 p = _mm512_set1_ps(score[j]);
-        for (int i = 0; i < NV; i++) out[i] = _mm512_fmadd_ps(p, load(vj + i * 16, vmask[i]), out[i]);
+        const vf p = vset1(score[j]);
+        for (int i = 0; i < NV; i++) out[i] = vfmadd(p, load(vj + i * 16, vmasks[i]), out[i]);
       }
-      __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-      for (int i = 0; i < NV; i++) store(y + (r * H + h) * D + i * 16, _mm512_mul_ps(out[i], inv), vmask[i]);
+      const vf inv = vset1(1.0f / vsum(total));
+      for (int i = 0; i < NV; i++) store(y + (r * H + h) * D + i * 16, vmul(out[i], inv), vmasks[i]);
     }
   }
 }

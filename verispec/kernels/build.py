@@ -1,11 +1,14 @@
 """Building verispec's CPU kernels (kernels/*.cpp) for this machine, once, and loading them with ctypes.
 
-The library is compiled at first use with the system's C++ compiler for this very CPU (`-march=native`: the
-kernels need AVX-512 with its bfloat16 dot product, as on Zen 4, Sapphire Rapids and later) and cached under
-`$VERISPEC_CACHE` (default `~/.cache/verispec`), keyed by the source, the compiler and the CPU, so a one-shot CLI
-call pays the compile (a few seconds) only the first time. No compiler, a CPU without those instructions, or
-`VERISPEC_KERNELS=0` in the environment: the kernels are unavailable, `reason()` says why, and the runtime keeps
-PyTorch's own kernels.
+The same sources are built for one of two instruction sets, whichever is the best this CPU has:
+- `avx512`: AVX-512 (F, BW, VL, DQ) with bfloat16 dot products and VNNI (AMD Zen 4 and later, Intel Sapphire
+  Rapids and later);
+- `avx2`: x86-64-v3 (AVX2, FMA, F16C: Intel Haswell, AMD Zen and later), bfloat16 widened to float32.
+`VERISPEC_ISA=avx2` (or `avx512`) asks for one; `auto` (the default) takes the best. The library is compiled at first
+use with the system's C++ compiler and cached under `$VERISPEC_CACHE` (default `~/.cache/verispec`), keyed by the
+source, the compiler and the instruction set, so a one-shot CLI call pays the compile (a few seconds) only the first
+time. No compiler, a CPU without the instructions asked for, or `VERISPEC_KERNELS=0` in the environment: the kernels
+are unavailable, `reason()` says why, and the runtime keeps PyTorch's own kernels.
 """
 
 from __future__ import annotations
@@ -22,20 +25,39 @@ from pathlib import Path
 
 # Compiled together into one library (named, not globbed: a stale source left by an old install stays out)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp")]
+           for name in ("linear.cpp", "quant.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp")]
 HEADER = Path(__file__).with_name("simd.h")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but
-# where the source asks for one: RMSNorm and rotary round as PyTorch does
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but where the source asks
+# for one: RMSNorm and rotary round as PyTorch does
+# Each build: its compiler flags, and the /proc/cpuinfo flags a CPU needs to run it (best first)
+ISAS = {
+    "avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
+    "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}),
+}
 
 
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags, as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def chosen_isa() -> tuple[str | None, str]:
+    """The build to use here (None where none runs), and why."""
+    asked = os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
+    if asked != "auto" and asked not in ISAS:
+        return None, f"VERISPEC_ISA={asked} is not one of auto, {', '.join(ISAS)}"
+    flags = cpu_flags()
+    for isa, (_, needs) in ISAS.items():
+        if asked in ("auto", isa) and needs <= flags:
+            return isa, f"the {isa} build"
+    if asked != "auto":
+        return None, f"this CPU cannot run the {asked} build (it lacks {' '.join(sorted(ISAS[asked][1] - flags))})"
+    return None, "this CPU has neither AVX-512 with bfloat16 dot products nor AVX2 with FMA and F16C"
 
 
 def _compiler() -> str | None:
@@ -49,20 +71,24 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "disabled by VERISPEC_KERNELS"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"no kernels for {platform.machine()}"
+    isa, why = chosen_isa()
+    if isa is None:
+        return None, why
     compiler = _compiler()
     if compiler is None:
         return None, "no C++ compiler found (set CXX)"
+    flags = [*FLAGS, *ISAS[isa][0]]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         texts = [path.read_text() for path in (*SOURCES, HEADER)]
-        key = hashlib.sha256("\0".join([*texts, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([*texts, version, *flags]).encode()).hexdigest()[:16]
         folder = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec") / "kernels"
-        library = folder / f"cpu-{key}.so"
+        library = folder / f"{isa}-{key}.so"
         if not library.exists():
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as scratch:  # compile aside, then move into place at once
                 built = Path(scratch) / library.name
-                done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode != 0:
                     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
@@ -72,14 +98,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"the kernels could not be built or loaded: {error}"
     if not lib.vs_available():
-        if "avx512_bf16" in _cpu_id():
-            return None, f"{compiler} does not target AVX-512 with bfloat16 dot products (too old?)"
-        return None, "this CPU lacks AVX-512 with bfloat16 dot products"
+        return None, f"{compiler} does not target the {isa} build's instructions (too old?)"
     _declare(lib)
-    return lib, "built for this CPU"
+    return lib, why
 
 
-KERNELS = ("linear_bf16", "linear_f32", "attend_bf16", "attend_f32", "rms_norm_bf16", "rms_norm_f32", "rotary_bf16",
+KERNELS = ("linear_bf16", "linear_f32", "linear_q8_0", "linear_q4_0", "linear_q4_1", "attend_bf16", "attend_f32", "rms_norm_bf16", "rms_norm_f32", "rotary_bf16",
            "rotary_f32", "silu_mul_bf16", "silu_mul_f32", "gather", "store_kv")  # each vs_<name>(const int64_t *)
 
 
@@ -88,6 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         kernel = getattr(lib, f"vs_{name}")
         kernel.argtypes, kernel.restype = [ctypes.c_void_p], ctypes.c_int
     lib.vs_replay.argtypes, lib.vs_replay.restype = [ctypes.c_void_p, ctypes.c_long], ctypes.c_long
+    lib.vs_cols.argtypes, lib.vs_cols.restype = [], ctypes.c_long
 
 
 def library() -> ctypes.CDLL | None:
@@ -96,5 +121,10 @@ def library() -> ctypes.CDLL | None:
 
 
 def reason() -> str:
-    """Why the kernels are or are not in use, in a few words."""
+    """Why the kernels are or are not in use, in a few words ("the avx512 build", or why none runs)."""
     return _load()[1]
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernels were built for ("avx512" or "avx2"), None where none runs."""
+    return chosen_isa()[0] if library() is not None else None

@@ -1,37 +1,49 @@
 // The matmul: y (M, N) = x (M, K) @ w.T (+ bias) (+ residual), w packed once (kernels/__init__.py `pack`) into
-// blocks of 64 output columns and streamed once for every six rows: at one to four rows a forward is the time to
-// read its weights. bfloat16 weights are packed as [N/64][K/2][64][2] (at each pair of inputs, the 64 columns' two
-// weights side by side, as the dot-product instruction takes them), float32 ones as [N/64][K][64]; zero-padded.
-// A residual is added as `residual + linear(x)` would add it: to the product rounded to the dtype.
+// blocks of COLS output columns and streamed once for every few rows: at one to four rows a forward is the time to
+// read its weights. bfloat16 weights are packed as [N/COLS][K/2][COLS][2] (at each pair of inputs, the columns' two
+// weights side by side, as AVX-512's dot-product instruction takes them), float32 ones as [N/COLS][K][COLS];
+// zero-padded. A residual is added as `residual + linear(x)` would add it: to the product rounded to the dtype.
 #include "simd.h"
 
 #ifdef VS_KERNELS
+#ifdef VS_AVX512
 static const int COLS = 64;  // output columns per weight block: four 16-lane accumulators per row
+static const int MAX_ROWS = 6;  // rows a block takes: 24 accumulators and 4 weight vectors fill the 32 registers
+#else
+static const int COLS = 16;  // two 8-lane accumulators per row
+static const int MAX_ROWS = 4;  // rows a block takes, in the 16 registers
+#endif
+static const int ACC = COLS / 16;  // 16-lane accumulators per row
 
 template <int MR, typename T>
-static inline void finish(__m512 (&acc)[MR][4], const float* bias, const T* res, long ldr, T* y, long ldy, long cols) {
+static inline void finish(vf (&acc)[MR][ACC], const float* bias, const T* res, long ldr, T* y, long ldy, long cols) {
   for (int m = 0; m < MR; m++)
-    for (int j = 0; j < 4 && j * 16 < cols; j++) {
-      __mmask16 mk = lanes(cols - j * 16);
-      __m512 v = bias ? _mm512_add_ps(acc[m][j], load_f32(bias + j * 16, mk)) : acc[m][j];
-      if (res) v = _mm512_add_ps(load(res + m * ldr + j * 16, mk), round_to(v, (const T*)0));
+    for (int j = 0; j < ACC && j * 16 < cols; j++) {
+      const vmask mk = lanes(cols - j * 16);
+      vf v = bias ? vadd(acc[m][j], load(bias + j * 16, mk)) : acc[m][j];
+      if (res) v = vadd(load(res + m * ldr + j * 16, mk), round_to(v, (const T*)0));
       store(y + m * ldy + j * 16, v, mk);
     }
 }
 
+static inline uint32_t pair_at(const bf16* x, long p, long K) {  // inputs 2p, 2p + 1; an odd K's last pair is (x, 0)
+  uint32_t pair = x[2 * p];
+  if (2 * p + 1 < K) memcpy(&pair, x + 2 * p, 4);
+  return pair;
+}
+
+#ifdef VS_AVX512
 template <int MR>
 static void block(const bf16* x, long ldx, const bf16* w, const float* bias, const bf16* res, long ldr, bf16* y,
-                       long ldy, long K, long cols) {
-  __m512 acc[MR][4];
+                  long ldy, long K, long cols) {
+  vf acc[MR][ACC];
   for (int m = 0; m < MR; m++)
-    for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < ACC; j++) acc[m][j] = vzero();
   for (long p = 0; p < (K + 1) / 2; p++, w += 2 * COLS) {
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
     for (int m = 0; m < MR; m++) {
-      uint32_t pair = x[m * ldx + 2 * p];  // an odd K's last pair is (x, 0)
-      if (2 * p + 1 < K) memcpy(&pair, x + m * ldx + 2 * p, 4);
-      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair_at(x + m * ldx, p, K));
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
       acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
@@ -43,10 +55,10 @@ static void block(const bf16* x, long ldx, const bf16* w, const float* bias, con
 
 template <int MR>
 static void block(const float* x, long ldx, const float* w, const float* bias, const float* res, long ldr,
-                      float* y, long ldy, long K, long cols) {
-  __m512 acc[MR][4];
+                  float* y, long ldy, long K, long cols) {
+  vf acc[MR][ACC];
   for (int m = 0; m < MR; m++)
-    for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < ACC; j++) acc[m][j] = vzero();
   for (long k = 0; k < K; k++, w += COLS) {
     __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
            w3 = _mm512_loadu_ps(w + 48);
@@ -60,9 +72,48 @@ static void block(const float* x, long ldx, const float* w, const float* bias, c
   }
   finish<MR>(acc, bias, res, ldr, y, ldy, cols);
 }
+#else
+// bfloat16 widened to float32: at each pair of inputs a 256-bit load holds eight columns' two weights, the even
+// input's in the low half of each lane and the odd one's in the high half; the even product is added first.
+template <int MR>
+static void block(const bf16* x, long ldx, const bf16* w, const float* bias, const bf16* res, long ldr, bf16* y,
+                  long ldy, long K, long cols) {
+  vf acc[MR][ACC];
+  for (int m = 0; m < MR; m++) acc[m][0] = vzero();
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  for (long p = 0; p < (K + 1) / 2; p++, w += 2 * COLS) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)w), v1 = _mm256_loadu_si256((const __m256i*)(w + 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+    for (int m = 0; m < MR; m++) {
+      const __m256i xp = _mm256_set1_epi32((int)pair_at(x + m * ldx, p, K));
+      const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(xp, high));
+      acc[m][0].lo = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[m][0].lo));
+      acc[m][0].hi = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[m][0].hi));
+    }
+  }
+  finish<MR>(acc, bias, res, ldr, y, ldy, cols);
+}
 
-// Rows six at a time (24 accumulators and 4 weight vectors fill the 32 registers), then the last one to five: each
-// accumulator sees the same instructions, in the same order, whatever block its row falls in.
+template <int MR>
+static void block(const float* x, long ldx, const float* w, const float* bias, const float* res, long ldr,
+                  float* y, long ldy, long K, long cols) {
+  vf acc[MR][ACC];
+  for (int m = 0; m < MR; m++) acc[m][0] = vzero();
+  for (long k = 0; k < K; k++, w += COLS) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    for (int m = 0; m < MR; m++) {
+      const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
+      acc[m][0].lo = _mm256_fmadd_ps(xv, w0, acc[m][0].lo);
+      acc[m][0].hi = _mm256_fmadd_ps(xv, w1, acc[m][0].hi);
+    }
+  }
+  finish<MR>(acc, bias, res, ldr, y, ldy, cols);
+}
+#endif
+
+// Rows MAX_ROWS at a time, then the last few: each accumulator sees the same instructions, in the same order,
+// whatever block its row falls in.
 template <typename T>
 static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y, ldy, M, N, K, residual, ldr
   const T *x = ARG(const T*, 0), *w = ARG(const T*, 2), *res = ARG(const T*, 9);
@@ -76,10 +127,12 @@ static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y
 #define BLOCK(MR) \
   block<MR>(x + m * ldx, ldx, wb, bn, res ? res + m * ldr + n : nullptr, ldr, y + m * ldy + n, ldy, K, cols)
     long m = 0;
-    for (; m + 6 <= M; m += 6) BLOCK(6);
+    for (; m + MAX_ROWS <= M; m += MAX_ROWS) BLOCK(MAX_ROWS);
     switch (M - m) {
+#ifdef VS_AVX512
       case 5: BLOCK(5); break;
       case 4: BLOCK(4); break;
+#endif
       case 3: BLOCK(3); break;
       case 2: BLOCK(2); break;
       case 1: BLOCK(1); break;
@@ -91,4 +144,5 @@ static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y
 
 extern "C" int vs_linear_bf16(const int64_t* a) { return linear<bf16>(a, (a[8] + 1) / 2 * 2 * COLS); }
 extern "C" int vs_linear_f32(const int64_t* a) { return linear<float>(a, a[8] * COLS); }
+extern "C" long vs_cols() { return COLS; }  // the weight blocks' width, which `pack` lays them out by
 #endif

@@ -11,16 +11,16 @@ template <typename T>
 static void rms_norm(const T* x, long ldx, const T* w, T* y, long ldy, long R, long D, float eps) {
   for (long r = 0; r < R; r++) {
     const T* xr = x + r * ldx;
-    __m512 sum = _mm512_setzero_ps();
+    vf sum = vzero();
     for (long i = 0; i < D; i += 16) {
-      __m512 h = load(xr + i, lanes(D - i));
-      sum = _mm512_fmadd_ps(h, h, sum);
+      const vf h = load(xr + i, lanes(D - i));
+      sum = vfmadd(h, h, sum);
     }
-    __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)D + eps));
+    const vf scale = vset1(1.0f / sqrtf(vsum(sum) / (float)D + eps));
     for (long i = 0; i < D; i += 16) {
-      __mmask16 mk = lanes(D - i);
-      __m512 h = round_to(_mm512_mul_ps(load(xr + i, mk), scale), (const T*)0);
-      store(y + r * ldy + i, _mm512_mul_ps(load(w + i, mk), h), mk);
+      const vmask mk = lanes(D - i);
+      const vf h = round_to(vmul(load(xr + i, mk), scale), (const T*)0);
+      store(y + r * ldy + i, vmul(load(w + i, mk), h), mk);
     }
   }
 }
@@ -33,14 +33,14 @@ static void rotary(T* x, long row, long head, long R, long H, long D, const T* c
       T* xh = x + r * row + h * head;
       const T *c = cos + r * D, *s = sin + r * D;
       for (long i = 0; i < half; i += 16) {  // both halves at once: x1' = x1 c1 - x2 s1, x2' = x2 c2 + x1 s2
-        __mmask16 mk = lanes(half - i);
-        __m512 x1 = load(xh + i, mk), x2 = load(xh + half + i, mk);
-        __m512 a1 = round_to(_mm512_mul_ps(x1, load(c + i, mk)), (const T*)0);
-        __m512 b1 = round_to(_mm512_mul_ps(_mm512_xor_ps(x2, _mm512_set1_ps(-0.0f)), load(s + i, mk)), (const T*)0);
-        __m512 a2 = round_to(_mm512_mul_ps(x2, load(c + half + i, mk)), (const T*)0);
-        __m512 b2 = round_to(_mm512_mul_ps(x1, load(s + half + i, mk)), (const T*)0);
-        store(xh + i, _mm512_add_ps(a1, b1), mk);
-        store(xh + half + i, _mm512_add_ps(a2, b2), mk);
+        const vmask mk = lanes(half - i);
+        const vf x1 = load(xh + i, mk), x2 = load(xh + half + i, mk);
+        const vf a1 = round_to(vmul(x1, load(c + i, mk)), (const T*)0);
+        const vf b1 = round_to(vmul(vneg(x2), load(s + i, mk)), (const T*)0);
+        const vf a2 = round_to(vmul(x2, load(c + half + i, mk)), (const T*)0);
+        const vf b2 = round_to(vmul(x1, load(s + half + i, mk)), (const T*)0);
+        store(xh + i, vadd(a1, b1), mk);
+        store(xh + half + i, vadd(a2, b2), mk);
       }
     }
 }
@@ -49,10 +49,10 @@ template <typename T>
 static void silu_mul(const T* x, long ldx, T* y, long ldy, long R, long I) {  // x: [gate | up], I each
   for (long r = 0; r < R; r++)
     for (long i = 0; i < I; i += 16) {
-      __mmask16 mk = lanes(I - i);
-      __m512 g = load(x + r * ldx + i, mk), u = load(x + r * ldx + I + i, mk);
-      __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store(y + r * ldy + i, _mm512_mul_ps(round_to(s, (const T*)0), u), mk);
+      const vmask mk = lanes(I - i);
+      const vf g = load(x + r * ldx + i, mk), u = load(x + r * ldx + I + i, mk);
+      const vf s = vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), g))));
+      store(y + r * ldy + i, vmul(round_to(s, (const T*)0), u), mk);
     }
 }
 

@@ -10,20 +10,19 @@
 // The first index of the largest of x[0 .. V - 1], a NaN counting as the largest, as torch.argmax.
 template <typename T>
 static int64_t argmax(const T* x, long V) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
+  vf best = vset1(-INFINITY);
+  uint32_t nan = 0;
   for (long j = 0; j < V; j += 16) {
-    const __mmask16 m = lanes(V - j);
-    const __m512 v = load(x + j, m);
-    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    best = _mm512_mask_max_ps(best, m, best, v);
+    const vmask m = lanes(V - j);
+    const vf v = load(x + j, m);
+    nan |= vnan_bits(m, v);
+    best = vmax_in(m, best, v);
   }
-  const float top = _mm512_reduce_max_ps(best);
+  const vf top = vset1(vtop(best));
   for (long j = 0; j < V; j += 16) {
-    const __mmask16 m = lanes(V - j);
-    const __m512 v = load(x + j, m);
-    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
-                              : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const vmask m = lanes(V - j);
+    const vf v = load(x + j, m);
+    const uint32_t hit = nan ? vnan_bits(m, v) : veq_bits(m, v, top);
     if (hit) return j + __builtin_ctz(hit);
   }
   return 0;  // V == 0

@@ -4,10 +4,10 @@ given; this module picks the layout and the path:
 - a decoding step on verispec's kernels whose shape was captured: a replay, with next to no Python (`replay_causal`);
 - one sequence into a cache on verispec's kernels: `VisibleSlots`, captured once per shape and replayed after
   (models/captured.py), or op by op with capture off;
-- into a static cache (exact mode): chunks of rows, each padded up to the row floor (models/row_floor.py);
+- into a static cache (exact mode): chunks of rows, on PyTorch's kernels each padded to the chunk's full row count;
 - otherwise PyTorch's scaled_dot_product_attention over a mask (`AttentionMask`), a batch of sequences included.
 
-`Execution` holds what runs a model's forwards keep between calls: its captures, row floors and rotary table.
+`Execution` holds what runs a model's forwards keep between calls: its captures and rotary table.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from verispec.models.layout import AttentionMask, Layout, VisibleSlots, as_index
 from verispec.models.linear import packed_here
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
-from verispec.models.row_floor import row_floor
 from verispec.sampling import argmax
 
 LONG_ROWS = 256  # exact mode's chunks on verispec's attention, where they bound only memory (see `_exact`)
@@ -38,8 +37,6 @@ class Execution:
         self.module = module
         self.capture = True  # replay a `VisibleSlots` forward's captured kernel calls; False: op by op
         self.captured: dict = {}  # those captures by shape (models/captured.py `replay`)
-        # Exact mode's row floor by (threads, rows, width), measured on first use (see `row_floor`)
-        self.row_floors: dict[tuple[int, int, int], int] = {}
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for `VisibleSlots`
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None, options: ForwardOptions = ForwardOptions()
@@ -48,7 +45,7 @@ class Execution:
         positions (see `ForwardOptions`), and the hidden states it asks for.
 
         Into a static cache (`cache.rows` set: exact mode) a forward runs in chunks (of `cache.rows` rows, or
-        `LONG_ROWS` on verispec's attention), each padded up to the row floor, so that a position's logits are
+        `LONG_ROWS` on verispec's attention), each padded up to `row_floor` rows, so that a position's logits are
         bitwise the same however many tokens share the forward; a chunk sees earlier chunks through the cache, so
         no token may see a later chunk's.
         """
@@ -123,20 +120,13 @@ class Execution:
             cache.truncate(start)  # as if the chain never ran
             raise
 
-    def row_floor(self, rows: int, width: int) -> int:
-        """The fewest rows an exact-mode forward (chunks of at most `rows`, keys `width` wide) pads to: measured on
-        this machine's kernels at the current thread count, once per count (models/row_floor.py). Unpacked, every
-        forward pads to `rows`: the plain projections leave contiguous (rows x width) outputs, over which an
-        elementwise kernel (silu) ends its vector loop on a row that depends on the count; the packed ones leave
-        strided views, taken row by row."""
-        if self.module.head is None:
-            return rows
-        if self.module.own_attention:  # (implies own_kernels)
-            return 1  # batch-invariant by construction (verispec/kernels); tests/test_row_floor.py measures it so
-        key = (torch.get_num_threads(), rows, width)
-        if key not in self.row_floors:
-            self.row_floors[key] = row_floor(self.module, rows, width)
-        return self.row_floors[key]
+    def row_floor(self, rows: int) -> int:
+        """The fewest rows an exact-mode forward (chunks of at most `rows`) runs, padding where it has fewer: 1 on
+        verispec's kernels, which give a row the same bits at any count by construction (verispec/kernels); `rows`
+        on PyTorch's, whose kernels may pick their code path by the row count (oneDNN's bfloat16 matmul over some
+        widths, the float32 score matmul below 4 rows, an elementwise loop's vector tail) but, at one fixed count,
+        give a row the same bits whatever the other rows hold. No measuring, so no calibration at load."""
+        return 1 if self.module.own_attention else rows
 
     def _on_kernels(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
         """Whether a forward of `tokens` into `cache` attends through verispec's kernels, each row over its own keys
@@ -159,7 +149,7 @@ class Execution:
         replayed (nothing but kernels runs in it)."""
         if not layout.on_kernels:
             return _result(*self.module(tokens, cache, layout, options), options)
-        self.rope = covering(self.rope, cache.slots, self.module.config, self.module.lm_head.weight.dtype)
+        self.rope = covering(self.rope, cache.slots, self.module.config, self.module.model.embed_tokens.weight.dtype)
         layout, options = replace(layout, rope=self.rope), replace(options, positions=as_index(options.positions))
         if not self.capture:
             return _result(*self.module(tokens, cache, layout, options), options)
@@ -170,7 +160,7 @@ class Execution:
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, options: ForwardOptions) -> Result:
         """The forward into a static cache, logits from row `options.logits_from` on: chunks of at most R rows, each
-        padded to the row floor and laid out by `exact_layout`. On verispec's attention (row floor 1) a row's result
+        padded to `row_floor` rows and laid out by `exact_layout`. On verispec's attention (row floor 1) a row's result
         does not depend on the rows beside it, so chunks only bound memory: they are `LONG_ROWS` long, and a prefill
         streams the weights far less often than in chunks of `cache.rows`."""
         B, T = tokens.shape
@@ -178,7 +168,7 @@ class Execution:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         start, slots, device = cache.length, cache.slots, tokens.device
         own = self.module.own_attention
-        floor = self.row_floor(cache.rows, cache.width)
+        floor = self.row_floor(cache.rows)
         R = LONG_ROWS if own else cache.rows
         # (T, P) the cache slots each token sees, as `VisibleSlots` takes them (uint8) or `FixedWidthKeys` (bool)
         visible = visible_slots(options.mask, T, start, slots, torch.uint8 if own else torch.bool, device)
@@ -200,7 +190,7 @@ class Execution:
                 if first == n:
                     first = m  # none: the LM head is skipped
                 elif floor > 1:
-                    first = 0  # a padded chunk's head runs over all its rows, as its row floor was measured
+                    first = 0  # a padded chunk's head runs over all its rows: always the same count
                 out = self._run(x, cache, exact_layout(own, rows, cache.width),
                                 replace(options, positions=where, logits_from=first))
                 out = (out, None) if options.hidden is None else out

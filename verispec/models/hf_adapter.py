@@ -16,7 +16,7 @@ from verispec.arguments import usable_device
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.checkpoint import check_finite, check_folder
 from verispec.models.gguf_file import GGUFFile, is_gguf
-from verispec.models.native import parse_dtype
+from verispec.models.precision import parse_dtype
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import as_id_set, check_tokenizer_fits
 

@@ -151,8 +151,8 @@ class FixedWidthKeys:
         that some row sees, the tail's gathered from them, and the prefix's padded to the fixed width W. The
         softmax runs jointly over [prefix | tail] in float32; the prefix's values are used in place, in one matmul
         of width W for all rows (an unseen slot adds an exact zero: the cache is zeroed, so its values are
-        finite), and each row's tail values are gathered. The three matmuls run at the forward's row count, at or
-        above the model's row floor (models/row_floor.py).
+        finite), and each row's tail values are gathered. The three matmuls run at the chunk's fixed row count
+        (`Execution.row_floor`).
         """
         _, H, R, D = q.shape
         Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span

@@ -60,24 +60,33 @@ class PackedLinear(nn.Module):
     parameters: built on the model's final device and dtype, from weights that do not change afterwards. Outside
     inference mode, or under autocast, it runs the linears themselves (the kernels have no backward and take no part
     in autocast).
+
+    Linears kept quantized (models/quant.py `QuantizedLinear`, all in one format) run on verispec's quantized
+    matmul, from their blocks, on float32 inputs; where the kernels do not run, on their weights dequantized.
     """
 
-    def __init__(self, linears: Sequence[nn.Linear], rows: int, own_kernels: bool | None = None) -> None:
+    def __init__(self, linears: Sequence[nn.Module], rows: int, own_kernels: bool | None = None) -> None:
         super().__init__()
         self.linears = tuple(linears)  # a tuple, not submodules: the linears stay where the state dict has them
         self.sizes = [linear.out_features for linear in linears]
-        self.rows = rows
+        self.out_features, self.rows = sum(self.sizes), rows
+        blocks = [getattr(linear, "quantized", None) for linear in linears]
+        formats = {None if q is None else q.format for q in blocks}
+        if own_kernels is None:
+            own_kernels = kernels.chosen(torch.float32)
+        if own_kernels and len(formats) == 1 and None not in formats:  # quantized, in one format
+            self.weight = self.one_row = self.packed = None
+            self.bias = _fused_bias(linears, torch.float32)
+            self.kernel = kernels.Matmul(torch.cat([q.blocks for q in blocks]), self.bias, formats.pop())
+            return
         weights = [linear.weight.detach() for linear in linears]
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        if len(linears) > 1:
+        if len(linears) > 1 and None in formats:  # float linears' weights become views of the fused one
             for linear, part in zip(linears, self.weight.split(self.sizes)):
-                linear.weight.data = part
-        biases = [linear.bias for linear in linears]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(n, dtype=self.weight.dtype, device=self.weight.device) if b is None else b.detach()
-             for b, n in zip(biases, self.sizes)])
-        if own_kernels is None:
-            own_kernels = kernels.chosen(self.weight.dtype, self.weight.device)
+                if getattr(linear, "quantized", None) is None:
+                    linear.weight.data = part
+        self.bias = _fused_bias(linears, self.weight.dtype, self.weight.device)
+        own_kernels = own_kernels and kernels.available(self.weight.dtype, self.weight.device)
         self.kernel = kernels.Matmul(self.weight, self.bias) if own_kernels else None
         if self.kernel is not None or not _prepacked_here(self.weight.dtype):
             # On verispec's kernels; or, where oneDNN cannot prepack this dtype on this CPU (bfloat16 needs
@@ -91,10 +100,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """(..., in) -> (..., sum of the linears' out_features), plus `residual` if given (as `residual + y`)."""
-        if self.kernel is not None and packed_here(x) and x.dtype == self.weight.dtype:
+        if self.kernel is not None and packed_here(x) and x.dtype == self.kernel.dtype:
             return self.kernel(x, residual)  # the residual added in the kernel, rounded as below
-        if not packed_here(x):
-            outputs = self.parts(x)
+        if not packed_here(x) or self.weight is None:  # training, autocast; or quantized, on inputs of another dtype
+            outputs = tuple(linear(x) for linear in self.linears)
             y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
         elif self.kernel is not None or self.packed is None:  # no prepacked weight (or x of another dtype: F.linear
             # refuses it in PyTorch's words)
@@ -110,6 +119,26 @@ class PackedLinear(nn.Module):
         if not packed_here(x):
             return tuple(linear(x) for linear in self.linears)
         return self(x).split(self.sizes, -1)
+
+
+def _fused_bias(linears: Sequence[nn.Module], dtype: torch.dtype, device: torch.device | str = "cpu"
+                ) -> torch.Tensor | None:
+    """The linears' biases side by side (zeros for one without), or None where none has one."""
+    biases = [linear.bias for linear in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([torch.zeros(linear.out_features, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
+                      for linear, b in zip(linears, biases)])
+
+
+def rows_of(linear: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """A linear over the outputs `ids` of `linear` only, in that order (an LM head over part of the vocabulary), in
+    its format: an `nn.Linear` of its weight's rows, or a quantized linear's blocks for them."""
+    if getattr(linear, "quantized", None) is not None:
+        return linear.rows(ids)
+    part = nn.Linear(linear.in_features, len(ids), bias=False, device="meta")
+    part.weight = nn.Parameter(linear.weight.detach()[ids], requires_grad=False)
+    return part
 
 
 def matmul_by(weight: torch.Tensor, rows: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,7 +1,7 @@
 """The Llama-family transformer (Llama, Qwen2, Mistral math), with the same parameter names as Hugging Face.
 
 Only the math: one forward over a given layout (models/layout.py). Which layout a forward takes, its captures, exact
-mode's chunks and row floors are models/execution.py's; packing the weights for the kernels is models/precision.py's.
+mode's chunks are models/execution.py's; packing the weights for the kernels is models/precision.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
-from verispec.models.linear import PackedLinear, packed_here
+from verispec.models.linear import PackedLinear, packed_here, rows_of
 from verispec.models.options import ForwardOptions, VocabHead
 
 Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`)
@@ -141,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
         ids = ids.to(torch.int64, copy=True).contiguous()  # its own: programs point into it
         if ids.dim() != 1 or not len(ids) or not 0 <= int(ids.min()) <= int(ids.max()) < self.lm_head.out_features:
             raise ValueError(f"an LM head over {tuple(ids.shape)} token ids, of {self.lm_head.out_features}")
-        linear = nn.Linear(self.config.hidden_size, len(ids), bias=False, device="meta")
-        linear.weight = nn.Parameter(self.lm_head.weight.detach()[ids], requires_grad=False)
+        linear = rows_of(self.lm_head, ids)
         return VocabHead(ids, linear if self.head is None else PackedLinear([linear], self.head.rows, self.own_kernels))
 
     def forward(self, tokens: torch.Tensor, cache: Cache | None = None, layout: Layout | None = None,
@@ -179,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         B, T, _ = x.shape
         matmul = options.head.matmul if options.head is not None else self.head or self.lm_head
         if options.logits_from >= T:  # no logits asked for (an allocation, which a capture lets through)
-            logits = torch.empty(B, 0, matmul.weight.shape[0], dtype=x.dtype, device=x.device)
+            logits = torch.empty(B, 0, matmul.out_features, dtype=x.dtype, device=x.device)
         else:
             logits = matmul(states[-1][:, options.logits_from:])
         return logits, [states[i] for i in hidden]

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face-format Llama-family folder into the native runtime."""
+"""The native runtime's model (`NativeModel`), and loading one from a Hugging Face-format folder or a GGUF file."""
 
 from __future__ import annotations
 
@@ -16,39 +16,30 @@ from verispec.models.cache import KVCache
 from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.config import ModelConfig, read_config
 from verispec.models.execution import Execution
-from verispec.models.gguf_checkpoint import Weight, read_gguf
+from verispec.models.gguf_checkpoint import read_gguf
 from verispec.models.gguf_file import is_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
-from verispec.models.precision import pack_model
+from verispec.models.precision import file_formats, pack_model, parse_dtype, quantize_linears, quantized_at_load
 from verispec.models.protocol import Capabilities
-from verispec.models.quant import QuantizedWeight
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
 def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:
-    """Whether a native model of `dtype` loaded now on `device` runs on verispec's own kernels (`kernels.chosen`:
-    available here, and torch on one thread)."""
+    """Whether a native model of `dtype` ("auto" included) loaded now on `device` runs on verispec's own kernels
+    (`kernels.chosen`: available here, and torch on one thread)."""
     try:
-        return kernels.chosen(parse_dtype(dtype), device)
+        return kernels.chosen(torch.float32 if dtype == "auto" else parse_dtype(dtype), device)
     except RuntimeError:  # not a device name: loading says so in its own words
         return False
 
 
-def auto_dtype(device: str | torch.device = "cpu") -> str:
-    """The CLI's `--dtype auto` for the native runtime: bfloat16 where verispec's own kernels run on `device`
-    (bfloat16 is then both the fastest and, in exact mode, exact), else float32."""
+def auto_dtype(device: str | torch.device = "cpu", checkpoint: str | Path | None = None) -> str:
+    """`dtype="auto"` for the native runtime: for a GGUF file "auto" itself, its own formats (see `load_model`); for a
+    folder, bfloat16 where verispec's own kernels run on `device` (bfloat16 is then both the fastest and, in exact
+    mode, exact), else float32."""
+    if checkpoint is not None and is_gguf(checkpoint):
+        return "auto"
     return "bfloat16" if own_kernels_run(torch.bfloat16, device) else "float32"
 
 
@@ -65,8 +56,8 @@ class NativeModel:
     kernels (verispec/kernels, where the CPU has AVX-512 with bfloat16 dot products) that holds by construction:
     attention takes each row's own keys (`VisibleSlots`), a forward runs in chunks of 256 rows (memory only), and it costs
     nothing over ordinary decoding. On PyTorch's every forward attends over the same key width in chunks of at most
-    16 rows, padded up to the row floor measured for this machine's kernels on the first exact forward
-    (models/row_floor.py), which costs the padding and attention over the whole context width each forward, and a
+    16 rows, each padded to 16 (at one fixed row count a row's bits do not depend on the others: `Execution.row_floor`),
+    which costs the padding and attention over the whole context width each forward, and a
     token tree may be at most 32 deep (`FixedWidthKeys`).
 
     Its forwards run through `execution` (models/execution.py), which decides how each one runs.
@@ -157,44 +148,50 @@ def exact_width(context_length: int) -> int:
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True) -> NativeModel:
+               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True,
+               quantize: str | None = None) -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
-    (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`.
+    (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
+    formats where they run (`precision.file_formats`: its Q8_0, Q4_0 and Q4_1 tensors as blocks on verispec's
+    kernels, with float32 activations; a BF16 file in bfloat16), and for a folder is `auto_dtype(device)`.
+    `quantize` (q8_0, q4_0 or q4_1): every projection kept in that block format and the LM head in Q8_0
+    (`precision.quantized_at_load`), run on verispec's kernels with float32 activations.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where
     this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
     the plain linears. Elsewhere it changes nothing."""
-    torch_dtype, device = parse_dtype(dtype), usable_device(device)
+    device = usable_device(device)
     if is_gguf(checkpoint):
         gguf = read_gguf(checkpoint)
-        config, tokenizer, eos = gguf.config, gguf.vocab.tokenizer, gguf.vocab.eos_ids
-        weights, name = _as_float(gguf.weights, torch_dtype), Path(checkpoint).name
+        config, tokenizer, eos, name = gguf.config, gguf.vocab.tokenizer, gguf.vocab.eos_ids, Path(checkpoint).name
+        torch_dtype, weights, blocks = file_formats(gguf.weights, dtype, device, fast and quantize is None)
     else:
         folder = check_folder(checkpoint)
         config: ModelConfig = read_config(folder)
         tokenizer = load_tokenizer(folder)
         check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
-        weights, name = load_weights(folder, config), folder.name
+        weights, name, blocks = load_weights(folder, config), folder.name, {}
         eos = eos_token_ids(tokenizer, folder, config.eos_token_id)
-    if config.tie_word_embeddings:
+        torch_dtype = parse_dtype(auto_dtype(device) if dtype == "auto" else dtype)
+    if quantize is not None and (torch_dtype != torch.float32 or not fast):
+        raise InvalidArgumentError(f"a model quantized to {quantize} runs with float32 activations on verispec's "
+                                   f"kernels; got {torch_dtype}{'' if fast else ' and fast=False'}")
+    if config.tie_word_embeddings and "lm_head" not in blocks:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
+    quantize_linears(module, blocks)
     # Cast one tensor at a time, dropping each original as we go, so loading never holds two full copies.
     state = {key: weights.pop(key).to(device=device, dtype=torch_dtype) for key in list(weights)}
     check_finite(state.items(), checkpoint)
     module.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie it again
+    if config.tie_word_embeddings and "lm_head" not in blocks:  # assign=True replaced the shared parameter: tie it
         module.lm_head.weight = module.model.embed_tokens.weight
     module.eval()
+    if quantize is not None:
+        quantize_linears(module, quantized_at_load(module, quantize))
     if fast and packable(torch_dtype, device):
         pack_model(module, EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos, name, exact=exact)
-
-
-def _as_float(weights: dict[str, Weight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A GGUF file's weights with every `QuantizedWeight` dequantized to `dtype` (the others as they are): the
-    model runs them as float weights."""
-    return {name: w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}

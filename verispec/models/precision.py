@@ -1,13 +1,112 @@
-"""Where a model's weights are packed for the kernels that run them, by precision (float32, bfloat16; the
-block-quantized formats come here too): the projections and LM head as prepacked, fused matmuls (models/linear.py),
-and which of the model's pieces then run on verispec's kernels. The parameters keep their names and values."""
+"""Where a model's weights get their format and are packed for the kernels that run them.
+
+Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats Q8_0, Q4_0 and Q4_1
+(models/quant.py), kept quantized linear by linear (`QuantizedLinear`) where verispec's kernels run, with float32
+activations. `quantize_linears` puts a model's projections and LM head into a block format (`--quantize`, or a
+GGUF file's own tensors); `pack_model` then lays every projection and the LM head out as prepacked, fused matmuls
+(models/linear.py) and says which of the model's pieces run on verispec's kernels. The parameters keep their names
+and values.
+"""
 
 from __future__ import annotations
 
+from typing import Mapping
+
+import torch
 from torch import nn
 
 from verispec import kernels
+from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
+from verispec.models.quant import BLOCK, QuantizedLinear, QuantizedWeight, check_format
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def projections(module: nn.Module) -> dict[str, nn.Linear]:
+    """A `LlamaForCausalLM`'s linears by their state-dict prefix (`model.layers.0.self_attn.q_proj`, `lm_head`)."""
+    linears = {f"model.layers.{i}.{part}.{name}": getattr(getattr(block, part), name)
+               for i, block in enumerate(module.model.layers)
+               for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                   ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}
+    return linears | {"lm_head": module.lm_head}
+
+
+def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) -> None:
+    """Replace the linears named in `weights` (by state-dict prefix, as `projections` names them) with quantized
+    linears of those blocks, their biases kept. Quantized weights run on verispec's kernels only: refused where
+    they do not run."""
+    if not weights:
+        return
+    if not kernels.chosen(torch.float32):
+        raise InvalidArgumentError(f"quantized weights run on verispec's kernels, on one thread; here: "
+                                   f"{kernels.reason()}, {torch.get_num_threads()} threads")
+    linears = projections(module)
+    for name, weight in weights.items():
+        linear = linears[name]
+        if weight.shape != (linear.out_features, linear.in_features):
+            raise ValueError(f"{name}: a {weight.format} weight of {weight.shape} for a linear of "
+                             f"{(linear.out_features, linear.in_features)}")
+        parent, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attribute, QuantizedLinear(weight, linear.bias))
+
+
+def formats(module: nn.Module) -> dict[str, int]:
+    """How many of a model's linears (`projections`) are in each format: a block format, or a float dtype."""
+    counts: dict[str, int] = {}
+    for linear in projections(module).values():
+        q = getattr(linear, "quantized", None)
+        name = q.format if q is not None else str(linear.weight.dtype).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def quantized_at_load(module: nn.Module, format: str) -> dict[str, QuantizedWeight]:
+    """`format` blocks for every projection of a float model, and Q8_0 for its LM head (`--quantize`)."""
+    check_format(format)
+    linears = projections(module)
+    narrow = [name for name, linear in linears.items() if linear.in_features % BLOCK]
+    if narrow:
+        raise InvalidArgumentError(f"{format} quantizes rows of a multiple of {BLOCK} inputs; {narrow[0]} has "
+                                   f"{linears[narrow[0]].in_features}")
+    return {name: QuantizedWeight.of(linear.weight, HEAD_FORMAT if name == "lm_head" else format)
+            for name, linear in linears.items()}
+
+
+def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str | torch.dtype,
+                 device: torch.device | str, keep: bool = True
+                 ) -> tuple[torch.dtype, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
+    tensors, and the linears kept as blocks (by `projections`' names; "lm_head" too where the file ties it to the
+    embedding, whose table is then the blocks dequantized). `dtype="auto"` keeps the file's own formats where they
+    run (`keep`, and verispec's kernels on one thread): Q8_0, Q4_0 and Q4_1 tensors as blocks, with float32
+    activations; a file whose float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts
+    every weight to it, blocks dequantized (exact in float32)."""
+    blocks = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+    keep = keep and dtype == "auto" and bool(blocks) and kernels.chosen(torch.float32, device)
+    if dtype == "auto":
+        floats = {w.dtype for name, w in weights.items() if name not in blocks and w.dim() == 2}
+        dtype = torch.bfloat16 if not blocks and floats == {torch.bfloat16} else torch.float32
+    dtype = parse_dtype(dtype)
+    out = {name: w for name, w in weights.items() if name not in blocks}
+    kept: dict[str, QuantizedWeight] = {}
+    for name, w in blocks.items():
+        if keep and name != "model.embed_tokens.weight":
+            kept[name.removesuffix(".weight")] = w
+        else:
+            out[name] = w.dequantize(dtype)
+    if keep and "model.embed_tokens.weight" in blocks and "lm_head.weight" not in weights:  # tied: the head's blocks
+        kept["lm_head"] = blocks["model.embed_tokens.weight"]
+    return dtype, out, kept
 
 
 def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> None:
@@ -15,7 +114,7 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
     (`own_kernels`: verispec's, by default `kernels.chosen`): an inference-only fast path. Its attention runs on
     verispec's kernels (`own_attention`) where they take the head size."""
     attention, mlp = block.self_attn, block.mlp
-    weight = attention.o_proj.weight
+    weight = block.post_attention_layernorm.weight  # the activations' dtype (a linear may be quantized)
     if own_kernels is None:
         own_kernels = kernels.chosen(weight.dtype, weight.device)
     elif own_kernels and not kernels.available(weight.dtype, weight.device):
@@ -34,7 +133,7 @@ def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None) ->
     """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
     (see `pack_block`). `own_kernels` (by default `kernels.chosen`: where this machine has them and torch runs one
     thread): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention."""
-    param = module.lm_head.weight
+    param = module.model.embed_tokens.weight  # the activations' dtype (the LM head may be quantized)
     module.own_kernels = kernels.chosen(param.dtype, param.device) if own_kernels is None else own_kernels
     for block in module.model.layers:
         pack_block(block, rows, module.own_kernels)

@@ -14,10 +14,13 @@ packs them); elsewhere a quantized weight runs dequantized.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
+from torch import nn
 
 from verispec.errors import InvalidArgumentError
 
@@ -77,3 +80,30 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows (outputs) `index` of it, in that order, still quantized (a row is whole blocks)."""
         return QuantizedWeight(self.format, self.blocks[index].contiguous())
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is kept in a block format: what `nn.Linear` is for a float weight. Packed for
+    verispec's kernels (models/precision.py), it runs from its blocks; elsewhere (training, autocast) it runs on its
+    weight dequantized to float32, which `weight` makes on first use."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.quantized = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @cached_property
+    def weight(self) -> torch.Tensor:
+        """The weight (N, K) the blocks stand for, in float32."""
+        return self.quantized.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def rows(self, index: torch.Tensor) -> QuantizedLinear:
+        """A linear over the outputs `index` only (an LM head over part of the vocabulary), still quantized."""
+        return QuantizedLinear(self.quantized.rows(index), None if self.bias is None else self.bias[index])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.quantized.format}"

@@ -1,0 +1,52 @@
+"""Every build of verispec's kernels this CPU runs (kernels/build.py): `VERISPEC_ISA` picks one, and the tests that
+depend on the build pass on each, so that an AVX-512 machine also proves the AVX2 build that CPUs without AVX-512 take.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verispec import kernels
+from verispec.kernels.build import ISAS, cpu_flags
+
+TESTS = Path(__file__).parent
+# What depends on the build: the kernels themselves, the quantized matmul, captures, exact mode (with PyTorch's
+# oneDNN held to AVX2 as well, as on a CPU without AVX-512), the fast path's packing, and every row count on the
+# kernels (PyTorch's row counts do not depend on the build and take minutes there)
+BUILD_TESTS = ["test_kernels.py", "test_quantized_matmul.py", "test_capture.py", "test_exact.py", "test_fast.py",
+               "test_row_counts.py"]
+SKIP = "not built_once and not (row_counts and torch) and not unpadded"
+
+
+def check(isa: str) -> str:
+    code = "from verispec import kernels; import torch; print(kernels.available(torch.float32), '|', kernels.reason())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VERISPEC_ISA": isa})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_verispec_isa_asks_for_a_build_and_names_a_bad_one() -> None:
+    assert check("bogus") == "False | VERISPEC_ISA=bogus is not one of auto, avx512, avx2"
+    for isa, (_, needs) in ISAS.items():
+        if needs <= cpu_flags():
+            assert check(isa) == f"True | the {isa} build"
+        else:
+            assert check(isa).startswith(f"False | this CPU cannot run the {isa} build (it lacks ")
+
+
+@pytest.mark.parametrize("isa", [isa for isa, (_, needs) in ISAS.items() if needs <= cpu_flags()])
+def test_every_build_this_cpu_runs_passes_the_tests_that_depend_on_it(isa: str) -> None:
+    if isa == kernels.isa():
+        pytest.skip(f"the {isa} build is the one this whole run uses")
+    env = {**os.environ, "VERISPEC_ISA": isa, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", "-k", SKIP,
+                           *(str(TESTS / name) for name in BUILD_TESTS)], capture_output=True, text=True,
+                          timeout=1500, env=env, cwd=TESTS.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1]

@@ -1,0 +1,105 @@
+"""Block-quantized weights on verispec's kernels (kernels/quant.cpp): ggml's math, a row's bits its own, and models
+kept quantized (`load_model(quantize=)`, models/precision.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import kernels
+from verispec.bench.bandwidth import weight_bytes
+from verispec.errors import InvalidArgumentError
+from verispec.models.native import load_model
+from verispec.models.quant import FORMATS, QuantizedLinear, QuantizedWeight
+from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.threads import torch_threads
+
+needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
+                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+
+
+@pytest.fixture(autouse=True)
+def one_thread(single_thread: None) -> None:
+    """Quantized weights run on verispec's kernels, on one thread."""
+
+
+def ggml_math(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x @ w.T in float64 as the kernel defines it: x's rows quantized by blocks of 32 (q = round(x / d) to the
+    nearest integer, ties to even, d = max |x| / 127), then against the weight's values."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).view(x.shape).double() @ weight.dequantize().double().T
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("N, K", [(40, 64), (576, 576), (17, 1536), (1, 32), (100, 160)])
+def test_a_quantized_matmul_is_ggmls_math_and_each_row_is_its_own(fmt: str, N: int, K: int) -> None:
+    generator = torch.Generator().manual_seed(N * K)
+    weight = QuantizedWeight.of(torch.randn(N, K, generator=generator), fmt)
+    bias, x = torch.randn(N, generator=generator), torch.randn(13, K, generator=generator) * 3
+    x[2] = 0  # a row of zeros quantizes with d = 0
+    matmul = kernels.Matmul(weight.blocks, bias, fmt)
+    y = matmul(x)
+    reference = ggml_math(x, weight) + bias.double()
+    assert y.dtype == torch.float32 and y.shape == (13, N)
+    assert float((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+    for lo, hi in [(0, 1), (3, 4), (2, 9), (4, 13), (12, 13), (1, 9)]:
+        assert torch.equal(kernels.Matmul(weight.blocks, bias, fmt)(x[lo:hi]), y[lo:hi]), (lo, hi)
+    residual = torch.randn(13, N, generator=generator)
+    assert torch.equal(matmul(x, residual), residual + y)
+
+
+@needs_kernels
+def test_pack_quantized_puts_each_blocks_scales_then_groups_of_four_inputs_by_column() -> None:
+    weight = QuantizedWeight.of(torch.randn(20, 64, generator=torch.Generator().manual_seed(1)), "q4_1")
+    raw = weight.blocks.view(20, 2, 20)  # (rows, blocks of 32, ggml's bytes: d, m, 16 bytes of nibbles)
+    packed = kernels.pack_quantized("q4_1", weight.blocks)
+    assert packed.shape == (2, 2, 64 + 256)  # 20 rows -> two blocks of 16 columns (the second zero-padded)
+    assert torch.equal(packed[0, 1, :32].view(16, 2), raw[:16, 1, 0:2])  # column block 0, input block 1: scales
+    assert torch.equal(packed[0, 1, 32:64].view(16, 2), raw[:16, 1, 2:4])  # mins
+    groups = packed[0, 1, 64:].view(4, 16, 4)  # group g, column j: ggml's bytes 4g .. 4g + 3 of column j
+    assert torch.equal(groups[2, 5], raw[5, 1, 4 + 8: 4 + 12])
+    assert not packed[1, :, :].view(2, -1)[:, 4 * 2: 32].any()  # columns 20..31 padded with zero scales
+    q8 = QuantizedWeight.of(torch.randn(16, 32), "q8_0")
+    assert torch.equal(kernels.pack_quantized("q8_0", q8.blocks)[0, 0, 32:].view(8, 16, 4)[1, 3],
+                       q8.blocks[3, 2 + 4: 2 + 8] ^ 0x80)  # int8 q stored as q + 128
+
+
+def test_a_quantized_matmul_refuses_what_would_read_out_of_bounds() -> None:
+    with pytest.raises(ValueError, match="uint8 blocks"):
+        kernels.Matmul(torch.zeros(4, 35, dtype=torch.uint8), None, "q8_0")
+    with pytest.raises(ValueError, match="uint8 blocks"):
+        kernels.Matmul(torch.zeros(4, 34, dtype=torch.uint8), None, "q5_0")
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_model_quantized_at_load_is_its_quantized_weights_and_stays_close_to_float(tmp_path, fmt: str) -> None:
+    folder = random_checkpoint(tmp_path, tiny_config())
+    plain, quantized = load_model(folder), load_model(folder, quantize=fmt)
+    layer = quantized.module.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and layer.self_attn.q_proj.quantized.format == fmt
+    assert quantized.module.lm_head.quantized.format == "q8_0"  # the LM head finer, as llama.cpp keeps it
+    assert quantized.module.own_kernels and quantized.module.head.kernel.kernel == "linear_q8_0"
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    a, b = plain(tokens, plain.new_cache())[0], quantized(tokens, quantized.new_cache())[0]
+    assert float((a - b).abs().max() / a.abs().max()) < {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3}[fmt]
+    blocks = sum(m.quantized.nbytes for m in quantized.module.modules() if isinstance(m, QuantizedLinear))
+    assert weight_bytes(quantized) == blocks + sum(p.numel() * 4 for n, p in quantized.module.named_parameters()
+                                                    if "norm" in n)
+    assert weight_bytes(quantized) < weight_bytes(plain) / 2
+
+
+def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
+    folder = random_checkpoint(tmp_path, tiny_config())
+    with pytest.raises(InvalidArgumentError, match="float32 activations"):
+        load_model(folder, dtype="bfloat16", quantize="q8_0")
+    with pytest.raises(InvalidArgumentError, match="unknown quantization 'q5_0'"):
+        load_model(folder, quantize="q5_0")
+    with pytest.raises(InvalidArgumentError, match="multiple of 32 inputs"):
+        load_model(random_checkpoint(tmp_path / "narrow", tiny_config(hidden_size=48, num_attention_heads=3,
+                                                                      num_key_value_heads=1)), quantize="q8_0")
+    with torch_threads(2), pytest.raises(InvalidArgumentError, match="on one thread"):
+        load_model(folder, quantize="q8_0")
