@@ -37,3 +37,8 @@ class DrafterError(VerispecError):
 
 class PeerError(VerispecError):
     """A benchmark peer outside verispec (llama.cpp's binaries) is missing, failed, or printed what cannot be read."""
+
+
+class GrammarError(InvalidArgumentError):
+    """A JSON schema, regular expression or grammar that cannot be compiled, or cannot be used with this model (its
+    tokenizer, or a vocabulary in which the grammar cannot be completed)."""

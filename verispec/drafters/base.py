@@ -8,13 +8,16 @@ threads. To write a drafter, read this file and `ngram.py` (the smallest example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from verispec.errors import IncompatibleTargetError
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:  # (the constraint checks proposals, so it imports this module)
+    from verispec.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ class DraftContext:
     # (len(prompt) - 1, len(layers), D): the target's hidden states at the prefilled prompt tokens (all but the
     # last), when `needs.hidden_states` names layers; None otherwise.
     hidden: torch.Tensor | None = None
+    # The grammar the output must follow, if any: a drafter that samples draws from q masked by it
+    # (`grammar.constrain(logits, tokens drafted so far)`), or the loop refuses its proposal; the loop drops the tokens
+    # it forbids from any proposal before verification, so a drafter that does not sample may ignore it.
+    grammar: Constraint | None = None
 
 
 class DraftSession(Protocol):
