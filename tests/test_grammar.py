@@ -258,3 +258,21 @@ def test_cli_refuses_bad_grammars_in_one_line(capsys, tmp_path, pair_dirs, optio
         code = exit.code
     err = capsys.readouterr().err
     assert code == 2 and message in err.strip().splitlines()[-1], err  # (argparse prints its usage first)
+
+
+def test_the_json_bench_suite_runs_every_row_constrained(tmp_path, pair_dirs, target) -> None:
+    """data/bench/json.jsonl: every schema compiles; on it the bench decodes every row under the prompt's schema (the
+    baseline too), so greedy rows match it token for token, and runs no peer (they take no grammar)."""
+    from verispec.bench.harness import BenchOptions, run_bench
+    from verispec.bench.suite import SUITE, read_suite
+
+    suite = read_suite(SUITE.parent / "json.jsonl")
+    assert len(suite) >= 12 and all(Grammar.json_schema(item["json_schema"]) for item in suite)
+    summary = run_bench(*pair_dirs, tmp_path, [item | {"max_new_tokens": 24} for item in suite[::6]],
+                        BenchOptions(repeats=1, progress=False, only=["autoregressive", "draft k=4", "ngram k=4"]))
+    assert set(summary) == {"autoregressive", "draft k=4", "ngram k=4"}  # (peers were asked for, by default)
+    assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["info"]["constrained"] and "under each prompt's JSON schema" in (tmp_path / "report.md").read_text()
+    first = next(r for r in results["records"] if r["method"] == "autoregressive")
+    assert target.tokenizer.decode(first["tokens"]).startswith(("{", "["))
