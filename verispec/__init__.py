@@ -3,11 +3,12 @@
 from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
                                PromptLookup, Proposal, Resources, SideBranch, SuffixDecoding, Verdict, build_drafter)
 from verispec.drafters.adaptive import AdaptiveK
-from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, IncompatibleTargetError,
+from verispec.errors import (CheckpointError, ContextLengthError, DrafterError, GrammarError, IncompatibleTargetError,
                              InvalidArgumentError, PeerError, TokenizerMismatchError, UnsupportedArchitectureError,
                              VerispecError)
 from verispec.generate import Generation, Stream, generate, stream
 from verispec.engine import Engine, Request, Update, generate_batch
+from verispec.grammar import Grammar, TokenGrammar, bind
 from verispec.models.auto import load
 from verispec.models.default import load_default
 from verispec.models.hf_adapter import TransformersModel, load_transformers_model
@@ -18,11 +19,13 @@ from verispec.threads import default_threads, set_threads, torch_threads
 
 __all__ = [
     "AdaptiveK", "CheckpointError", "ContextLengthError", "DraftContext", "DraftModel", "DraftSession", "Drafter",
-    "DrafterError", "Engine", "Generation", "GenerationStats", "IncompatibleTargetError", "InvalidArgumentError",
+    "DrafterError", "Engine", "Generation", "GenerationStats", "Grammar", "GrammarError", "IncompatibleTargetError",
+    "InvalidArgumentError",
     "LayerSkip", "Lookahead", "Method", "NativeModel", "Needs", "PeerError", "PromptLookup", "Proposal", "Request",
-    "Resources", "SamplingParams", "SideBranch", "Stream", "SuffixDecoding", "TokenizerMismatchError",
+    "Resources", "SamplingParams", "SideBranch", "Stream", "SuffixDecoding", "TokenGrammar", "TokenizerMismatchError",
     "TransformersModel",
-    "UnsupportedArchitectureError", "Update", "Verdict", "VerispecError", "build_drafter", "default_threads", "generate",
+    "UnsupportedArchitectureError", "Update", "Verdict", "VerispecError", "bind", "build_drafter", "default_threads",
+    "generate",
     "generate_batch", "load", "load_default", "load_model",
     "load_transformers_model", "set_threads", "stream", "torch_threads",
 ]

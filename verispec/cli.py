@@ -22,6 +22,7 @@ from verispec.drafters.registry import AUTO, OPTIONS, Method, Resources, build_d
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError, VerispecError
 from verispec.chat import Chat
 from verispec.generate import generate, stream
+from verispec.grammar import Grammar, grammar_option
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
 from verispec.models.default import MODELS, default_paths
@@ -68,8 +69,9 @@ def _generate(args: argparse.Namespace) -> int:
     args.stop = [_unescape(stop, "--stop") for stop in args.stop]
     _check_options(args)
     set_threads(args.threads)
+    grammar = _grammar(args)
     target, drafter = _load_models(args, _checked_method(args))
-    options = _decoding_options(args)
+    options = _decoding_options(args) | {"grammar": grammar}  # --compare decodes under the same grammar
     prompt = args.prompt  # --chat: the message as the template's one user turn, after the system message if any
     if args.chat:
         turn = [*([{"role": "system", "content": args.system}] if args.system else []),
@@ -215,18 +217,33 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise InvalidArgumentError("give the prompt as an argument, as - to read stdin, or with --prompt-file FILE "
                                    "(exactly one)")
     source = "stdin" if args.prompt == "-" else args.prompt_file
-    try:
-        if args.prompt_file is not None:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
-        else:
+    if args.prompt_file is not None:
+        text = _read_file(args.prompt_file, "--prompt-file")
+    else:
+        try:
             text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    except FileNotFoundError:
-        raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: no such file") from None
-    except UnicodeDecodeError:
-        raise InvalidArgumentError(f"the prompt from {source} is not UTF-8 text") from None
+        except UnicodeDecodeError:
+            raise InvalidArgumentError("the prompt from stdin is not UTF-8 text") from None
     if not text:
         raise InvalidArgumentError("the prompt is empty" + (f" ({source})" if source else ""))
     return text
+
+
+def _read_file(path: str, option: str) -> str:
+    """A UTF-8 text file that an option names, read whole."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{option} {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{option} {path}: not UTF-8 text") from None
+
+
+def _grammar(args: argparse.Namespace) -> Grammar | None:
+    """What --json-schema FILE, --regex R or --grammar FILE (Lark or GBNF) ask the output to follow, compiled before
+    any model loads (a bad schema costs no loading)."""
+    read = lambda path, option: None if path is None else _read_file(path, option)
+    return grammar_option(read(args.json_schema, "--json-schema"), args.regex, read(args.grammar, "--grammar"))
 
 
 # The escapes of a Python string literal (group 1); any other backslash (group 2) is refused rather than guessed.

@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
     add_model_args(gen)
     add_decoding_args(gen)
+    add_grammar_args(gen)
     gen.add_argument("--chat", action="store_true", help="the prompt is a user message: put it (after --system) "
                                                          "through the checkpoint's chat template and print the reply")
     gen.add_argument("--compare", action="store_true", help="also decode autoregressively; print speedup and identity")
@@ -184,6 +185,16 @@ def add_decoding_args(parser: argparse.ArgumentParser, per: str = "") -> None:
     parser.add_argument("--system", help="a system message at the head of a chat")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="show accepted draft tokens in green (auto: when printing to a terminal)")
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """What the output must follow: one grammar at most."""
+    grammar = parser.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", metavar="FILE", help="constrain the output to one JSON value valid under the "
+                                                               "JSON schema in FILE")
+    grammar.add_argument("--regex", help="constrain the output to text that this regular expression matches in full")
+    grammar.add_argument("--grammar", metavar="FILE", help="constrain the output to the language of a Lark (.lark) or "
+                                                           "GBNF (.gbnf, llama.cpp's) grammar in FILE")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:

@@ -42,3 +42,8 @@ class PeerError(VerispecError):
 class PeerUnavailable(PeerError):
     """A benchmark peer cannot be given this checkpoint (llama.cpp a folder whose tokenizer the GGUF writer refuses):
     its rows are left out, with a note that says how to give it one."""
+
+
+class GrammarError(InvalidArgumentError):
+    """A JSON schema, regular expression or grammar that cannot be compiled, or cannot be used with this model (its
+    tokenizer, or a vocabulary in which the grammar cannot be completed)."""

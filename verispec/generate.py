@@ -13,6 +13,8 @@ from verispec.commit import commit_step
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import DrafterError, InvalidArgumentError
+from verispec.constraint import Constraint
+from verispec.grammar import Grammar, TokenGrammar, bind, grammar_option
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
 from verispec.stats import GenerationStats
@@ -49,15 +51,22 @@ class Stream:
 def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, *,
            max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-           cache: Cache | None = None) -> Stream:
+           cache: Cache | None = None, json_schema: dict | str | None = None, regex: str | None = None,
+           grammar: str | Grammar | TokenGrammar | None = None) -> Stream:
     """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed.
 
     `cache`: the target's cache from an earlier generation, holding the first `cache.length` tokens of this prompt
     (a conversation's earlier turns, as `verispec.chat.Chat` keeps it), so that only the rest is prefilled; it
-    holds every token but the last after this generation."""
+    holds every token but the last after this generation.
+
+    At most one of `json_schema` (a dict or its JSON text), `regex` and `grammar` (Lark or GBNF text, or a `Grammar`)
+    constrains the output: it is then exactly what the target decodes with the tokens the grammar forbids masked out
+    at every position (greedy: their argmax; sampling: the masked, renormalised distribution), and ends with the
+    end-of-sequence token once the grammar is complete."""
     sampling = SamplingParams(temperature, top_k, top_p)
     ids, max_new_tokens, seed, stop = generation_args(target, prompt, max_new_tokens=max_new_tokens, seed=seed,
                                                       stop=stop)
+    bound = bind(grammar_option(json_schema, regex, grammar), target, ignore_eos)
     generator = seeded_generator(target.device, seed)
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
         check_target(drafter, target)
@@ -74,7 +83,7 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     elif drafter is not None and drafter.needs.hidden_states:
         cache.truncate(0)  # the drafter reads the target's features of the whole prompt: prefill it all
     run = _Run(target, drafter, ids, sampling, generator, max_new_tokens, eos, cache,
-               TextTracker(target.tokenizer, ids, stop))
+               TextTracker(target.tokenizer, ids, stop), None if bound is None else bound.start())
     return Stream(_decode(run), run.stats)
 
 
@@ -99,6 +108,7 @@ class _Run:
     eos: frozenset[int]
     cache: Cache
     text: TextTracker
+    grammar: Constraint | None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
@@ -116,7 +126,8 @@ def _begin(run: _Run) -> DraftSession | None:
             target(x, run.cache, logits_to_keep=1)
     if run.drafter is None:
         return None
-    return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden))
+    return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden,
+                                          run.grammar))
 
 
 def _decode(run: _Run) -> Generator[Piece, None, Generation]:
@@ -142,7 +153,8 @@ def _decode(run: _Run) -> Generator[Piece, None, Generation]:
                 _check(drafter, proposal, k)
             proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
-            step = speculative_step(target, cache, tokens[-1], proposal, run.sampling, run.generator, layers)
+            step = speculative_step(target, cache, tokens[-1], proposal, run.sampling, run.generator, layers,
+                                    run.grammar)
             if asked:
                 session.accepted(Verdict([kept[i] for i in step.path], step.side_logits, step.hidden))
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1

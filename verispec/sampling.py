@@ -56,6 +56,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def constrain(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """A grammar's transform, before every other: the tokens it forbids (`allowed` False, (..., V) bool) get logit
+    -inf, so probability 0, and the softmax renormalises the rest; greedy decoding takes the argmax among the allowed.
+    Applied alike to the target's p and the draft's q (verispec/constraint.py). None: no grammar."""
+    return logits if allowed is None else logits.masked_fill(~allowed, -math.inf)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (..., V) after temperature, top-k and top-p; float32 or wider.
 

@@ -8,9 +8,10 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.constraint import Constraint
 from verispec.models.protocol import Cache, CausalLM
-from verispec.sampling import SamplingParams
+from verispec.proposal import Proposal
+from verispec.sampling import SamplingParams, constrain
 from verispec.tree import layout, verify_tree
 from verispec.verify import verify
 
@@ -24,11 +25,19 @@ class StepResult:
 
 
 def speculative_step(target: CausalLM, cache: Cache, last: int, proposal: Proposal, sampling: SamplingParams,
-                     generator: torch.Generator, hidden: Sequence[int] = ()) -> StepResult:
+                     generator: torch.Generator, hidden: Sequence[int] = (),
+                     grammar: Constraint | None = None) -> StepResult:
     """`cache` holds every committed token but `last`. One forward over [last, proposal, side branch] gives the
     target's p at the root and at every proposed token; greedy match, speculative sampling with the draft's q
     (a chain) or SpecInfer's walk (a tree) picks the accepted path and the next token; the cache keeps `last` and
-    the accepted path, in order. An empty proposal is one step of plain decoding."""
+    the accepted path, in order. An empty proposal is one step of plain decoding.
+
+    With a `grammar`, the proposal's tokens it forbids are dropped first (they cost no row), p is masked at every
+    verified position (the draft's q was masked when drawn), and the grammar moves to the accepted path and the next
+    token, as the cache does. `path` is in the numbering of the proposal as given."""
+    kept = None
+    if grammar is not None:
+        proposal, kept, allowed = grammar.check(proposal)
     start, V = cache.length, target.vocab_size
     side = [] if proposal.side is None else proposal.side.tokens
     mask, positions = layout(proposal, start, target.device)
@@ -37,14 +46,18 @@ def speculative_step(target: CausalLM, cache: Cache, last: int, proposal: Propos
         logits, states = target(x, cache, mask, positions, hidden=hidden)
     else:
         logits, states = target(x, cache, mask, positions), None
-    p_logits = logits[0, :, :V]  # rows: the root, the proposal's tokens, the side branch
     nodes = 1 + len(proposal.tokens)
+    p_logits = logits[0, :nodes, :V]  # rows: the root and the proposal's tokens
+    if grammar is not None:
+        p_logits = constrain(p_logits, allowed.to(p_logits.device))
     if proposal.parents is None:
-        n, next_token = verify(proposal.tokens, proposal.q, p_logits[None, :nodes], sampling, generator)
+        n, next_token = verify(proposal.tokens, proposal.q, p_logits[None], sampling, generator)
         path = list(range(n))
     else:
-        path, next_token = verify_tree(proposal, p_logits[:nodes], sampling, generator)
+        path, next_token = verify_tree(proposal, p_logits, sampling, generator)
     cache.keep(start + 1, path)
+    if grammar is not None:  # the matcher rolls back with the cache: to the kept path, then on by the next token
+        grammar.commit([*(proposal.tokens[i] for i in path), next_token])
     rows = [0, *(1 + i for i in path)]
-    return StepResult(path, next_token, p_logits[nodes:] if side else None,
-                      None if states is None else states[0, rows])
+    return StepResult(path if kept is None else [kept[i] for i in path], next_token,
+                      logits[0, nodes:, :V] if side else None, None if states is None else states[0, rows])

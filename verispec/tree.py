@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Proposal
 from verispec.errors import DrafterError
+from verispec.proposal import Proposal
 from verispec.sampling import SamplingParams, argmax, logits_to_probs, sample
 
 
@@ -62,22 +62,29 @@ def through_eos(tokens: list[int], eos: frozenset[int]) -> int:
     return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
 
 
+def subset(proposal: Proposal, keep: list[int]) -> Proposal:
+    """The proposal's tokens at `keep` (ascending; in a tree each one's parent kept too, in a chain a prefix),
+    renumbered, with their q rows and the side branch."""
+    if len(keep) == len(proposal.tokens):
+        return proposal
+    new_index = {old: new for new, old in enumerate(keep)} | {-1: -1}
+    parents = None if proposal.parents is None else [new_index[proposal.parents[i]] for i in keep]
+    q = None if proposal.q is None else proposal.q[keep]
+    return Proposal([proposal.tokens[i] for i in keep], q, parents, proposal.side)
+
+
 def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, list[int]]:
     """Drop every token that follows an end-of-sequence token (nothing after it can be kept); also returns
     the original index of each token kept, so that a verdict can be told in the drafter's numbering."""
     if proposal.parents is None:
         keep = list(range(through_eos(proposal.tokens, eos)))
     else:
-        keep, new_index = [], {-1: -1}
+        keep, kept = [], {-1}
         for i, parent in enumerate(proposal.parents):
-            if parent in new_index and (parent < 0 or proposal.tokens[parent] not in eos):
-                new_index[i] = len(keep)
+            if parent in kept and (parent < 0 or proposal.tokens[parent] not in eos):
+                kept.add(i)
                 keep.append(i)
-    if len(keep) == len(proposal.tokens):
-        return proposal, keep
-    parents = None if proposal.parents is None else [new_index[proposal.parents[i]] for i in keep]
-    q = None if proposal.q is None else proposal.q[keep]
-    return Proposal([proposal.tokens[i] for i in keep], q, parents, proposal.side), keep
+    return subset(proposal, keep), keep
 
 
 def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,

@@ -26,6 +26,7 @@ from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
 from verispec.drafters.registry import Resources
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
+from verispec.grammar import Grammar, bind
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
@@ -38,13 +39,16 @@ from verispec.threads import torch_threads
 
 def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
     """Token ids of each prompt, cut from the left when prompt and answer would not fit the context (a Spec-Bench
-    turn's, `prompt_ids`, fit as they are)."""
+    turn's, `prompt_ids`, fit as they are); an item with a `json_schema` gets it compiled for the target, once, as its
+    `grammar`."""
     out = []
     for item in suite:
         if "prompt_ids" in item:
             out.append((item, item["prompt_ids"]))
             continue
         ids = target.tokenizer.encode(item["prompt"], add_special_tokens=True).ids
+        if "json_schema" in item:
+            item = item | {"grammar": bind(Grammar.json_schema(item["json_schema"]), target)}
         out.append((item, ids[-(target.context_length - item["max_new_tokens"] - 1):]))
     return out
 
@@ -74,7 +78,9 @@ class BenchOptions:
     random weights (the same cost as the real draft; it agrees by chance). `llama_cpp`: llama.cpp's binaries, which
     add its rows as peers (bench/llamacpp.py). `dtype` may be "auto" (a GGUF target's own formats) and `quantize` a
     block format for the target's projections (`load_model`'s); the peers then run the target's resulting dtype, and
-    llama.cpp the same blocks."""
+    llama.cpp the same blocks. A suite whose items carry a `json_schema` (data/bench/json.jsonl) is decoded under
+    each one by every row, the baseline included (constrained plain decoding), to the schema's end; the peers and the
+    unrelated pair, which take no grammar, do not run."""
 
     repeats: int = 3
     peers: bool = True
@@ -94,6 +100,8 @@ class BenchOptions:
 def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
               options: BenchOptions = BenchOptions()) -> dict:
     """Time every method on `suite`, write the report into `out`; returns the summary."""
+    if any("json_schema" in item for item in suite):
+        options = replace(options, peers=False, llama_cpp=None, unrelated=False)
     with torch_threads(options.threads), tempfile.TemporaryDirectory() as tmp:
         unrelated = options.unrelated and draft_dir is not None
         unrelated_dir = unrelated_draft(draft_dir, Path(tmp) / "unrelated") if unrelated else None
@@ -146,7 +154,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
             "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
-            "exact": exact, "notes": notes,
+            "exact": exact, "notes": notes, "constrained": any("json_schema" in item for item in suite),
             "float64_check": float64_check(target_dir, draft_dir, prompts),
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,

@@ -13,6 +13,7 @@ import torch
 from verispec.drafters.base import Drafter
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
+from verispec.grammar import TokenGrammar
 from verispec.models.hf_adapter import pretrained_source
 from verispec.models.native import NativeModel
 from verispec.models.precision import parse_dtype
@@ -35,7 +36,7 @@ class Run:
     text: str | None = None  # a peer that prints text, not token ids (llama.cpp): its output, and `tokens` is empty
 
 
-Runner = Callable[[list[int], int], Run]
+Runner = Callable[..., Run]  # (prompt ids, max_new_tokens); ours also take grammar=, for a suite of JSON schemas
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,11 @@ class BenchMethod:
 def ours(target: NativeModel, method: Method, resources: Resources, unrelated: bool = False) -> BenchMethod:
     drafter = build_drafter(method, resources)  # a recipe: each generate() starts its own session
 
-    def run(prompt: list[int], max_new_tokens: int) -> Run:
+    def run(prompt: list[int], max_new_tokens: int, grammar: TokenGrammar | None = None) -> Run:
+        """With a grammar (a JSON suite's rows), decoding is constrained and ends where the grammar does."""
         start = time.perf_counter()
-        result = generate(target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=True)
+        result = generate(target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=grammar is None,
+                          grammar=grammar)
         s = result.stats
         return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.draft_time, s.verify_time,
                    s.target_calls, s.proposed_by_position, s.accepted_by_position)

@@ -179,8 +179,11 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           + _tree_costs(timing, info) + "); "
           "r(n) (target time for n tokens / for 1): " + ", ".join(f"r({n}) = {v:.2f}" for n, v in timing["r"].items())
           + "  ", floor_line(timing) + "  ", f"Peak resident memory: {info['peak_rss_mb']:.0f} MB\n",
-          f"Greedy decoding in {_mode(info)}, EOS ignored by every method (each prompt gets exactly its "
-          "max_new_tokens), "
+          f"Greedy decoding in {_mode(info)}, "
+          + ("under each prompt's JSON schema for every method, the baseline included (constrained plain decoding), "
+             "up to the end of the schema's JSON or max_new_tokens, " if info.get("constrained") else
+             "EOS ignored by every method (each prompt gets exactly its max_new_tokens), ")
+          + 
           f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
           "the methods in a fresh random order for every prompt. tok/s counts the whole generation, the prompt's "
           "prefill included; decode tok/s leaves the prefill out (ours: its measured time taken off; llama.cpp: its "

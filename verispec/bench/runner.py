@@ -24,7 +24,8 @@ def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]],
         for item, ids in prompts:
             for name in rng.sample(names, len(names)):
                 gc.collect()  # outside the timed call, so no run pays for another's garbage
-                run = methods[name](ids, item["max_new_tokens"])
+                constrained = {"grammar": item["grammar"]} if "grammar" in item else {}  # a JSON suite's schema
+                run = methods[name](ids, item["max_new_tokens"], **constrained)
                 records.append({"method": name, "id": item["id"], "category": item["category"],
                                 "groups": item.get("groups", []), "repeat": repeat, **asdict(run)})
                 bar.update()

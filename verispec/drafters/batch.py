@@ -9,21 +9,26 @@ sequence's chain in one target forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 import torch
 
 from verispec.drafters.base import Proposal, Verdict
 from verispec.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from verispec.constraint import Constraint
+
 
 @dataclass(frozen=True)
 class SequenceStart:
-    """What a sequence's drafting starts from: its prompt, its sampling settings and its own generator."""
+    """What a sequence's drafting starts from: its prompt, its sampling settings, its own generator and its grammar
+    (as `DraftContext.grammar`)."""
 
     prompt: list[int]
     sampling: SamplingParams
     generator: torch.Generator
+    grammar: Constraint | None = None
 
 
 class BatchDraftSession(Protocol):

@@ -86,7 +86,7 @@ class DraftModelSession:
         self.model, self.k, self.width = drafter.model, drafter.k, drafter.width
         self.branch, self.branch_depth = drafter.branch, drafter.branch_depth
         self.vocab, self.head = drafter.vocab, drafter.head
-        self.sampling, self.generator = context.sampling, context.generator
+        self.sampling, self.generator, self.grammar = context.sampling, context.generator, context.grammar
         # As long as the target's (it fits prompt and answer), plus the width - k slots a tree's other branches take.
         self.cache = self.model.new_cache(min(self.model.context_length, context.cache.max_len) + self.width - self.k)
         self._context_len = len(context.prompt)
@@ -99,13 +99,16 @@ class DraftModelSession:
         if k < 1:
             return Proposal([])
         unseen = torch.tensor([context[self.cache.length:]], device=self.model.device)
-        if self.sampling.greedy and self.branch == 1 and self.model.capabilities.greedy_chains:
+        chain = self.sampling.greedy and self.branch == 1 and self.grammar is None  # (a grammar masks every draft)
+        if chain and self.model.capabilities.greedy_chains:
             return Proposal(self.model.greedy_chain(unseen, self.cache, k, self.head))  # the model's own loop
         logits = self._logits(unseen, self.cache, logits_to_keep=1)[0, -1]
         if self.branch > 1:
             return self._propose_tree(logits, k)
         tokens, q = [], []
         for i in range(k):
+            if self.grammar is not None and (logits := self.grammar.constrain(logits, tokens)) is None:
+                break  # nothing the grammar allows is in the draft's vocabulary
             token, q_i = draw(logits, self.sampling, self.generator)
             tokens.append(token)
             q += [] if q_i is None else [q_i]
@@ -126,23 +129,28 @@ class DraftModelSession:
         parents: list[int] = []
         qs: list[torch.Tensor] = []
         sees: dict[int, list[int]] = {-1: []}  # node -> cache offsets of its ancestors' entries
+        paths: dict[int, list[int]] = {-1: []}  # node -> the tokens from the root to it (what the grammar follows)
         frontier, frontier_logits = [-1], root_logits[None]
         for d in range(1, k + 1):
             n = self.branch if d <= self.branch_depth else 1
             children = []
             for parent, logits in zip(frontier, frontier_logits):
+                if self.grammar is not None and (logits := self.grammar.constrain(logits, paths[parent])) is None:
+                    continue  # no child the grammar allows is in the draft's vocabulary
                 if self.sampling.greedy:  # distinct candidates; q stays one-hot, as greedy verification needs
-                    picks, q = logits.topk(min(n, V)).indices.tolist(), None
+                    best = logits.topk(min(n, V))
+                    picks, q = best.indices[best.values > -torch.inf].tolist(), None  # (the grammar may allow fewer)
                 else:  # independent draws from q: SpecInfer's rule is lossless for exactly these
                     q = logits_to_probs(logits, self.sampling)
                     picks = torch.multinomial(q, n, replacement=True, generator=self.generator).tolist()
                 for token in picks:
+                    paths[len(tokens)] = [*paths[parent], token]
                     children.append(len(tokens))
                     tokens.append(token)
                     parents.append(parent)
                     if q is not None:
                         qs.append(q)
-            if d == k:
+            if d == k or not children:
                 break
             # Nodes below an end-of-sequence token too: the loop drops them and tells the verdict in our numbering.
             frontier, frontier_logits = children, self._score(children, tokens, parents, sees, start, d)

@@ -46,12 +46,16 @@ class DraftModelBatch:
                 self._context_len[slot] = len(contexts[slot])
             logits = self._forward(unseen, rows)
             while rows:
+                ended = set()  # slots whose grammar allows nothing in the draft's vocabulary here
                 for slot, row in zip(rows, logits):
                     start = self._starts[slot]
+                    if start.grammar is not None and (row := start.grammar.constrain(row, tokens[slot])) is None:
+                        ended.add(slot)
+                        continue
                     token, q = draw(row, start.sampling, start.generator)
                     tokens[slot].append(token)
                     qs[slot] += [] if q is None else [q]
-                rows = [slot for slot in rows if len(tokens[slot]) < ks[slot]]
+                rows = [slot for slot in rows if len(tokens[slot]) < ks[slot] and slot not in ended]
                 if rows:
                     logits = self._forward([[tokens[slot][-1]] for slot in rows], rows)
         return {slot: Proposal(tokens[slot], torch.stack(qs[slot]) if qs[slot] else None) for slot in ks}

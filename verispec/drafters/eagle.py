@@ -30,7 +30,7 @@ from verispec.errors import IncompatibleTargetError
 from verispec.models.eagle import EagleHead
 from verispec.models.linear import matmul_by
 from verispec.models.protocol import FINAL, CausalLM
-from verispec.sampling import draw
+from verispec.sampling import constrain, draw
 
 
 class Eagle:
@@ -69,7 +69,7 @@ class Eagle:
 class EagleSession:
     def __init__(self, drafter: Eagle, context: DraftContext) -> None:
         self.head, self.target = drafter.head, context.target
-        self.sampling, self.generator = context.sampling, context.generator
+        self.sampling, self.generator, self.grammar = context.sampling, context.generator, context.grammar
         weight = self.target.lm_head_weight
         self.vocab = drafter.vocab
         self.lm_head = drafter.lm_head(weight)  # over V or |subset| rows
@@ -94,7 +94,10 @@ class EagleSession:
             return self._propose_tree(predicted, n, k)
         tokens, q = [], []
         for i in range(k):
-            token, q_i = self._draw(predicted)
+            drawn = self._draw(predicted, tokens)
+            if drawn is None:  # nothing the grammar allows is in the draft vocabulary
+                break
+            token, q_i = drawn
             tokens.append(token)
             q += [] if q_i is None else [q_i]
             if i < k - 1:  # (f^, the token just drafted) predicts the next feature
@@ -109,18 +112,23 @@ class EagleSession:
         tokens, parents, scores = [], [], []  # every node drawn, its parent, its log product of draft probabilities
         predicted = {-1: root}  # expanded node -> the feature its children follow
         slots: dict[int, int] = {}  # expanded node -> its entry in the head's cache
+        paths: dict[int, list[int]] = {-1: []}  # node -> the tokens from the root to it (what the grammar follows)
         frontier = [-1]
         for depth in range(1, k + 1):
-            log_q = self._log_q(torch.stack([predicted[node] for node in frontier]))  # (F, draft vocabulary)
+            log_q = self._log_q(torch.stack([predicted[node] for node in frontier]), [paths[n] for n in frontier])
             best, ids = log_q.topk(min(top_k, log_q.shape[-1]), dim=-1)  # each node's own top_k children
             children = []
             for row, node in enumerate(frontier):
                 for lp, i in zip(best[row].tolist(), ids[row].tolist()):
+                    if lp == -torch.inf:  # the grammar forbids it (and every lower-ranked one)
+                        break
+                    token = i if self.vocab is None else int(self.vocab[i])
+                    paths[len(tokens)] = [*paths[node], token]
                     children.append(len(tokens))
-                    tokens.append(i if self.vocab is None else int(self.vocab[i]))
+                    tokens.append(token)
                     parents.append(node)
                     scores.append((0.0 if node < 0 else scores[node]) + lp)
-            if depth == k:
+            if depth == k or not children:
                 break
             frontier = sorted(children, key=lambda c: -scores[c])[:top_k]  # stable: a parent beats a tied child
             for node, feature in zip(frontier, self._expand(frontier, tokens, parents, predicted, slots, committed, n)):
@@ -150,18 +158,28 @@ class EagleSession:
         positions = torch.tensor(depths, device=device) + n - 2
         return self.head(features, self.target.embed(ids), self.cache, positions, mask.to(device))[0]
 
-    def _log_q(self, features: torch.Tensor) -> torch.Tensor:
-        """(F, draft vocabulary) log-probabilities of the head's next token after each feature."""
+    def _log_q(self, features: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """(F, draft vocabulary) log-probabilities of the head's next token after each feature (-inf where the grammar
+        forbids it after that node's path: the candidates are fixed, so they need not be renormalised)."""
         logits = self.lm_head(features)
-        return torch.log_softmax((logits if self.vocab is not None else logits[:, : self.target.vocab_size]).float(), -1)
+        logits = logits if self.vocab is not None else logits[:, : self.target.vocab_size]
+        log_q = torch.log_softmax(logits.float(), -1)
+        if self.grammar is None:
+            return log_q
+        allowed = torch.stack([self.grammar.allowed(path) for path in paths]).to(log_q.device)
+        return constrain(log_q, allowed if self.vocab is None else allowed[:, self.vocab])
 
-    def _draw(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token (in the target's ids) and its q over the full vocabulary when sampling."""
+    def _draw(self, feature: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None] | None:
+        """A draft token (in the target's ids) after the tokens `drafted` in this proposal, and its q over the full
+        vocabulary when sampling; None where the grammar allows none of the draft vocabulary."""
         logits = self.lm_head(feature)
         if self.vocab is None:
-            return draw(logits[: self.target.vocab_size], self.sampling, self.generator)
-        full = torch.full((self.target.vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)
-        full[self.vocab] = logits  # outside the subset q is zero
+            full = logits[: self.target.vocab_size]
+        else:
+            full = torch.full((self.target.vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)
+            full[self.vocab] = logits  # outside the subset q is zero
+        if self.grammar is not None and (full := self.grammar.constrain(full, drafted)) is None:
+            return None
         return draw(full, self.sampling, self.generator)
 
     def accepted(self, verdict: Verdict) -> None:

@@ -76,7 +76,7 @@ class LayerSkipSession:
 
     def __init__(self, layers: list[int], context: DraftContext) -> None:
         self.layers, self.target, self.cache = layers, context.target, context.cache
-        self.sampling, self.generator = context.sampling, context.generator
+        self.sampling, self.generator, self.grammar = context.sampling, context.generator, context.grammar
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         start, vocab = self.cache.length, self.target.vocab_size
@@ -87,6 +87,8 @@ class LayerSkipSession:
             for _ in range(k):
                 x = torch.tensor([unseen], device=self.target.device)
                 logits = self.target(x, self.cache, layers=self.layers)[0, -1, :vocab]
+                if self.grammar is not None and (logits := self.grammar.constrain(logits, tokens)) is None:
+                    break  # the grammar allows no token here (a vocabulary it cannot go on in)
                 token, q_i = draw(logits, self.sampling, self.generator)
                 tokens.append(token)
                 q += [] if q_i is None else [q_i]

@@ -20,6 +20,7 @@ from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
 from verispec.engine.request_state import RequestState
 from verispec.errors import DrafterError, InvalidArgumentError
+from verispec.grammar import bind
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
 from verispec.tree import cut_after_eos
@@ -80,10 +81,11 @@ class Engine:
             raise InvalidArgumentError(f"sampling must be a SamplingParams, got {type(request.sampling).__name__}")
         prompt, _, seed, stop = generation_args(self.target, request.prompt, max_new_tokens=request.max_new_tokens,
                                                 seed=request.seed, stop=request.stop)
+        grammar = bind(request.grammar, self.target, request.ignore_eos)
         generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
         sequence = RequestState(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                            list(prompt), len(prompt))
+                                None if grammar is None else grammar.start(), list(prompt), len(prompt))
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
@@ -149,7 +151,7 @@ class Engine:
                 self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts)
             for s in joining:
                 if self.drafts is not None:
-                    self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator))
+                    self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator, s.grammar))
                     drafting.append(s)
                 s.stats.prefill_time = time.perf_counter() - t0
         except BaseException:  # back to the queue, as if they had not joined
@@ -188,7 +190,7 @@ class Engine:
                 if s.slot not in failed:
                     members.append(s)
                     rows.append(SequenceStep(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
-                                    s.generator))
+                                             s.generator, s.grammar))
             results = batched_step(self.target, self.cache, rows) if rows else []
             failed |= {row.slot: r for row, r in zip(rows, results) if isinstance(r, Exception)}
             if asked:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verispec.grammar import Grammar, TokenGrammar
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 
@@ -12,7 +13,9 @@ FINISH_REASONS = ("eos", "stop_string", "max_new_tokens", "context_length", "abo
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: the prompt's token ids and the options `verispec.generate` takes."""
+    """One generation: the prompt's token ids and the options `verispec.generate` takes. `grammar`: what the output
+    must follow; a `TokenGrammar` bound to the engine's target is compiled already (the server binds on its request
+    threads, so that the engine's thread never waits for a grammar to compile)."""
 
     prompt: list[int]  # token ids: non-empty, in the target's vocabulary, shorter than its context
     max_new_tokens: int
@@ -20,6 +23,7 @@ class Request:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | TokenGrammar | None = None
 
 
 @dataclass

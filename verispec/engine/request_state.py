@@ -9,6 +9,7 @@ import torch
 
 from verispec.cost_model import Acceptance
 from verispec.commit import commit_step
+from verispec.constraint import Constraint
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
 from verispec.stats import GenerationStats
@@ -23,6 +24,7 @@ class RequestState:
     eos: frozenset[int]
     text: TextTracker
     generator: torch.Generator
+    grammar: Constraint | None  # the grammar's state after the committed tokens
     tokens: list[int]  # the prompt's ids, then every committed token
     prompt_length: int
     slot: int = -1  # its cache slot while it runs

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from verispec.drafters.base import Drafter
 from verispec.engine.engine import Engine
 from verispec.engine.request import Update
-from verispec.errors import ContextLengthError, VerispecError
+from verispec.errors import ContextLengthError, GrammarError, VerispecError
 from verispec.models.protocol import CausalLM
 from verispec.serve.chat import load_chat_template
 from verispec.serve.guard import Guard
@@ -212,6 +212,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(VerispecError)  # Starlette picks the handler of the closest class
     async def refused(request: Request, err: VerispecError) -> JSONResponse:
         return JSONResponse(error_body(str(err)), status_code=400)
+
+    @app.exception_handler(GrammarError)
+    async def bad_grammar(request: Request, err: GrammarError) -> JSONResponse:
+        return JSONResponse(error_body(str(err), param="response_format"), status_code=400)
 
     @app.exception_handler(ContextLengthError)
     async def too_long(request: Request, err: ContextLengthError) -> JSONResponse:

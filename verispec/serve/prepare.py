@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from verispec.arguments import prompt_ids, seed_value, stop_strings, unicode_text, whole_number
 from verispec.engine.request import Request
 from verispec.errors import ContextLengthError, InvalidArgumentError
+from verispec.grammar import Grammar, bind
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
 from verispec.serve.chat import WHERE_TEMPLATES_LIVE, ChatTemplate
-from verispec.serve.schema import ChatRequest, CompletionRequest, ApiRequest
+from verispec.serve.schema import ApiRequest, ChatRequest, CompletionRequest, ResponseFormat
 
 COMPLETION_MAX_TOKENS = 16  # the OpenAI completions API's default; chat defaults to the rest of the context
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default (verispec.generate's is 0, greedy)
@@ -71,6 +72,15 @@ def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
     return _prepared(model, body, ids, limit, name)
 
 
+def _response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
+    """What `response_format` asks the output to be: text (no grammar), any JSON object, or JSON under a schema."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Grammar.json_schema({"type": "object"})
+    return Grammar.json_schema(response_format.json_schema.schema_)
+
+
 def _check_length(model: ServedModel, length: int, what: str) -> None:
     """Refuse a text of `length` characters that cannot fit in the context before spending time on encoding it."""
     if length > model.longest_text:
@@ -91,6 +101,8 @@ def _prepared(model: ServedModel, body: ApiRequest, ids: list[int], limit: int, 
                                  f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)")
     sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                               0 if body.top_k in (None, -1) else body.top_k, 1.0 if body.top_p is None else body.top_p)
+    # Compiled here, on the request's thread: the engine's thread only copies it
+    grammar = bind(_response_grammar(body.response_format), model.target, body.ignore_eos)
     request = Request(ids, limit, sampling, seed=seed_value(body.seed), stop=tuple(stop_strings(body.stop)),
-                      ignore_eos=body.ignore_eos)
+                      ignore_eos=body.ignore_eos, grammar=grammar)
     return Prepared(request, len(ids))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verispec.errors import InvalidArgumentError
 
@@ -22,6 +22,32 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema (under its JSON name `schema`) and OpenAI's name for it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    schema_: dict = Field(alias="schema")  # (`schema` would shadow pydantic's own attribute)
+    description: str | None = None
+    strict: bool | None = None  # verispec always follows the schema exactly
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema goes with type json_schema, and that type needs it")
+        return self
 
 
 # Fields of the OpenAI API that verispec does not implement, with the values at which each changes nothing (null,
@@ -51,6 +77,7 @@ class ApiRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _only_neutral(self) -> ApiRequest:
