@@ -402,7 +402,7 @@ def _bench(args: argparse.Namespace) -> None:
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
-        suite = read_suite(Path(args.suite) if args.suite else SUITE)
+        suite = read_suite(Path(args.suite) if args.suite else SUITE, args.per_category)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                quantize=args.quantize,

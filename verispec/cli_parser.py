@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--unrelated", action="store_true",
                        help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
                             "random draft of the draft's shape and tokenizer (--quick always does)")
+    bench.add_argument("--per-category", type=int,
+                       help="only the first N prompts (Spec-Bench: questions) of each category of the suite")
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     bench.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's binaries (llama-completion, "
