@@ -386,6 +386,12 @@ def _bench(args: argparse.Namespace) -> None:
         args.head, args.medusa_head = args.head or shipped["eagle"], args.medusa_head or shipped["medusa"]
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
+    if args.formats:
+        from verispec.bench.formats import run_formats
+
+        command = " ".join(["verispec", *sys.argv[1:]])
+        print(run_formats(Path(args.target), out, command, rounds=args.repeats or 7).read_text())
+        return
     if args.profile:
         from verispec.bench.profile_forward import run_profile
 
@@ -396,7 +402,7 @@ def _bench(args: argparse.Namespace) -> None:
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
-        suite = read_suite(Path(args.suite) if args.suite else SUITE)
+        suite = read_suite(Path(args.suite) if args.suite else SUITE, args.per_category)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                quantize=args.quantize,
