@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from verispec.bench.suite import CATEGORIES, SUITE, _cut_points, _shingle_overlap, build_suite, read_suite
+from verispec.errors import InvalidArgumentError
 from verispec.train.corpus import MANIFEST, read_manifest
 
 BODY = "".join(f"def helper_{i}(value):\n    total = value * {i}\n    return total + {i}\n\n" for i in range(12))
@@ -38,3 +43,13 @@ def test_committed_suite_comes_from_the_benchmark_split() -> None:
     assert all(item["source"] in benchmark for item in suite)
     assert all(set(item) == {"id", "category", "source", "prompt", "max_new_tokens"} for item in suite)
     assert len({item["id"] for item in suite}) == len(suite) and all(item["prompt"].strip() for item in suite)
+
+
+def test_per_category_keeps_the_first_of_each_category_in_order(tmp_path) -> None:
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"q{i}"]} for i in range(7)]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    assert [item["question_id"] for item in read_suite(path, 2)] == [0, 1, 2, 3]
+    assert len(read_suite(path)) == 7
+    with pytest.raises(InvalidArgumentError, match="--per-category must be >= 1"):
+        read_suite(path, 0)

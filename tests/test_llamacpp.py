@@ -196,6 +196,17 @@ def _refused_tokenizer(folder: Path, out: Path) -> Path:
     return copy
 
 
+def test_a_chat_prompts_special_tokens_reach_llama_cpp_as_their_text(tmp_path) -> None:
+    """A chat template's markers (control tokens) go to llama.cpp as their text, which it parses back to them."""
+    file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0])), by_name({}, GGML.Q8_0))
+    model = load_model(file, dtype="float32")
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), file, None, model)
+    prompt = model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n").ids
+    assert model.tokenizer.token_to_id("<|im_start|>") in prompt
+    peer.run("plain", prompt, 16)
+    assert peer.prompt_file.read_text() == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_a_gguf_target_runs_as_it_is_at_any_dtype(tmp_path) -> None:
     file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0])), by_name({}, GGML.Q8_0))
     model = load_model(file, dtype="float64")

@@ -170,7 +170,7 @@ class LlamaCppPeer:
         """One process over one prompt: its text (the binaries print no token ids), and llama.cpp's own decode time
         per token times max_new_tokens (the speculative binaries write a few tokens more, in the same time per
         token)."""
-        text = self.tokenizer.decode(prompt)
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)  # a chat template's markers stay text
         if self.tokenizer.encode(text).ids != list(prompt):  # llama.cpp takes text: it must read back as these ids
             raise PeerError("a prompt's text does not tokenize back to its ids; llama.cpp would see another prompt")
         self.prompt_file.write_bytes(text.encode())

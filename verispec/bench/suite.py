@@ -75,8 +75,9 @@ def write_suite(suite: list[dict], path: Path = SUITE) -> None:
     path.write_text("".join(json.dumps(item) + "\n" for item in suite))
 
 
-def read_suite(path: Path = SUITE) -> list[dict]:
-    """A suite's lines, each a JSON object: this suite's items, or Spec-Bench's questions (bench/spec_bench.py)."""
+def read_suite(path: Path = SUITE, per_category: int | None = None) -> list[dict]:
+    """A suite's lines, each a JSON object: this suite's items, or Spec-Bench's questions (bench/spec_bench.py);
+    `per_category`: only the first that many of each category, in the file's order."""
     items = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -90,6 +91,17 @@ def read_suite(path: Path = SUITE) -> list[dict]:
         items.append(item)
     if not items:
         raise InvalidArgumentError(f"{path}: no prompts")
+    if per_category is not None:
+        if per_category < 1:
+            raise InvalidArgumentError(f"--per-category must be >= 1, got {per_category}")
+        seen: dict[str, int] = {}
+        kept = []
+        for item in items:
+            category = str(item.get("category"))
+            seen[category] = seen.get(category, 0) + 1
+            if seen[category] <= per_category:
+                kept.append(item)
+        items = kept
     return items
 
 

@@ -19,7 +19,8 @@ from verispec.threads import set_threads, torch_threads
 
 
 def bench_command(args: argparse.Namespace) -> None:
-    """`verispec bench`: the report of every method (or --quick's tiny run, or --profile's forward profile)."""
+    """`verispec bench`: the report of every method (or --quick's tiny run, --formats' steps by weight format, or
+    --profile's forward profile)."""
     from verispec.bench.harness import BenchOptions, run_bench, run_quick  # loads matplotlib and tqdm on demand
     from verispec.bench.llamacpp import find_llama_cpp
     from verispec.bench.report import format_summary
@@ -37,6 +38,12 @@ def bench_command(args: argparse.Namespace) -> None:
         args.head, args.medusa_head = args.head or shipped["eagle"], args.medusa_head or shipped["medusa"]
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
+    if args.formats:
+        from verispec.bench.formats import run_formats
+
+        command = " ".join(["verispec", *sys.argv[1:]])
+        print(run_formats(Path(args.target), out, command, rounds=args.repeats or 7).read_text())
+        return
     if args.profile:
         from verispec.bench.profile_forward import run_profile
 
@@ -47,7 +54,7 @@ def bench_command(args: argparse.Namespace) -> None:
     if args.quick:
         summary = run_quick(out, threads=args.threads)
     else:
-        suite = read_suite(Path(args.suite) if args.suite else SUITE)
+        suite = read_suite(Path(args.suite) if args.suite else SUITE, args.per_category)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
         options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
                                quantize=args.quantize,

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "gets the same blocks")
     bench.add_argument("--exact", action="store_true",
                        help="our models in exact mode (batch-invariant forwards; the peers run as they are)")
+    bench.add_argument("--formats", action="store_true",
+                       help="instead: the target's 1-token step and r(n), n = 1 .. 16, in every weight format (float32, "
+                            "bfloat16, q8_0, q4_0, q4_1; a GGUF's own), beside each one's weight-read time; writes "
+                            "formats.md (--target, --out and --repeats, rounds (default 7), apply; one thread)")
     bench.add_argument("--profile", action="store_true",
                        help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
                             "plain and fast kernels) against its weight-read time; writes forward-profile.md "
@@ -119,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--unrelated", action="store_true",
                        help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
                             "random draft of the draft's shape and tokenizer (--quick always does)")
+    bench.add_argument("--per-category", type=int,
+                       help="only the first N prompts (Spec-Bench: questions) of each category of the suite")
     bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
                                          "autoregressive, the baseline")
     bench.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's binaries (llama-completion, "

@@ -1,0 +1,70 @@
+"""`verispec bench --formats`: a target's forward in every weight format verispec's kernels run, beside each format's
+weight-read time: the 1-token step, and r(n), the time for n tokens over the time for 1, for n = 1 .. 16 (what
+verification of a chain or tree of n - 1 drafts costs, in units of a plain step).
+
+The formats: float32 and bfloat16 (every weight in the dtype), Q8_0, Q4_0 and Q4_1 (the projections in the block
+format, the LM head in Q8_0, float32 activations: `load_model(quantize=)`), and a GGUF file's own formats
+(`dtype="auto"`). All are loaded at once and timed in turns, round by round (medians over the rounds), after the
+cache holds `context` tokens; one thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from verispec import kernels
+from verispec.bench.bandwidth import read_bandwidth, weight_bytes
+from verispec.bench.report import machine
+from verispec.models.gguf_file import is_gguf
+from verispec.models.native import NativeModel, load_model
+from verispec.models.precision import formats
+from verispec.models.quant import FORMATS
+from verispec.models.timing import forward_seconds
+from verispec.threads import torch_threads
+
+WIDTHS = tuple(range(1, 17))
+SETTINGS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+            **{fmt: dict(dtype="float32", quantize=fmt) for fmt in FORMATS}}
+
+
+def settings(target: Path) -> dict[str, dict]:
+    """Each format's load options (a GGUF target's own formats too, as "file")."""
+    return SETTINGS | ({"file": dict(dtype="auto")} if is_gguf(target) else {})
+
+
+def measure(models: dict[str, NativeModel], rounds: int, context: int) -> dict[str, dict[int, float]]:
+    """Seconds of a forward of n tokens for each model and n, the median over `rounds` rounds in turns."""
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in WIDTHS} for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            for n in WIDTHS:
+                times[name][n].append(forward_seconds(model, n, context, repeats=3))
+    return {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
+
+
+def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context: int = 256) -> Path:
+    """Load the target in every format, time them, write formats.md into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    with torch_threads(1), torch.inference_mode():
+        models = {name: load_model(target, **options) for name, options in settings(target).items()}
+        bandwidth = read_bandwidth()
+        seconds = measure(models, rounds, context)
+    lines = [f"# Forward by weight format: {target.name}", "",
+             f"Command: `{command}`  ", f"Machine: {machine()}, verispec's kernels: {kernels.reason()}, one thread  ",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread; the floor under a 1-token step is its weights' "
+             f"bytes over it). After {context} cached tokens; medians of {rounds} rounds in turns.", "",
+             "| format | linears | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
+             + " | ".join(f"r({n})" for n in WIDTHS[1:]) + " |",
+             "|---|---|---|---|---|---|" + "---|" * (len(WIDTHS) - 1)]
+    for name, model in models.items():
+        size, one = weight_bytes(model), seconds[name][1]
+        kinds = ", ".join(f"{k} x {v}" for k, v in formats(model.module).items())
+        lines.append(f"| {name} | {kinds} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} | "
+                     f"{one / (size / bandwidth):.2f}x | "
+                     + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
+    path = out / "formats.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
