@@ -17,7 +17,7 @@ import pytest
 from verispec import DraftModel, InvalidArgumentError, generate, load_model
 from verispec.chat import Chat
 from verispec.cli import main
-from verispec.cli_output import GREEN
+from verispec.cli.output import GREEN
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.chat import load_chat_template
 

@@ -15,9 +15,10 @@ from unittest import mock
 import pytest
 import torch
 
-from verispec import cli, kernels
+from verispec import kernels
 from verispec.bench import harness, report
-from verispec.cli import GREEN, main
+from verispec.cli import decode, inputs, loading, main
+from verispec.cli.output import GREEN
 from verispec.models.default import default_paths
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
@@ -73,16 +74,16 @@ def test_generate_exact_in_bfloat16_is_identical(capsys, pair_dirs) -> None:
 
 
 def loaded_target(*argv: str):
-    """The target `main` loads for these arguments (it hands them to `_load_target` with --dtype resolved)."""
+    """The target `main` loads for these arguments (it hands them to `loading.load_target` with --dtype resolved)."""
     loaded = []
-    with mock.patch.object(cli, "_load_target", lambda args: loaded.append(ORIGINAL_LOAD_TARGET(args))), \
-            mock.patch.object(cli, "_generate", lambda args: cli._load_target(args) and 0), \
-            mock.patch.object(cli, "_serve", lambda args: cli._load_target(args) and 0):
+    with mock.patch.object(loading, "load_target", lambda args: loaded.append(ORIGINAL_LOAD_TARGET(args))), \
+            mock.patch.object(decode, "generate_command", lambda args: loading.load_target(args) and 0), \
+            mock.patch.object(decode, "serve_command", lambda args: loading.load_target(args) and 0):
         assert main(list(argv)) == 0
     return loaded[0]
 
 
-ORIGINAL_LOAD_TARGET = cli._load_target
+ORIGINAL_LOAD_TARGET = loading.load_target
 
 
 @pytest.mark.parametrize("argv, dtype, exact", [
@@ -190,7 +191,7 @@ def no_loading(monkeypatch):
     """Any model load fails the test: the checks under test must come first."""
     def load(*args, **kwargs):
         raise AssertionError("loaded a model before checking the options")
-    monkeypatch.setattr(cli, "load", load)
+    monkeypatch.setattr(loading, "load", load)
 
 
 def _one_error_line(code: int, out: str, err: str, message: str) -> None:
@@ -204,7 +205,7 @@ def _one_error_line(code: int, out: str, err: str, message: str) -> None:
     ("plain", "plain"),
 ])
 def test_stop_escapes(raw, decoded) -> None:
-    assert cli._unescape(raw, "--stop") == decoded
+    assert inputs.unescape(raw, "--stop") == decoded
 
 
 @pytest.mark.parametrize("raw", [r"\q", "ends\\", r"\x4", r"\u12", r"\N{NO SUCH NAME}", r"\U00110000", r"\ud800"])
@@ -337,7 +338,7 @@ def test_ctrl_c_prints_the_partial_stats(capsys, monkeypatch, pair_dirs) -> None
 def test_ctrl_c_while_loading_exits_130_without_stats(capsys, monkeypatch) -> None:
     def load(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "load", load)
+    monkeypatch.setattr(loading, "load", load)
     code, out, err = run(capsys, "generate", "p")
     assert code == 130 and out == "" and err == "\n"
 
@@ -345,11 +346,11 @@ def test_ctrl_c_while_loading_exits_130_without_stats(capsys, monkeypatch) -> No
 def test_every_method_option_has_one_flag_made_from_the_registry() -> None:
     """A drafter option is declared once (registry.OPTIONS): each family's options have a flag, which fills the
     method record under the option's own name."""
-    from verispec.cli_parser import build_parser
+    from verispec.cli.parser import build_parser
     from verispec.drafters.registry import FAMILIES, OPTIONS
 
     assert {name for family in FAMILIES.values() for name in family.options} == set(OPTIONS)
     args = build_parser().parse_args(["generate", "x", "--method", "lookahead", "--ngram-size", "3", "--window", "4"])
-    assert cli._method(args).options == {"ngram": 3, "window": 4}
+    assert loading.method_from(args).options == {"ngram": 3, "window": 4}
     args = build_parser().parse_args(["generate", "x", "--method", "layerskip", "--skip", "2,3"])
-    assert cli._method(args).options == {"skip": [2, 3]}
+    assert loading.method_from(args).options == {"skip": [2, 3]}

@@ -15,6 +15,7 @@ import torch
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.kernels.build import ISAS, cpu_flags
+from verispec.models.greedy import argmax as greedy_argmax
 from verispec.models.layout import apply_rotary
 from verispec.models.llama import RMSNorm
 from verispec.models.native import load_model
@@ -227,6 +228,22 @@ def test_argmax_is_torchs_ties_infinities_and_nan_included(dtype: torch.dtype) -
     assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [9, 0, 7, 0, 2]
     wide = torch.randn(3, 50, generator=generator).to(dtype)
     assert torch.equal(kernels.argmax(wide[:, :40]), wide[:, :40].argmax(-1))  # rows of a wider tensor
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("own", [True, False], ids=["kernels", "pytorch"])
+def test_the_greedy_argmax_is_torchs_for_any_shape(monkeypatch, dtype: torch.dtype, own: bool) -> None:
+    """models/greedy.argmax, which sampling, verification and a model's own greedy chain all take: torch.argmax's
+    answer for a row, rows, rows in a batch and strided views, on verispec's kernel and where it does not run."""
+    if own and not HERE:
+        pytest.skip(f"verispec's kernels do not run here: {kernels.reason()}")
+    if not own:
+        monkeypatch.setattr(kernels, "available", lambda *args: False)
+    x = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[0, 1, [4, 9]] = 10  # a tie: the first
+    x[1, 2, 7] = float("nan")  # a NaN counts as the largest
+    for logits in (x[0, 0], x[0], x, x[..., :40], x[:, :, ::2], x.transpose(0, 1)):
+        assert torch.equal(greedy_argmax(logits), logits.argmax(-1)), tuple(logits.shape)
 
 
 @needs_kernels

@@ -282,9 +282,11 @@ def test_device_is_a_parameter(tiny: Path) -> None:
         assert model.device == torch.device("cpu") and model.new_cache().k.device == torch.device("cpu")
 
 
-def test_unknown_device_is_an_invalid_argument(tiny: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="device 'nonsense' is not usable"):
-        load_model(tiny, device="nonsense")
+@pytest.mark.parametrize("device, message", [("nonsense", "device 'nonsense' is not usable"),
+                                             ("meta", "it holds no data"), (0, "must be a string")])
+def test_unknown_device_is_an_invalid_argument(tiny: Path, device, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        load_model(tiny, device=device)
 
 
 def test_bf16_checkpoint_is_upcast_to_float32_by_default(tmp_path: Path) -> None:

@@ -34,20 +34,6 @@ def real_number(value: Any, name: str) -> float:
     return float(value)
 
 
-def usable_device(device: Any) -> torch.device:
-    """A device torch can put data on here (not `meta`, which holds none)."""
-    if not isinstance(device, (str, torch.device)):
-        raise InvalidArgumentError(f"device must be a string such as 'cpu' or 'cuda:0', got {device!r}")
-    try:
-        torch.empty(0, device=device)
-        parsed = torch.device(device)
-    except (RuntimeError, AssertionError) as err:  # torch asserts when CUDA is asked of a CPU-only build
-        raise InvalidArgumentError(f"device {device!r} is not usable here ({err})") from None
-    if parsed.type == "meta":
-        raise InvalidArgumentError(f"device {device!r} is not usable here (it holds no data)")
-    return parsed
-
-
 def unicode_text(text: str, name: str) -> str:
     """`text`, refused if it holds a lone surrogate (as JSON's "\\ud800" decodes to): it has no UTF-8 form, so no
     tokenizer can read it and no output can contain it."""

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec import kernels
 from verispec.arguments import real_number, whole_number
 from verispec.errors import InvalidArgumentError
+from verispec.models.greedy import argmax
 
 # Below this a temperature decodes greedily, as in vLLM: dividing float32 logits by it would overflow, or by a value
 # that rounds to 0 in float32 give 0/0, while the distribution it asks for is already the argmax (up to exact ties).
@@ -44,16 +44,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, -1), (..., V) -> (...), by verispec's kernel where it runs: PyTorch's is scalar in
-    bfloat16, about 33 us for a row of 8192 on a Zen 4 core against 1 us, and greedy decoding takes one per token."""
-    rows = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])  # (a view less: each step asks)
-    if rows.stride(-1) == 1 and kernels.available(logits.dtype, logits.device):
-        out = kernels.argmax(rows)
-        return out if logits.dim() == 2 else out.view(logits.shape[:-1])
-    return logits.argmax(-1)
 
 
 def constrain(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

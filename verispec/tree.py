@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from verispec.errors import DrafterError
+from verispec.models.greedy import argmax
 from verispec.proposal import Proposal
-from verispec.sampling import SamplingParams, argmax, logits_to_probs, sample
+from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 def chain_parents(n: int) -> list[int]:

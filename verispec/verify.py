@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.sampling import SamplingParams, argmax, logits_to_probs, sample
+from verispec.models.greedy import argmax
+from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 def greedy_match(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:

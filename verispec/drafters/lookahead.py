@@ -17,8 +17,8 @@ import torch
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
+from verispec.models.greedy import argmax
 from verispec.models.protocol import CausalLM
-from verispec.sampling import argmax
 
 
 class NgramPool:

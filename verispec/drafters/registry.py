@@ -58,7 +58,7 @@ class Resources:
 
 @dataclass(frozen=True)
 class Option:
-    """A drafter option, declared once: the command line's flag is made from it (verispec/cli_parser.py)."""
+    """A drafter option, declared once: the command line's flag is made from it (verispec/cli/parser.py)."""
 
     help: str  # what it does, after the families that take it
     type: Callable[[str], Any] = int  # what the command line's text becomes

@@ -12,9 +12,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from verispec.arguments import usable_device
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.checkpoint import check_finite, check_folder
+from verispec.models.device import usable_device
 from verispec.models.gguf_file import GGUFFile, is_gguf
 from verispec.models.precision import parse_dtype
 from verispec.models.protocol import Capabilities

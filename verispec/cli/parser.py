@@ -1,4 +1,4 @@
-"""The command line's grammar: every subcommand and option (`verispec/cli.py` runs them)."""
+"""The command line's grammar: every subcommand and option (verispec/cli/ runs them)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The target, the method and its options: what `_load_models` builds from (generate, serve)."""
+    """The target, the method and its options: what `loading.load_models` builds from (generate, chat, serve,
+    bench-serve)."""
     parser.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
                                          "models/stdlib-target, with models/stdlib-draft as the draft")
     parser.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "

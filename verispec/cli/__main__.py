@@ -1,0 +1,7 @@
+"""`python -m verispec.cli`: the `verispec` command."""
+
+import sys
+
+from verispec.cli import main
+
+sys.exit(main())
