@@ -18,6 +18,7 @@ import torch
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import machine
+from verispec.models.captured import CapturedForward
 from verispec.models.gguf_file import is_gguf
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
@@ -45,6 +46,24 @@ def measure(models: dict[str, NativeModel], rounds: int, context: int) -> dict[s
     return {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
 
 
+def by_kernel(model: NativeModel, context: int, repeats: int = 21) -> dict[str, float]:
+    """Seconds of a 1-token step's captured forward in each kernel, by name (medians of timed replays), after
+    `context` cached tokens. Empty where the step is not captured (verispec's kernels do not run)."""
+    cache = model.new_cache(context + 1)  # alive while the replays write into it
+    model(torch.arange(context)[None] % model.vocab_size, cache)
+    model(torch.tensor([[1]]), cache)  # replays the step's capture into this cache, which it is then bound to
+    steps = [c for c in model.execution.captured.values() if isinstance(c, CapturedForward) and c.rows == 1
+             and c.bound() is cache]
+    return steps[0].program.timed(repeats) if steps else {}
+
+
+def _split(kernels_s: dict[str, float]) -> str:
+    """The matmuls (by format) and the rest, as shares of the replay."""
+    total = sum(kernels_s.values()) or 1.0
+    parts = sorted(kernels_s.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in parts if seconds / total >= 0.01)
+
+
 def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context: int = 256) -> Path:
     """Load the target in every format, time them, write formats.md into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -52,8 +71,10 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
         models = {name: load_model(target, **options) for name, options in settings(target).items()}
         bandwidth = read_bandwidth()
         seconds = measure(models, rounds, context)
+        kernel_s = {name: by_kernel(model, context) for name, model in models.items()}
+        where = machine()
     lines = [f"# Forward by weight format: {target.name}", "",
-             f"Command: `{command}`  ", f"Machine: {machine()}, verispec's kernels: {kernels.reason()}, one thread  ",
+             f"Command: `{command}`  ", f"Machine: {where}, verispec's kernels: {kernels.reason()}, one thread  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread; the floor under a 1-token step is its weights' "
              f"bytes over it). After {context} cached tokens; medians of {rounds} rounds in turns.", "",
              "| format | linears | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
@@ -65,6 +86,13 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
         lines.append(f"| {name} | {kinds} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} | "
                      f"{one / (size / bandwidth):.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
+    lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; the "
+              "rest of the step is Python around it):", "",
+              "| format | replay (ms) | step less replay (ms) | by kernel |", "|---|---|---|---|"]
+    for name in models:
+        replay = sum(kernel_s[name].values())
+        lines.append(f"| {name} | {replay * 1e3:.2f} | {(seconds[name][1] - replay) * 1e3:.2f} | "
+                     f"{_split(kernel_s[name]) or '(not captured: no kernels here)'} |")
     path = out / "formats.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -96,18 +96,38 @@ template <typename T, int NV> struct Query;
 template <int NV> struct Query<bf16, NV> { typedef QueryBF16<NV> type; };
 template <int NV> struct Query<float, NV> { typedef QueryF32<NV> type; };
 
+// The slots a row sees, in order: slot[j] for j < the count returned. A whole block of unseen slots costs one test.
+static inline long seen(const uint8_t* visible, long S, long* slot) {
+  long n = 0, s = 0;
+#ifdef VS_AVX512
+  for (; s + 64 <= S; s += 64) {
+    uint64_t bits = _mm512_test_epi8_mask(_mm512_loadu_si512(visible + s), _mm512_set1_epi8(-1));
+    for (; bits; bits &= bits - 1) slot[n++] = s + __builtin_ctzll(bits);
+  }
+#else
+  for (; s + 32 <= S; s += 32) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(visible + s));
+    uint32_t bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_setzero_si256()));
+    for (; bits; bits &= bits - 1) slot[n++] = s + __builtin_ctz(bits);
+  }
+#endif
+  for (; s < S; s++)
+    if (visible[s]) slot[n++] = s;
+  return n;
+}
+
 template <typename T, int NV>
 static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, long kv_head, const uint8_t* visible,
                    long S, T* y, long R, long H, long Hkv, long D) {
   const vf scale = vset1(1.0f / sqrtf((float)D));
-  std::vector<float> score(S + 16);
-  std::vector<long> slot(S);
+  thread_local std::vector<float> score;  // grown, never cleared: every entry read is written first
+  thread_local std::vector<long> slot;
+  if ((long)score.size() < S + 16) score.resize(S + 16);
+  if ((long)slot.size() < S) slot.resize(S);
   vmask vmasks[NV];
   for (int i = 0; i < NV; i++) vmasks[i] = lanes(D - i * 16);
   for (long r = 0; r < R; r++) {
-    long n = 0;
-    for (long s = 0; s < S; s++)
-      if (visible[r * S + s]) slot[n++] = s;
+    const long n = seen(visible + r * S, S, slot.data());
     for (long h = 0; h < H; h++) {
       const T* kh = k + h / (H / Hkv) * kv_head;
       const T* vh = v + h / (H / Hkv) * kv_head;

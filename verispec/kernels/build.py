@@ -112,6 +112,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         kernel = getattr(lib, f"vs_{name}")
         kernel.argtypes, kernel.restype = [ctypes.c_void_p], ctypes.c_int
     lib.vs_replay.argtypes, lib.vs_replay.restype = [ctypes.c_void_p, ctypes.c_long], ctypes.c_long
+    lib.vs_replay_timed.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.vs_replay_timed.restype = ctypes.c_long
     lib.vs_cols.argtypes, lib.vs_cols.restype = [], ctypes.c_long
 
 

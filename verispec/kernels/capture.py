@@ -53,6 +53,7 @@ class Program:
     sits in `code`, so that a caller can point it elsewhere (`code[word] = address`) before a replay."""
 
     def __init__(self, calls: Sequence[tuple[int, Sequence[int]]]) -> None:
+        self.kernels = [kernel for kernel, _ in calls]
         words, self.starts = [], []
         for kernel, args in calls:
             self.starts.append(len(words) + 2)
@@ -65,7 +66,24 @@ class Program:
         return self.starts[call] + argument
 
     def __call__(self) -> None:
-        failed = self.replay(self.code.data_ptr(), self.calls)
+        self._check(self.replay(self.code.data_ptr(), self.calls))
+
+    def timed(self, repeats: int) -> dict[str, float]:
+        """Replay `repeats` times, timing each call: the median seconds a replay spends in each kernel, by name (a
+        program run inside this one counts as "run")."""
+        names = {address: name for name, address in _ADDRESSES.items()}
+        runs = []
+        for _ in range(repeats):
+            seconds = torch.zeros(self.calls, dtype=torch.float64)
+            self._check(library().vs_replay_timed(self.code.data_ptr(), self.calls, seconds.data_ptr()))
+            runs.append(seconds)
+        median = torch.stack(runs).median(0).values
+        by_name: dict[str, float] = {}
+        for kernel, seconds in zip(self.kernels, median.tolist()):
+            by_name[names[kernel]] = by_name.get(names[kernel], 0.0) + seconds
+        return by_name
+
+    def _check(self, failed: int) -> None:
         if failed:  # a kernel that checks its inputs (a token id or position past its table) refused call `failed - 1`
             raise IndexError(f"a captured kernel call ({failed - 1} of {self.calls}) refused its inputs: an index "
                              f"out of range")

@@ -1,6 +1,8 @@
 // A captured forward, replayed: the kernel calls that one forward made, in order, each with its argument array,
 // run again without Python (models/captured.py records them). The arguments are the same pointers each time, so
 // the tensors they point to (inputs copied in before, intermediate buffers, the cache) are the ones the calls read.
+#include <time.h>
+
 #include "simd.h"
 
 #ifdef VS_KERNELS
@@ -17,6 +19,20 @@ extern "C" long vs_replay(const int64_t* program, long calls) {
   for (long i = 0; i < calls; i++) {
     const Kernel kernel = (Kernel)program[0];
     if (kernel(program + 2)) return i + 1;
+    program += 2 + program[1];
+  }
+  return 0;
+}
+
+// The same, adding each call's wall time to seconds[i] (for profiling: `Program.timed`).
+extern "C" long vs_replay_timed(const int64_t* program, long calls, double* seconds) {
+  for (long i = 0; i < calls; i++) {
+    timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    const int failed = ((Kernel)program[0])(program + 2);
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    seconds[i] += (double)(end.tv_sec - start.tv_sec) + 1e-9 * (double)(end.tv_nsec - start.tv_nsec);
+    if (failed) return i + 1;
     program += 2 + program[1];
   }
   return 0;
