@@ -103,3 +103,22 @@ def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
                                                                       num_key_value_heads=1)), quantize="q8_0")
     with torch_threads(2), pytest.raises(InvalidArgumentError, match="on one thread"):
         load_model(folder, quantize="q8_0")
+
+
+@needs_kernels
+def test_a_quantized_forward_is_captured_and_replays_bitwise_as_op_by_op(tmp_path) -> None:
+    from verispec.models.captured import CapturedForward
+
+    model = load_model(random_checkpoint(tmp_path, tiny_config()), quantize="q4_1")
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+
+    def decode(capture: bool) -> torch.Tensor:
+        model.execution.capture = capture
+        cache = model.new_cache()
+        model(tokens, cache)
+        return torch.cat([model(torch.tensor([[t]]), cache)[0] for t in (9, 2, 6, 5)])
+
+    assert torch.equal(decode(True), decode(False))
+    steps = [c for c in model.execution.captured.values() if isinstance(c, CapturedForward) and c.rows == 1]
+    names = set(steps[0].program.timed(1))  # the kernels its program calls
+    assert {"linear_q4_1", "linear_q8_0", "attend_f32"} <= names
