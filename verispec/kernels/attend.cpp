@@ -57,44 +57,32 @@ static inline vf sum16(const vf* a) {
   for (int i = 0; i < 16; i++) s[i] = vsum(a[i]);
   return load(s);
 }
-
-// q . k as a vector whose lanes sum to it: bfloat16 widened to float32, then FMAs.
-template <int NV>
-struct QueryBF16 {
-  vf part[NV];
-  vmask mask[NV];
-  QueryBF16(const bf16* q, long D) {
-    for (int i = 0; i < NV; i++) {
-      mask[i] = lanes(D - i * 16);
-      part[i] = load(q + i * 16, mask[i]);
-    }
-  }
-  vf dot(const bf16* k) const {
-    vf acc = vmul(part[0], load(k, mask[0]));
-    for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(k + i * 16, mask[i]), acc);
-    return acc;
-  }
-};
 #endif
-template <int NV>
-struct QueryF32 {
+
+// q . k as a vector whose lanes sum to it, by FMAs over 16-lane vectors (bfloat16 widened to float32).
+template <typename T, int NV>
+struct QueryFMA {
   vf part[NV];
   vmask mask[NV];
-  QueryF32(const float* q, long D) {
+  QueryFMA(const T* q, long D) {
     for (int i = 0; i < NV; i++) {
       mask[i] = lanes(D - i * 16);
       part[i] = load(q + i * 16, mask[i]);
     }
   }
-  vf dot(const float* k) const {
+  vf dot(const T* k) const {
     vf acc = vmul(part[0], load(k, mask[0]));
     for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(k + i * 16, mask[i]), acc);
     return acc;
   }
 };
 template <typename T, int NV> struct Query;
+#ifdef VS_AVX512
 template <int NV> struct Query<bf16, NV> { typedef QueryBF16<NV> type; };
-template <int NV> struct Query<float, NV> { typedef QueryF32<NV> type; };
+#else
+template <int NV> struct Query<bf16, NV> { typedef QueryFMA<bf16, NV> type; };
+#endif
+template <int NV> struct Query<float, NV> { typedef QueryFMA<float, NV> type; };
 
 // The slots a row sees, in order: slot[j] for j < the count returned. A whole block of unseen slots costs one test.
 static inline long seen(const uint8_t* visible, long S, long* slot) {

@@ -112,8 +112,6 @@ static void block(const float* x, long ldx, const float* w, const float* bias, c
 }
 #endif
 
-// Rows MAX_ROWS at a time, then the last few: each accumulator sees the same instructions, in the same order,
-// whatever block its row falls in.
 template <typename T>
 static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y, ldy, M, N, K, residual, ldr
   const T *x = ARG(const T*, 0), *w = ARG(const T*, 2), *res = ARG(const T*, 9);
@@ -124,20 +122,10 @@ static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y
     const T* wb = w + n / COLS * block_size;
     const long cols = N - n < COLS ? N - n : COLS;
     const float* bn = bias ? bias + n : nullptr;
-#define BLOCK(MR) \
-  block<MR>(x + m * ldx, ldx, wb, bn, res ? res + m * ldr + n : nullptr, ldr, y + m * ldy + n, ldy, K, cols)
-    long m = 0;
-    for (; m + MAX_ROWS <= M; m += MAX_ROWS) BLOCK(MAX_ROWS);
-    switch (M - m) {
-#ifdef VS_AVX512
-      case 5: BLOCK(5); break;
-      case 4: BLOCK(4); break;
-#endif
-      case 3: BLOCK(3); break;
-      case 2: BLOCK(2); break;
-      case 1: BLOCK(1); break;
-    }
-#undef BLOCK
+    in_row_blocks<MAX_ROWS>(M, [&](auto rows, long m) {
+      block<decltype(rows)::value>(x + m * ldx, ldx, wb, bn, res ? res + m * ldr + n : nullptr, ldr, y + m * ldy + n,
+                                   ldy, K, cols);
+    });
   }
   return 0;
 }

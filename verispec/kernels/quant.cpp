@@ -189,21 +189,10 @@ static int qlinear(const int64_t* a) {  // a: x, ldx, w, bias, y, ldy, M, N, K, 
     const uint8_t* wb = w + n / QCOLS * column_block;
     const long cols = N - n < QCOLS ? N - n : QCOLS;
     const float* bn = bias ? bias + n : nullptr;
-#define BLOCK(MR) block<F, MR>(rows, m, K, wb, bn, res ? res + m * ldr + n : nullptr, ldr, y + m * ldy + n, ldy, cols)
-    long m = 0;
-    for (; m + QROWS <= M; m += QROWS) BLOCK(QROWS);
-    switch (M - m) {
-#ifdef VS_AVX512
-      case 7: BLOCK(7); break;
-      case 6: BLOCK(6); break;
-      case 5: BLOCK(5); break;
-      case 4: BLOCK(4); break;
-#endif
-      case 3: BLOCK(3); break;
-      case 2: BLOCK(2); break;
-      case 1: BLOCK(1); break;
-    }
-#undef BLOCK
+    in_row_blocks<QROWS>(M, [&](auto block_rows, long m) {
+      block<F, decltype(block_rows)::value>(rows, m, K, wb, bn, res ? res + m * ldr + n : nullptr, ldr,
+                                            y + m * ldy + n, ldy, cols);
+    });
   }
   return 0;
 }

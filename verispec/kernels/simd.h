@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 typedef uint16_t bf16;  // bfloat16 bits
 
 #define ARG(T, i) ((T)a[i])  // the i-th argument as a T
@@ -25,6 +27,25 @@ static inline float float_arg(const int64_t* a, int i) {  // a float passed as i
   uint32_t bits = (uint32_t)a[i];
   memcpy(&f, &bits, 4);
   return f;
+}
+
+// M rows in blocks: `block(rows, m)` for rows m .. m + rows - 1, MAX rows at a time, then the last M % MAX at once,
+// `rows` a compile-time count (std::integral_constant) so that a block's accumulators stay in registers. A row takes
+// the same instructions in the same order whatever block it falls in: the matmuls' batch invariance.
+template <int N, typename Block>
+static inline void last_rows(long left, long m, Block& block) {
+  if constexpr (N > 0) {
+    if (left == N)
+      block(std::integral_constant<int, N>(), m);
+    else
+      last_rows<N - 1>(left, m, block);
+  }
+}
+template <int MAX, typename Block>
+static inline void in_row_blocks(long M, Block block) {
+  long m = 0;
+  for (; m + MAX <= M; m += MAX) block(std::integral_constant<int, MAX>(), m);
+  last_rows<MAX - 1>(M - m, m, block);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
