@@ -252,6 +252,22 @@ def test_cli_generate_with_selfquant(pair_dirs, tmp_path, capsys) -> None:
     torch.set_num_threads(1)  # (main set the count the last run asked for)
 
 
+@needs_kernels
+def test_a_gguf_targets_layer_skip_plan_for_selfquant(gguf_files, tmp_path, capsys) -> None:
+    """`search-layerskip --out PLAN.json` (a GGUF file has no folder for layerskip.json), then `--skip PLAN.json`."""
+    text, plan = tmp_path / "valid.txt", tmp_path / "plan.json"
+    text.write_text("the quick brown fox jumps over the lazy dog, and then the dog runs after the fox. " * 8)
+    search = ["search-layerskip", "--target", gguf_files["q8_0"], "--text", str(text), "--prompts", "2",
+              "--prompt-len", "16", "--new-tokens", "4", "--threads", "1"]
+    assert main(search) == 2 and "give --out PLAN.json" in capsys.readouterr().err
+    assert main(search + ["--out", str(plan)]) == 0 and f"wrote {plan}" in capsys.readouterr().out
+    skip = json.loads(plan.read_text())["skip"]
+    assert main(["generate", "the quick brown", "--target", gguf_files["q8_0"], "--method", "selfquant", "--skip",
+                 str(plan), "-k", "3", "--max-new-tokens", "12", "--ignore-eos", "--compare", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to autoregressive: yes" in out and skip
+
+
 def test_refusals(pair_dirs, bf16_dir, tmp_path) -> None:
     target = load_model(pair_dirs[0])
     with pytest.raises(InvalidArgumentError, match="needs the target"):

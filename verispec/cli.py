@@ -26,6 +26,7 @@ from verispec.grammar import Grammar, grammar_option
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
 from verispec.models.default import MODELS, default_paths
+from verispec.models.gguf_file import is_gguf
 from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
@@ -343,6 +344,11 @@ def _bench_serve(args: argparse.Namespace) -> None:
 def _search_layerskip(args: argparse.Namespace) -> None:
     from verispec.bench.layer_skip_search import search_skip, write_plan
 
+    if args.out is not None and not args.out.endswith(".json"):
+        raise InvalidArgumentError(f"--out names the plan's .json file; got {args.out}")
+    if args.out is None and is_gguf(args.target):
+        raise InvalidArgumentError("a GGUF target has no folder to write layerskip.json into: give --out PLAN.json "
+                                   "(and then --skip PLAN.json)")
     set_threads(args.threads)
     target = load_model(args.target)
     texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
@@ -357,7 +363,7 @@ def _search_layerskip(args: argparse.Namespace) -> None:
           f"predicted speedup {plan.predicted_speedup:.2f}x")
     if plan.predicted_speedup <= 1:
         print("(predicted speedup at most 1: layer skip will not pay on this model)")
-    print(f"wrote {write_plan(plan, args.target)}")
+    print(f"wrote {write_plan(plan, args.out or args.target)}")
 
 
 def _init_random(args: argparse.Namespace) -> None:
