@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from verispec.drafters.base import DraftContext, Needs, check_target
+from verispec.generate import generate
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
 
@@ -35,6 +37,17 @@ def start_session(drafter, target: CausalLM, prompt, sampling: SamplingParams | 
         out = target(torch.tensor([list(prompt)[:-1]]), cache, **({"hidden": layers} if layers else {}))
         hidden = out[1][0] if layers else None
     return drafter.begin(DraftContext(target, list(prompt), sampling or SamplingParams(), generator, cache, hidden))
+
+
+def sampled_pairs(target: CausalLM, drafter, prompt: list[int], draws: int) -> tuple[np.ndarray, int]:
+    """Counts (V, V) of the first two new tokens over `draws` seeded generations at temperature 1, and how many of the
+    first tokens were drafted (for the distribution tests on an enumerable target)."""
+    counts, drafted = np.zeros((target.vocab_size, target.vocab_size)), 0
+    for seed in range(draws):
+        out = generate(target, prompt, drafter, max_new_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
+        counts[out.tokens[0], out.tokens[1]] += 1
+        drafted += out.drafted[0]
+    return counts, drafted
 
 
 def break_the_rule_for(monkeypatch, top_k: int) -> None:

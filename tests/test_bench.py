@@ -6,7 +6,9 @@ import json
 import statistics
 
 import pytest
+import torch
 
+from verispec import kernels
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench, run_quick
 from verispec.bench.metrics import per_prompt, summarize
 from verispec.cli import main
@@ -31,6 +33,12 @@ def test_report_files_and_structure(quick) -> None:
                 "eagle k=6 tree_top_k=2 tree_tokens=10", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
                 "suffix", "suffix tree_tokens=8", "suffix k=4 eagle_below=3",
                 "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+    if kernels.available(torch.float32):  # a quantized twin runs on verispec's kernels: its default, and without
+        # the layers of the quick bench's layer-skip plan
+        selfquant = {label for label in summary if label.startswith("selfquant ")}
+        assert "selfquant k=auto" in selfquant and len(selfquant) == 2
+        assert (selfquant - {"selfquant k=auto"}).pop().startswith("selfquant k=auto skip=")
+        expected |= selfquant
     assert set(summary) == expected
     methods = results["info"]["methods"]  # each row's record, so that nothing parses a label back
     assert methods["draft k=4 branch=2"] == {"family": "draft", "k": 4, "options": {"branch": 2}}

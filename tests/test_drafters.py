@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from verispec import IncompatibleTargetError, InvalidArgumentError, generate, stream
+from verispec import IncompatibleTargetError, InvalidArgumentError, generate, kernels, stream
 from verispec.drafters.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
@@ -35,6 +35,8 @@ EXAMPLES = {
     "draft vocab": Method("draft", 3, {"draft_vocab": 100}),  # its 100 most frequent tokens, saved by `built`
     "ngram": Method("ngram", 3, {"max_ngram": 2}),
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
+    "selfquant": Method("selfquant", 3, {"skip": [1]}),  # a q4_0 twin of the target, on verispec's kernels
+    "selfquant tree": Method("selfquant", 3, {"branch": 2, "format": "q8_0"}),
     "lookahead": Method("lookahead", None, {"window": 3, "ngram": 3, "candidates": 3}),
     "eagle": Method("eagle", 3),  # with a random head, saved by the `built` fixture
     "eagle tree": Method("eagle", 3, {"tree_top_k": 2, "tree_tokens": 6}),
@@ -70,6 +72,8 @@ def built(tmp_path_factory, target, draft):
 
     def build(name: str):
         method = EXAMPLES[name]
+        if method.family == "selfquant" and not kernels.available(torch.float32):
+            pytest.skip(f"a quantized twin runs on verispec's kernels, which do not run here: {kernels.reason()}")
         return build_drafter(method, Resources(draft=draft, target=target, head_dir=heads.get(method.family),
                                                draft_dir=vocab_dir))
 

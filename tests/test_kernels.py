@@ -203,6 +203,12 @@ def test_gather_and_store_kv_copy_rows_and_refuse_out_of_range() -> None:
     assert torch.equal(kernels.gather(table, torch.tensor([3, 0, 9])), table[[3, 0, 9]])
     with pytest.raises(IndexError, match="outside the 10 rows"):
         kernels.gather(table, torch.tensor([3, 10]))
+    wide = kernels.gather(table, torch.tensor([3, 0, 9]), torch.float32)  # widened exactly (a twin's embedding)
+    assert wide.dtype == torch.float32 and torch.equal(wide, table[[3, 0, 9]].float())
+    with pytest.raises(IndexError, match="outside the 10 rows"):
+        kernels.gather(table, torch.tensor([-1]), torch.float32)
+    with pytest.raises(ValueError, match="widens bfloat16 ones to float32"):
+        kernels.gather(table.float(), torch.tensor([1]), torch.bfloat16)
     keys, values = torch.zeros(2, 8, 3), torch.zeros(2, 8, 3)
     new = torch.randn(2, 12)  # rows of [k heads | v heads]
     kernels.store_kv(new[:, :6], new[:, 6:], keys, values, ctypes.c_int64(5))

@@ -18,7 +18,7 @@ from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.tree import depth
 
-from drafting import in_threads, start_session
+from drafting import in_threads, sampled_pairs, start_session
 from test_tree_draft import no_residual_verify_tree
 from test_verify import P_VALUE_MIN, compare
 
@@ -269,15 +269,6 @@ DRAWS = 1500
 BROKEN_DRAWS = 300  # the broken rule is far off (TV about 0.2 at any number of draws)
 
 
-def sampled_pairs(target, drafter, draws: int) -> tuple[np.ndarray, int]:
-    counts, drafted = np.zeros((VOCAB, VOCAB)), 0
-    for seed in range(draws):
-        out = generate(target, PROMPT, drafter, max_new_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
-        counts[out.tokens[0], out.tokens[1]] += 1
-        drafted += out.drafted[0]
-    return counts, drafted
-
-
 @pytest.fixture(scope="module")
 def enumerable(tmp_path_factory, reference_probs):
     config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
@@ -294,7 +285,7 @@ def test_sampling_through_generate_keeps_the_target_distribution(enumerable, mon
     assert proposal.tokens == [3, 5] and proposal.parents == [-1, -1] and proposal.q is None
     accept = first[3] + first[5]  # one-hot candidates: the rule draws without replacement from p
     assert 0.2 < accept < 0.8
-    counts, drafted = sampled_pairs(target, drafter, DRAWS)
+    counts, drafted = sampled_pairs(target, drafter, PROMPT, DRAWS)
     pvalue, tv = compare(counts.ravel(), joint.ravel())
     assert pvalue > P_VALUE_MIN and tv < (joint.size / DRAWS) ** 0.5, (pvalue, tv)
     sigma = (accept * (1 - accept) / DRAWS) ** 0.5
@@ -302,7 +293,7 @@ def test_sampling_through_generate_keeps_the_target_distribution(enumerable, mon
     import verispec.step
 
     monkeypatch.setattr(verispec.step, "verify_tree", no_residual_verify_tree)  # p kept between the candidates
-    counts, _ = sampled_pairs(target, drafter, BROKEN_DRAWS)
+    counts, _ = sampled_pairs(target, drafter, PROMPT, BROKEN_DRAWS)
     assert compare(counts.ravel(), joint.ravel())[0] < 1e-6
 
 

@@ -81,6 +81,8 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
             c[m.label] = prices.head(_drafting(m))
         elif family == "draft" and draft is not None:  # the unrelated draft has the real one's shape and cost
             c[m.label] = prices.forward(draft, 1, head=_drafting(m).head)  # (at its draft vocabulary's width)
+        elif family == "selfquant":  # its own twin's step
+            c[m.label] = prices.forward(_drafting(m).model, 1)
         elif family == "layerskip" and skip:
             c[m.label] = prices.forward(target, 1, kept)
         elif family == "ngram" or (family == "suffix" and not m.drafter.needs.hidden_states):
@@ -142,4 +144,4 @@ def _medusa_tree(drafter: Medusa, prices: Prices) -> dict:
 
 # Per tree family: {"draft": [d] drafting in target steps, "tokens": [d] tokens in the target's forward}, for
 # d = 0 .. the drafter's k, d the depth the run recorded for a step (0: a plain step, nothing drafted).
-TREE_COSTS = {"draft": _draft_tree, "eagle": _eagle_tree, "medusa": _medusa_tree}
+TREE_COSTS = {"draft": _draft_tree, "selfquant": _draft_tree, "eagle": _eagle_tree, "medusa": _medusa_tree}

@@ -29,6 +29,7 @@ from verispec.generate import generate
 from verispec.grammar import Grammar, bind
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
+from verispec.models.twin import twin_refusal
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.draft_vocab import default_size
 from verispec.models.eagle import EagleHead, head_config, save_head
@@ -123,7 +124,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
                                          eagle_vocab=eagle_vocab, medusa=medusa is not None,
                                          medusa_vocab=default_size(medusa) if medusa is not None else 0,
-                                         draft_vocab=default_size(draft_dir) if draft_dir is not None else 0)]
+                                         draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
+                                         selfquant=twin_refusal(target) is None, skip=skip)]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]

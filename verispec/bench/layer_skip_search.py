@@ -141,8 +141,9 @@ def search_skip(target: NativeModel, data: Sequence[str] | torch.Tensor | None =
     return SkipPlan(skip, k, best[1], best[2], best[0], c, r, fixed_share, METHOD, described, steps)
 
 
-def write_plan(plan: SkipPlan, folder: str | Path) -> Path:
-    """Save the plan as folder/layerskip.json, where `LayerSkip.from_checkpoint` reads it."""
-    file = Path(folder) / PLAN_FILE
+def write_plan(plan: SkipPlan, where: str | Path) -> Path:
+    """Save the plan as `where`/layerskip.json, where `LayerSkip.from_checkpoint` reads it, or as `where` itself if it
+    names a .json file (which `--skip FILE.json` reads)."""
+    file = Path(where) if str(where).endswith(".json") else Path(where) / PLAN_FILE
     file.write_text(json.dumps(asdict(plan), indent=2) + "\n")
     return file

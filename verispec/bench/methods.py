@@ -6,7 +6,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -77,15 +77,16 @@ SUFFIX_TREE, SUFFIX_EAGLE = {"tree_tokens": 8}, {"eagle_below": 3}
 
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
-                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0
-                ) -> list[Method]:
+                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0,
+                selfquant: bool = False, skip: Sequence[int] | None = None) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
     a tree); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
     layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
     (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
-    full one), and then over the full one too (draft_vocab=0), for comparison."""
+    full one), and then over the full one too (draft_vocab=0), for comparison. `selfquant`: its default (what
+    `--method selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them."""
     methods = [Method("autoregressive")]
     if draft is not None:
         vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
@@ -95,6 +96,8 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     methods += [Method("ngram", 4), Method("ngram", AUTO), Method("suffix"), Method("suffix", None, SUFFIX_TREE)]
     if layerskip:
         methods.append(Method("layerskip", 4))
+    if selfquant:
+        methods += [Method("selfquant", AUTO)] + ([Method("selfquant", AUTO, {"skip": list(skip)})] if skip else [])
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     if eagle:
         vocab = {"draft_vocab": eagle_vocab} if eagle_vocab else {}

@@ -14,6 +14,7 @@ from verispec.cli.loading import checked_method, load_models
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError
 from verispec.models.default import MODELS, default_paths
+from verispec.models.gguf_file import is_gguf
 from verispec.models.native import load_model
 from verispec.threads import set_threads, torch_threads
 
@@ -111,6 +112,11 @@ def search_layerskip_command(args: argparse.Namespace) -> None:
     TARGET/layerskip.json."""
     from verispec.bench.layer_skip_search import search_skip, write_plan
 
+    if args.out is not None and not args.out.endswith(".json"):
+        raise InvalidArgumentError(f"--out names the plan's .json file; got {args.out}")
+    if args.out is None and is_gguf(args.target):
+        raise InvalidArgumentError("a GGUF target has no folder to write layerskip.json into: give --out PLAN.json "
+                                   "(and then --skip PLAN.json)")
     set_threads(args.threads)
     target = load_model(args.target)
     texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
@@ -125,4 +131,4 @@ def search_layerskip_command(args: argparse.Namespace) -> None:
           f"predicted speedup {plan.predicted_speedup:.2f}x")
     if plan.predicted_speedup <= 1:
         print("(predicted speedup at most 1: layer skip will not pay on this model)")
-    print(f"wrote {write_plan(plan, args.target)}")
+    print(f"wrote {write_plan(plan, args.out or args.target)}")

@@ -17,14 +17,14 @@ from verispec.models.protocol import CausalLM
 
 # Chains whose draft length auto chooses step by step. Not EAGLE's: on the shipped pair its auto drafted shorter than
 # it should, below a fixed k = 4 in the bench's report.
-AUTO_BY_DEFAULT = ("draft", "ngram")
+AUTO_BY_DEFAULT = ("draft", "ngram", "selfquant")
 
 
 def method_from(args: argparse.Namespace) -> Method:
     """The method record from the command line: only the options that were given."""
     options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
-    if "skip" in options:
-        options["skip"] = whole_numbers(options["skip"], "--skip", "layer indices such as 2,3")
+    if "skip" in options and not options["skip"].endswith(".json"):  # else a plan's file
+        options["skip"] = whole_numbers(options["skip"], "--skip", "layer indices such as 2,3, or a plan's .json file")
     k = _k_arg(args.k)
     if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
         return Method("autoregressive", k)
@@ -60,8 +60,9 @@ def checked_method(args: argparse.Namespace) -> Method:
         raise InvalidArgumentError(f"--head is the head of --method eagle or medusa (or suffix with --eagle-below); "
                                    f"--method {args.method} would ignore it")
     if args.backend == "transformers" and needs != Needs():
-        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states or "
-                                   f"layer subsets); --backend transformers offers none of them")
+        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states, "
+                                   f"layer subsets or a twin of its weights); --backend transformers offers none "
+                                   f"of them")
     return method
 
 

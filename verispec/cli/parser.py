@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--seed", type=int, default=0)
     lsk = sub.add_parser("search-layerskip", help="choose the layers --method layerskip skips; writes "
                                                   "TARGET/layerskip.json")
-    lsk.add_argument("--target", required=True, help="target checkpoint folder (native runtime)")
+    lsk.add_argument("--target", required=True, help="target checkpoint folder or GGUF file (native runtime)")
     lsk.add_argument("-k", "--k", type=int, default=4, help="tokens drafted per step to optimise for (default 4)")
     lsk.add_argument("--prompts", type=int, default=8, help="prompts cut from the validation text (default 8)")
     lsk.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     lsk.add_argument("--text", action="append", default=[],
                      help="a text file to measure on (repeatable); default: the corpus's validation split")
     lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
+    lsk.add_argument("--out", help="write the plan to this .json file instead (needed for a GGUF target, which has no "
+                                   "folder), for --skip FILE.json")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
     bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
                                         "models/stdlib-draft as the draft")

@@ -28,6 +28,7 @@ class Needs:
     tree_masks: bool = False  # it proposes token trees or side branches
     hidden_states: tuple[int, ...] = ()  # the target layers it reads (block indices, or models.protocol.FINAL)
     layer_subsets: bool = False  # it runs the target with some blocks left out
+    twin: bool = False  # it drafts with a quantized twin of the target's weights (models/twin.py)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ def check_target(drafter: Drafter, target: CausalLM) -> None:
     missing = [what for what, needed, has in (
         ("tree attention masks", needs.tree_masks, can.tree_masks),
         ("hidden states", bool(needs.hidden_states), can.hidden_states),
-        ("running a subset of its layers", needs.layer_subsets, can.layer_subsets)) if needed and not has]
+        ("running a subset of its layers", needs.layer_subsets, can.layer_subsets),
+        ("a twin made of its weights", needs.twin, can.twins)) if needed and not has]
     if missing:
         raise IncompatibleTargetError(f"drafter {drafter.name} needs {' and '.join(missing)} of the target; {target.name} "
                            f"does not offer it (the native runtime does; this model is loaded through another)")

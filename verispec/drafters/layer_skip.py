@@ -8,15 +8,15 @@ chosen by `verispec.bench.layer_skip_search` and saved as `layerskip.json` besid
 from __future__ import annotations
 
 import json
-from numbers import Integral
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from verispec.arguments import whole_number
+from verispec.models.layers import kept_layers, layer_indices
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
-from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
+from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw
 
@@ -36,14 +36,11 @@ class LayerSkip:
 
     def __init__(self, skip: Sequence[int], k: int = 4) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)
-        if not all(isinstance(i, Integral) and not isinstance(i, bool) and i >= 0 for i in skip):
-            raise InvalidArgumentError(f"layers to skip must be non-negative integers, got {list(skip)}")
-        if len(set(skip)) != len(skip):
-            raise InvalidArgumentError(f"layers to skip must be distinct, got {list(skip)}")
+        skip = layer_indices(skip)
         if not skip:
             raise InvalidArgumentError("layer skip needs at least one layer to skip (skipping none drafts with "
                                        "the full target, which is never faster)")
-        self.skip, self.k, self.width = sorted(int(i) for i in skip), k, k
+        self.skip, self.k, self.width = skip, k, k
         self.needs = Needs(layer_subsets=True)
 
     @classmethod
@@ -53,22 +50,26 @@ class LayerSkip:
         if not file.is_file():
             raise CheckpointError(f"{file}: no layer-skip plan; write one with `verispec search-layerskip --target "
                                   f"{folder}` or pass --skip")
-        try:
-            plan = json.loads(file.read_text())
-            skip, saved_k = list(plan["skip"]), int(plan["k"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{file}: not a layer-skip plan ({err})") from None
+        skip, saved_k = read_plan(file)
         return cls(skip, saved_k if k is None else k)
 
     def check(self, target: CausalLM) -> None:
-        if self.skip[-1] >= target.num_layers:
-            raise IncompatibleTargetError(f"cannot skip layer {self.skip[-1]}: {target.name} has layers "
-                                          f"0..{target.num_layers - 1}")
-        if len(self.skip) == target.num_layers:
-            raise IncompatibleTargetError(f"cannot skip all {target.num_layers} layers of {target.name}")
+        kept_layers(self.skip, target)
 
     def begin(self, context: DraftContext) -> LayerSkipSession:
-        return LayerSkipSession([i for i in range(context.target.num_layers) if i not in self.skip], context)
+        return LayerSkipSession(kept_layers(self.skip, context.target), context)
+
+
+def read_plan(file: str | Path) -> tuple[list[int], int]:
+    """The skip set and k of a layer-skip plan (`verispec search-layerskip` writes one as layerskip.json)."""
+    file = Path(file)
+    try:
+        plan = json.loads(file.read_text())
+        return list(plan["skip"]), int(plan["k"])
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such layer-skip plan") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{file}: not a layer-skip plan ({err})") from None
 
 
 class LayerSkipSession:

@@ -18,9 +18,10 @@ from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
-from verispec.drafters.layer_skip import LayerSkip
+from verispec.drafters.layer_skip import LayerSkip, read_plan
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
+from verispec.drafters.selfquant import SelfQuant, skip_option
 from verispec.drafters.suffix import K as SUFFIX_K, SuffixDecoding, SuffixOptions
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
@@ -28,6 +29,8 @@ from verispec.models.draft_vocab import head_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
+from verispec.models.quant import FORMATS
+from verispec.models.twin import SAME_HEAD, TwinFormat
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,12 @@ OPTIONS: dict[str, Option] = {
     "window": Option("columns of the Jacobi window (W, default 5)"),
     "ngram": Option("n-gram size N, N - 1 tokens drafted (default 4)", flag="--ngram-size"),
     "candidates": Option("most n-grams verified per step (G, default 5)"),
-    "skip": Option("layers to skip, e.g. 2,3 (default: TARGET/layerskip.json)", str),
+    "skip": Option("layers to skip, e.g. 2,3, or a layer-skip plan's file, e.g. PLAN.json (layerskip: default "
+                   "TARGET/layerskip.json; selfquant: none)", str),
+    "format": Option(f"the twin's projections in this block format: {', '.join(FORMATS)} (default "
+                     f"{TwinFormat.format})", str),
+    "head_format": Option(f"the twin's LM head in this block format, or {SAME_HEAD}: the target's own (default "
+                          f"{TwinFormat.head}; a target's head already in it is shared, not requantized)", str),
     "branch": Option("candidates per node at the first --branch-depth depths; > 1 verifies a token tree (native "
                      "runtime; default 1, a chain)"),
     "branch_depth": Option("how many depths branch (default 1)"),
@@ -126,12 +134,25 @@ def _draft(method: Method, res: Resources) -> DraftModel:
 
 
 def _layerskip(method: Method, res: Resources) -> LayerSkip:
-    if "skip" in method.options:
-        return LayerSkip(method.options["skip"], method.k or 4)
+    skip = method.options.get("skip")
+    if isinstance(skip, (str, Path)):  # a plan's file: its skip set, and its k unless one is given
+        skip, k = read_plan(skip)
+        return LayerSkip(skip, method.k or k)
+    if skip is not None:
+        return LayerSkip(skip, method.k or 4)
     if res.target_dir is None:
         raise InvalidArgumentError("method layerskip needs the layers to skip (skip) or the target's folder, "
                                    "where `verispec search-layerskip` wrote layerskip.json")
     return LayerSkip.from_checkpoint(res.target_dir, method.k)
+
+
+def _selfquant(method: Method, res: Resources) -> SelfQuant:
+    if res.target is None:
+        raise InvalidArgumentError("method selfquant needs the target to make its quantized twin of")
+    options = method.options
+    spec = TwinFormat(options.get("format", TwinFormat.format), options.get("head_format", TwinFormat.head),
+                      tuple(skip_option(options.get("skip", ()))))
+    return SelfQuant(res.target, spec, method.k or 4, options.get("branch", 1), options.get("branch_depth", 1))
 
 
 def _eagle(method: Method, res: Resources) -> Eagle:
@@ -187,6 +208,10 @@ FAMILIES: dict[str, Family] = {
                     lambda m, r: PromptLookup(m.k or 4, **m.options)),
     "layerskip": Family("the target drafts for itself with some layers skipped", ("skip",), _layerskip,
                         lambda m: Needs(layer_subsets=True)),
+    "selfquant": Family("the target drafts for itself with its own weights requantized lower (its twin: projections "
+                        "in format, the LM head in head_format), with the layers skip skipped as well if given; a "
+                        "chain, or a tree with branch > 1", ("format", "head_format", "skip", "branch", "branch_depth"),
+                        _selfquant, lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1, twin=True)),
     "lookahead": Family("Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
                         ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
                         lambda m: Needs(tree_masks=True), takes_k=False),

@@ -210,17 +210,27 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], half)
 
 
-def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """table[index]: rows (N, D) by int64 indices (R,) -> (R, D); an index outside 0..N-1 raises IndexError (and
-    fails a replay) before anything is read."""
+def gather(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """table[index]: rows (N, D) by int64 indices (R,) -> (R, D), in `dtype` (default the table's; a bfloat16 table's
+    rows also widened, exactly, to float32); an index outside 0..N-1 raises IndexError (and fails a replay) before
+    anything is read."""
     if table.dim() != 2 or table.stride(-1) != 1 or table.device.type != "cpu" or table.dtype not in _SUFFIX:
         raise ValueError(f"gather reads rows of a CPU float32 or bfloat16 table; got {table.dtype} "
                          f"{tuple(table.shape)}")
     if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous() or index.device.type != "cpu":
         raise ValueError(f"gather takes a contiguous CPU int64 index vector; got {index.dtype} {tuple(index.shape)}")
+    dtype = table.dtype if dtype is None else dtype
+    widen = (table.dtype, dtype) == (torch.bfloat16, torch.float32)
+    if dtype != table.dtype and not widen:
+        raise ValueError(f"gather copies a table's rows, or widens bfloat16 ones to float32; not {table.dtype} to "
+                         f"{dtype}")
     R, (N, D) = len(index), table.shape
-    y = torch.empty(R, D, dtype=table.dtype, device=table.device)
-    if _call("gather", [table, N, table.stride(0), index, R, D, y, D, table.element_size()]):
+    y = torch.empty(R, D, dtype=dtype, device=table.device)
+    if widen:
+        failed = _call("gather_widen", [table, N, table.stride(0), index, R, D, y, D])
+    else:
+        failed = _call("gather", [table, N, table.stride(0), index, R, D, y, D, table.element_size()])
+    if failed:
         raise IndexError(f"an index outside the {N} rows of a table of {tuple(table.shape)}")
     return y
 

@@ -101,6 +101,20 @@ extern "C" int vs_gather(const int64_t* a) {
   return 0;
 }
 
+// The same from a bfloat16 table into float32 rows (exact: a bfloat16 is a float32's top half), for a model that keeps
+// a bfloat16 embedding table and runs in float32 (a quantized twin of a bfloat16 model, models/twin.py).
+// a: table, rows, ld, index (R int64), R, D, y (float32), ldy
+extern "C" int vs_gather_widen(const int64_t* a) {
+  const uint16_t* table = ARG(const uint16_t*, 0);
+  const int64_t *index = ARG(const int64_t*, 3), rows = a[1], ld = a[2], R = a[4], D = a[5], ldy = a[7];
+  uint32_t* y = ARG(uint32_t*, 6);
+  for (long r = 0; r < R; r++)
+    if (index[r] < 0 || index[r] >= rows) return -1;
+  for (long r = 0; r < R; r++)
+    for (long i = 0; i < D; i++) y[r * ldy + i] = (uint32_t)table[index[r] * ld + i] << 16;
+  return 0;
+}
+
 // New keys and values (R rows, Hkv heads of D each, a row every `ld` elements) into the cache's slots start .. start
 // + R - 1, read from *start (the cache's length) when the call runs: each layer's cache is (Hkv, S, D) contiguous.
 // a: k, v, ld, R, Hkv, D, cache_k, cache_v, S, start (int64 *), size

@@ -149,7 +149,7 @@ class Execution:
         replayed (nothing but kernels runs in it)."""
         if not layout.on_kernels:
             return _result(*self.module(tokens, cache, layout, options), options)
-        self.rope = covering(self.rope, cache.slots, self.module.config, self.module.model.embed_tokens.weight.dtype)
+        self.rope = covering(self.rope, cache.slots, self.module.config, self.module.dtype)
         layout, options = replace(layout, rope=self.rope), replace(options, positions=as_index(options.positions))
         if not self.capture:
             return _result(*self.module(tokens, cache, layout, options), options)

@@ -136,6 +136,12 @@ class LlamaForCausalLM(nn.Module):
         self.own_kernels = False
         self.own_attention = False
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: its final norm's, which is its embedding table's too but in a quantized twin of a
+        bfloat16 model (models/twin.py), which shares the bfloat16 table and runs in float32."""
+        return self.model.norm.weight.dtype
+
     def vocab_head(self, ids: torch.Tensor) -> VocabHead:
         """An LM head over the tokens `ids` (N,) only: their rows of this model's head, packed as it is."""
         ids = ids.to(torch.int64, copy=True).contiguous()  # its own: programs point into it
@@ -163,10 +169,10 @@ class LlamaForCausalLM(nn.Module):
         if layout is None:
             layout = AttentionMask(options.mask, causal=options.mask is None)
         if layout.on_kernels:  # one sequence: rows of the embedding and rotary tables by verispec's kernel
-            x = kernels.gather(self.model.embed_tokens.weight, tokens[0])[None]  # (1, T, D)
+            x = kernels.gather(self.model.embed_tokens.weight, tokens[0], self.dtype)[None]  # (1, T, D)
             cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
         else:
-            x = self.model.embed_tokens(tokens)  # (B, T, D)
+            x = self.model.embed_tokens(tokens).to(self.dtype)  # (B, T, D)
             cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
             if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
                 cos, sin = cos[:, None], sin[:, None]

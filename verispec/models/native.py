@@ -69,12 +69,11 @@ class NativeModel:
         self.exact = exact
         # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
         self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
-                                         greedy_chains=True, vocab_heads=True)
+                                         greedy_chains=True, vocab_heads=True, twins=True)
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
-        param = next(module.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = module.model.norm.weight.device, module.dtype  # (the activations')
         self.execution = Execution(module)
 
     def pack(self, rows: int, own_kernels: bool | None = None) -> None:

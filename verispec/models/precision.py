@@ -129,14 +129,16 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
     mlp.down = PackedLinear([mlp.down_proj], rows, own_kernels)
 
 
-def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None) -> None:
+def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None
+               ) -> None:
     """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
     (see `pack_block`). `own_kernels` (by default `kernels.chosen`: where this machine has them and torch runs one
-    thread): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention."""
-    param = module.model.embed_tokens.weight  # the activations' dtype (the LM head may be quantized)
+    thread): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention.
+    `head`: the LM head packed already (a quantized twin's, which is its target's: models/twin.py)."""
+    param = module.model.norm.weight  # the activations' dtype (the LM head may be quantized)
     module.own_kernels = kernels.chosen(param.dtype, param.device) if own_kernels is None else own_kernels
     for block in module.model.layers:
         pack_block(block, rows, module.own_kernels)
     module.own_attention = module.model.layers[0].self_attn.own_attention if module.model.layers else False
     module.model.norm.own_kernel = module.own_kernels
-    module.head = PackedLinear([module.lm_head], rows, module.own_kernels)
+    module.head = head or PackedLinear([module.lm_head], rows, module.own_kernels)

@@ -29,6 +29,9 @@ class Capabilities:
     # `vocab_head(ids)`: an LM head over some tokens only (a reduced draft vocabulary), which a forward (`head=`),
     # `forward_batch` and `greedy_chain` (`among`) then run in place of the whole one: logits over those tokens
     vocab_heads: bool = False
+    # its weights are a `LlamaForCausalLM` (`module`) that `models.twin.quantized_twin` can make a quantized twin of,
+    # a second model that drafts for it (self-speculation)
+    twins: bool = False
 
 
 class Cache(Protocol):
