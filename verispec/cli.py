@@ -25,7 +25,7 @@ from verispec.generate import generate, stream
 from verispec.grammar import Grammar, grammar_option
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
-from verispec.models.default import MODELS, default_paths
+from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths
 from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
@@ -438,6 +438,14 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)
+    elif args.what == "distill" or (args.what == "eagle" and _other_target(args.target)):
+        from verispec.train.target_heads import distill_answers, train_target_head
+
+        if args.what == "eagle":
+            folder = train_target_head(runs, Path(args.target), cfg)
+        else:
+            shard, shards = _shard(args.shard)
+            folder = distill_answers(runs, Path(_needs_target(args.target)), args.prompts, shard, shards)
     elif args.what in ("eagle", "medusa"):
         from verispec.train.eagle import train_eagle
         from verispec.train.medusa import train_medusa
@@ -447,6 +455,28 @@ def _train(args: argparse.Namespace) -> None:
     else:
         folder = train_draft(runs / "draft", runs / "target" / "model", cfg)
     print(f"exported {folder}")
+
+
+def _other_target(target: str | None) -> bool:
+    """Whether `train --target` names a target other than the shipped one (a real model, trained on its own answers)."""
+    return target is not None and Path(target).resolve() != DEFAULT_TARGET.resolve()
+
+
+def _needs_target(target: str | None) -> str:
+    if target is None:
+        raise InvalidArgumentError("train distill needs the target whose answers it records (--target FILE.gguf|DIR)")
+    return target
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """--shard I/N: 0 <= I < N."""
+    try:
+        shard, shards = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(f"--shard takes I/N, e.g. 0/2, got {text!r}") from None
+    if not 0 <= shard < shards:
+        raise InvalidArgumentError(f"--shard {text}: I must be at least 0 and below N")
+    return shard, shards
 
 
 def _export(args: argparse.Namespace) -> None:
