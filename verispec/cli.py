@@ -428,6 +428,18 @@ def _train(args: argparse.Namespace) -> None:
         numbers = write_cards(*(load_model(m) for m in models), *models, runs / "target", runs / "draft")
         print(json.dumps(numbers, indent=2))
         return
+    if args.what == "eagle-card" and _other_target(args.target):
+        from verispec.bench.suite import read_suite
+        from verispec.train.head_cards import write_eagle3_card
+
+        if not args.questions:
+            raise InvalidArgumentError("train eagle-card for this target measures on Spec-Bench questions: give "
+                                       "--questions FILE (a question.jsonl)")
+        target = load(args.target, "native", "cpu", "auto", exact=True)
+        numbers = write_eagle3_card(target, _chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
+                                    read_suite(Path(args.questions)), args.questions)
+        print(json.dumps(numbers, indent=2))
+        return
     if args.what in ("eagle-card", "medusa-card"):
         from verispec.train.head_cards import write_eagle_card, write_medusa_card
 

@@ -39,6 +39,15 @@ def answered(file: Path) -> set[str]:
     return keys
 
 
+def _drop_partial_line(file: Path) -> None:
+    """Cut a last line that a kill left without its newline, so that the next answer starts a line of its own."""
+    if not file.is_file():
+        return
+    data = file.read_bytes()
+    if data and not data.endswith(b"\n"):
+        file.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
 def conversation(target: CausalLM, template: ChatTemplate, prompt: Prompt, max_new_tokens: int) -> dict:
     """The conversation of one prompt, each user turn answered greedily: its turns, answers and token ids (the
     rendered conversation up to the last answer, which is followed by the end-of-turn token where it ended)."""
@@ -58,6 +67,7 @@ def distill(target: CausalLM, template: ChatTemplate, prompts: list[Prompt], fol
     """Answer this shard's prompts (every `shards`-th from `shard`) not yet in its file, appending one line each."""
     folder.mkdir(parents=True, exist_ok=True)
     file = answers_file(folder, shard, shards)
+    _drop_partial_line(file)
     done, start, tokens = answered(file), time.perf_counter(), 0
     todo = [p for i, p in enumerate(prompts) if i % shards == shard and p.key not in done]
     for n, prompt in enumerate(todo, 1):

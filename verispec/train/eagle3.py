@@ -112,7 +112,7 @@ def eagle3_loss(target: LlamaForCausalLM, steps: int = STEPS):
     return loss
 
 
-def agreement_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: int, windows: int = 16):
+def agreement_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: int, windows: int = 8):
     """Top-1 agreement of the head's draft with the target's own choice (over the whole vocabulary) at each depth of
     drafting, on fixed validation windows: depth d is step d - 1 of the training-time test."""
     batch = even_windows(tokens, windows, seq_len)

@@ -83,7 +83,7 @@ def tidy(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
-ROLE = re.compile(r":[a-z:]+:`(?:[^`<]*<)?~?([^`>]*)>?`")  # :func:`name` and :ref:`text <target>` -> their text
+ROLE = re.compile(r":[a-z:]+:`~?([^`<]*?)\s*(?:<[^`>]*>)?`")  # :func:`name` and :ref:`text <target>` -> their text
 
 
 def rst_text(source: str) -> str:

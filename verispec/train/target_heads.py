@@ -64,5 +64,6 @@ def train_target_head(runs: Path, target_path: Path, cfg: TrainConfig, steps: in
     if not ids_file.exists():
         np.save(ids_file, frequent_tokens(train_tokens, target.config.vocab_size, draft_vocab).numpy())
     ids = torch.from_numpy(np.load(ids_file))
-    extra = {"target_match": target_identity(target_path), "training_tokens": sizes}
+    extra = {"target_match": target_identity(target_path), "training_tokens": sizes,
+             "training_time_test_steps": steps}
     return train_eagle3(run_dir, module, target.name, train_tokens, val_tokens, ids, cfg, steps, extra)
