@@ -12,11 +12,13 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from verispec import generate
+from verispec.bench.methods import our_methods
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.models.default import shipped_head_for
 from verispec.models.fingerprint import gguf_fingerprint
 from verispec.errors import CheckpointError, InvalidArgumentError
+from verispec.models.eagle import EagleHead, head_config
 from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
@@ -67,9 +69,14 @@ def test_it_reads_the_fused_blocks_and_takes_no_other_vocabulary(deep, head) -> 
         Eagle(head, 4, torch.arange(10))
 
 
-def test_training_time_test_is_what_drafting_computes(deep, head) -> None:
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_training_time_test_is_what_drafting_computes(deep, head, kind) -> None:
     """Step j of the unrolled head at position i equals drafting j tokens after the true features up to i - j: the
-    head's cache fed with the target's fused features, then its own outputs fed back one by one."""
+    head's cache fed with the target's features (fused, or the final one for an EAGLE-1 head), then its own outputs
+    fed back one by one."""
+    if kind == "eagle1":
+        torch.manual_seed(2)
+        head = EagleHead(head_config(deep.config)).eval().requires_grad_(False)
     tokens = torch.tensor([PROMPT + [7, 8, 9, 10, 11, 12]])
     _, hidden = deep(tokens[:, :-1], deep.new_cache(), hidden=list(head.feature_layers))
     features = hidden[:, :, :].flatten(2)[:, :-1]  # (1, T, 3D): g_i for i < T
@@ -166,5 +173,7 @@ def test_the_shipped_head_is_found_by_the_files_metadata_not_its_path(gguf_files
     assert (default.k, default.tree) == (5, (2, 8))  # the folder's measured best
     chain = build_drafter(Method("eagle", 3), Resources(target=target, head_dir=folder))
     assert (chain.k, chain.tree) == (3, None)
+    assert Method("eagle") in our_methods(None, eagle=True, eagle_default=True)  # the bench's row for the default
+    assert Method("eagle") not in our_methods(None, eagle=True)
     with pytest.raises(InvalidArgumentError, match="its own 50-token vocabulary"):
         build_drafter(Method("eagle", 3, {"draft_vocab": 20}), Resources(target=target, head_dir=folder))

@@ -25,7 +25,8 @@ from verispec.generate import generate, stream
 from verispec.grammar import Grammar, grammar_option
 from verispec.models.auto import load
 from verispec.models.protocol import CausalLM
-from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths
+from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths, shipped_head_for
+from verispec.models.gguf_file import is_gguf
 from verispec.models.native import auto_dtype, load_model, own_kernels_run
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.sampling import SamplingParams
@@ -384,6 +385,8 @@ def _bench(args: argparse.Namespace) -> None:
         shipped = {kind: MODELS / f"stdlib-{kind}" for kind in ("eagle", "medusa")}
         shipped = {kind: folder if (folder / "config.json").is_file() else None for kind, folder in shipped.items()}
         args.head, args.medusa_head = args.head or shipped["eagle"], args.medusa_head or shipped["medusa"]
+    if args.target is not None and args.head is None and is_gguf(args.target):  # the head shipped for its model
+        args.head = shipped_head_for(Path(args.target), "eagle")
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.profile:

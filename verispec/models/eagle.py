@@ -71,6 +71,15 @@ class EagleHead(nn.Module):
         c = self.config
         return KVCache(1, 1, c.num_key_value_heads, max_len, c.dim_per_head, dtype, device)
 
+    @property
+    def layer(self) -> Block:
+        return self.layers[0]
+
+    def step_inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer's attention reads, and its residual: fc([embedding; feature]), both (training's view)."""
+        x = self.fc(torch.cat((embeddings, features), dim=-1))
+        return x, x
+
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache | None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features (B, T, D) from features f_i (B, T, D) and the next tokens' embeddings (B, T, D).

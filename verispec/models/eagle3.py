@@ -89,6 +89,15 @@ class Eagle3Head(nn.Module):
         c = self.config
         return KVCache(1, 1, c.num_key_value_heads, max_len, c.dim_per_head, dtype, device)
 
+    @property
+    def layer(self) -> Eagle3Layer:
+        return self.midlayer
+
+    def step_inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer's attention reads ([norm(embedding); norm(feature)]), and its residual (the feature)."""
+        h = self.fuse(features)
+        return self.midlayer.inputs(h, embeddings), h
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features (..., len(layers) * D) mixed into the head's (..., D); its own pass through."""
         return self.fc(features) if features.shape[-1] != self.config.hidden_size else features

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from verispec.models.eagle3 import Eagle3Head, feature_layers, save_eagle3
-from verispec.models.eagle import head_config
+from verispec.models.eagle import EagleHead, head_config
 from verispec.models.layout import apply_rotary, rotary
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions
@@ -42,7 +43,7 @@ def target_view(target: LlamaForCausalLM, batch: torch.Tensor, layers: tuple[int
                                                                   logits_from=batch.shape[1]))
         weight = target.lm_head.weight if full else target.lm_head.weight[vocab]
         logits = F.linear(states[-1], weight)
-    return torch.cat(states[:-1], dim=-1), logits.float()
+    return torch.cat(states[:-1], dim=-1).float(), logits.float()  # float32: the head's dtype outside autocast
 
 
 def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -69,23 +70,26 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     return out
 
 
-def unrolled(head: Eagle3Head, features: torch.Tensor, embeddings: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The head's outputs (B, T, D) at each of `steps` training-time-test steps, from the target's fused features
-    (B, T, 3D) and the next tokens' embeddings (B, T, D) (see the module's docstring)."""
-    layer, attn = head.midlayer, head.midlayer.self_attn
+def unrolled(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: torch.Tensor,
+             steps: int) -> list[torch.Tensor]:
+    """The head's outputs (B, T, D) at each of `steps` training-time-test steps, from the target's features (B, T,
+    3D fused for an EAGLE-3 head, D final-normed for an EAGLE-1 one) and the next tokens' embeddings (B, T, D) (see
+    the module's docstring)."""
+    layer = head.layer
+    attn = layer.self_attn
     B, T, _ = embeddings.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
     cos, sin = rotary(torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype)
-    h, keys, values, outputs = head.fuse(features), [], [], []
+    h, keys, values, outputs = features, [], [], []
     for j in range(steps):
-        x = layer.inputs(h, embeddings)
+        x, residual = head.step_inputs(h, embeddings)
         q = apply_rotary(attn.q_proj(x).view(B, T, H, d).transpose(1, 2), cos, sin)
         k = apply_rotary(attn.k_proj(x).view(B, T, Hkv, d).transpose(1, 2), cos, sin)
         v = attn.v_proj(x).view(B, T, Hkv, d).transpose(1, 2)
         keys.append(k.repeat_interleave(H // Hkv, dim=1))
         values.append(v.repeat_interleave(H // Hkv, dim=1))
         y = _attend(q, keys, values).transpose(1, 2).reshape(B, T, H * d)
-        mid = h + attn.o_proj(y)
+        mid = residual + attn.o_proj(y)
         out = layer.mlp(layer.post_attention_layernorm(mid), residual=mid)
         outputs.append(out)
         h = _shift(out, 1)  # step j + 1 at position i reads step j's output at i - 1
@@ -95,19 +99,25 @@ def unrolled(head: Eagle3Head, features: torch.Tensor, embeddings: torch.Tensor,
 def _inputs(head: Eagle3Head, target: LlamaForCausalLM, batch: torch.Tensor, full: bool = False):
     features, logits = target_view(target, batch, head.feature_layers, head.own_vocab, full)
     with torch.no_grad():
-        embeddings = target.model.embed_tokens(batch[:, 1:-1])  # x_{i+1} for i < L - 1
+        embeddings = target.model.embed_tokens(batch[:, 1:-1]).float()  # x_{i+1} for i < L - 1
     return features[:, :-1], embeddings, logits[:, 1:]  # logits[:, i]: the target's guess of x_{i+2}
+
+
+def ttt_loss(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: torch.Tensor, p: torch.Tensor,
+             steps: int, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The training-time test's loss: each step's cross-entropy to the target's distribution `p` (B, T, N) over the
+    draft vocabulary, by the logits `logits_of` gives its outputs, step j weighted DECAY**j."""
+    total = 0.0
+    for j, out in enumerate(unrolled(head, features, embeddings, steps)):
+        log_q = F.log_softmax(logits_of(out[:, j:]).float(), -1)
+        total = total + DECAY ** j * -(p[:, j:] * log_q).sum(-1).mean()
+    return total / sum(DECAY ** j for j in range(steps))
 
 
 def eagle3_loss(target: LlamaForCausalLM, steps: int = STEPS):
     def loss(head: Eagle3Head, batch: torch.Tensor) -> torch.Tensor:
         features, embeddings, logits = _inputs(head, target, batch)
-        p = F.softmax(logits, -1)
-        total = 0.0
-        for j, out in enumerate(unrolled(head, features, embeddings, steps)):
-            log_q = F.log_softmax(head.logits(out[:, j:]).float(), -1)
-            total = total + DECAY ** j * -(p[:, j:] * log_q).sum(-1).mean()
-        return total / sum(DECAY ** j for j in range(steps))
+        return ttt_loss(head, features, embeddings, F.softmax(logits, -1), steps, head.logits)
 
     return loss
 

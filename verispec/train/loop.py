@@ -83,6 +83,9 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     step, elapsed, seen = 0, 0.0, 0
+    # Heads trained side by side in one ModuleDict (sharing a target's forward) each clip their own gradient, as alone
+    parts = list(model.values()) if isinstance(model, torch.nn.ModuleDict) else [model]
+    clip_groups = [list(part.parameters()) for part in parts]
     generator = torch.Generator().manual_seed(cfg.seed)
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
@@ -108,7 +111,8 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = loss_fn(model, batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in clip_groups:
+            torch.nn.utils.clip_grad_norm_(group, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
