@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as GGML
 
 from verispec import generate
 from verispec.bench.methods import our_methods
+from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.models.default import shipped_head_for
@@ -23,6 +24,7 @@ from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.train.eagle3 import agreement_evaluator, eagle3_loss, new_head, unrolled
+from verispec.threads import torch_threads
 from verispec.train.loop import TrainConfig, train
 
 from tests.gguf_files import by_name, gguf_config, write_gguf
@@ -177,3 +179,25 @@ def test_the_shipped_head_is_found_by_the_files_metadata_not_its_path(gguf_files
     assert Method("eagle") not in our_methods(None, eagle=True)
     with pytest.raises(InvalidArgumentError, match="its own 50-token vocabulary"):
         build_drafter(Method("eagle", 3, {"draft_vocab": 20}), Resources(target=target, head_dir=folder))
+
+
+def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(gguf_files, tmp_path, monkeypatch,
+                                                                            capsys) -> None:
+    """`verispec generate --target FILE.gguf --method eagle`: the head under models/ made for that file's model, by
+    its metadata, drafting its folder's default; a file of another model is told to pass --head."""
+    import verispec.models.default as default
+
+    q8, q4, tuned = gguf_files
+    target = load_model(q8)
+    save_eagle3(new_head(target.module, torch.arange(200)), tmp_path / "tiny-eagle3", target.name,
+                {"target_match": gguf_fingerprint(q8), "method": {"k": 3}})
+    monkeypatch.setattr(default, "MODELS", tmp_path)
+    argv = ["generate", "hello", "--method", "eagle", "--max-new-tokens", "12", "--ignore-eos", "--compare",
+            "--color", "never"]
+    with torch_threads(1):
+        assert main([*argv, "--target", str(q4)]) == 0
+        out = capsys.readouterr().out
+        assert "identical to autoregressive: yes" in out
+        assert len(next(line for line in out.splitlines() if "by position:" in line).split(":")[-1].split()) == 3
+        assert main([*argv, "--target", str(tuned)]) == 2
+    assert "--head DIR" in capsys.readouterr().err

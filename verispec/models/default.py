@@ -34,11 +34,11 @@ def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = 
     return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)
 
 
-def shipped_head_for(target: Path, kind: str, models: Path = MODELS) -> Path | None:
+def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
     """The head of `kind` under `models/` made for the GGUF file `target`: the one whose config.json
     (verispec.target_match) holds the file's fingerprint (models/fingerprint.py), never matched by path."""
     identity = gguf_fingerprint(target)
-    for folder in sorted(models.iterdir()):
+    for folder in sorted((models or MODELS).iterdir()):
         section = head_section(folder) if folder.is_dir() else {}
         if section.get("drafter") == kind and section.get("target_match") == identity:
             return folder
