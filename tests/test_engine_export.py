@@ -14,12 +14,15 @@ from safetensors import safe_open
 
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
-from verispec.errors import CheckpointError
+from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.default import DEFAULT_DRAFT, MODELS
 from verispec.models.draft_vocab import OLD_VOCAB_FILE, VOCAB_FILE, load_draft_vocab
 from verispec.models.eagle import load_head
+from verispec.models.eagle3 import is_eagle3
 from verispec.models.eagle_export import TOKEN_MAP_DIR, export_eagle
 from verispec.models.native import load_model
+from verispec.models.eagle3 import save_eagle3
+from verispec.train.eagle3 import new_head
 
 from drafting import start_session
 
@@ -44,7 +47,7 @@ def expected_shapes(spec: dict, config: dict) -> dict[str, tuple[int, ...]]:
     d, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or d // heads
     symbols = {"D": d, "F": config["intermediate_size"], "Q": heads * head_dim, "V": config["vocab_size"],
-               "KV": config.get("num_key_value_heads", heads) * head_dim}
+               "KV": config.get("num_key_value_heads", heads) * head_dim, "N": config.get("draft_vocab_size")}
     names = dict(spec["weights"]) | ({} if config.get("tie_word_embeddings") else spec.get("weights_untied", {}))
     shapes = {}
     for name, dims in names.items():
@@ -144,3 +147,29 @@ def test_an_older_folder_keeps_its_draft_vocabulary_at_the_top_level(tmp_path) -
     folder.mkdir()
     (folder / OLD_VOCAB_FILE).write_bytes((HEAD / VOCAB_FILE).read_bytes())
     assert torch.equal(load_draft_vocab(folder, 10), load_draft_vocab(HEAD, 10))
+
+
+@pytest.fixture(scope="module")
+def eagle3_folders(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """A random EAGLE-3 head for the shipped target, and every EAGLE-3 head shipped in models/."""
+    target = load_model(MODELS / "stdlib-target")
+    torch.manual_seed(0)
+    random = save_eagle3(new_head(target.module, torch.arange(0, 8192, 4)), tmp_path_factory.mktemp("e3") / "h",
+                         target.name)
+    return [random, *(folder for folder in sorted(MODELS.iterdir()) if is_eagle3(folder))]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_an_eagle3_head_loads_in_both_engines_as_it_is(eagle3_folders, engine, tmp_path) -> None:
+    for folder in eagle3_folders:
+        check_against(folder, loader(f"{engine}-eagle3"))
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+        assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL" and set(dtypes.values()) == {"BF16"}
+        config = json.loads((folder / "config.json").read_text())
+        assert "eagle_aux_hidden_state_layer_ids" not in config  # the engines' defaults, which agree with ours
+        out = export_eagle(folder, tmp_path / folder.name / engine, engine)
+        assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json"}
+        assert (out / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    with pytest.raises(InvalidArgumentError, match="own draft vocabulary"):
+        export_eagle(eagle3_folders[0], tmp_path / "n", engine, draft_vocab=100)

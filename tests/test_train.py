@@ -92,6 +92,22 @@ def test_training_resumes_from_its_state(tmp_path) -> None:
     assert longer["step"] > first["step"] and longer["tokens_seen"] > first["tokens_seen"]
 
 
+def test_a_paused_step_does_not_spend_the_budget(tmp_path, monkeypatch) -> None:
+    """A step during which the process was stopped (SIGSTOP) for an hour counts as a usual step."""
+    import verispec.train.loop as loop
+
+    clock, steps = [0.0], [0]
+
+    def perf_counter() -> float:  # each call a tenth of a second later; the end of the fourth step an hour later
+        clock[0] += 3600.0 if steps[0] == 7 else 0.1
+        steps[0] += 1
+        return clock[0]
+
+    monkeypatch.setattr(loop.time, "perf_counter", perf_counter)
+    _, result = tiny_run(tmp_path, 2.0)  # a budget of two seconds: far less than the pause
+    assert result["step"] > 10 and result["hours"] < 3 / 3600
+
+
 def test_export_loads_natively_and_in_transformers(tmp_path) -> None:
     model, _ = tiny_run(tmp_path / "run", 0.2)
     tok = train_tokenizer(SOURCES.values(), vocab_size=300)

@@ -31,7 +31,7 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.twin import twin_refusal
 from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
-from verispec.models.draft_vocab import default_size
+from verispec.models.draft_vocab import default_size, head_section
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.serve.chat import load_chat_template
@@ -119,10 +119,12 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
     resources = Resources(draft, target_dir, target, head_dir, draft_dir)
     eagle_vocab = default_size(head_dir) if head_dir is not None else 0
+    eagle_default = head_dir is not None and bool(head_section(head_dir).get("method"))  # the folder's own draft
     medusa = options.medusa_dir
     methods = [ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
                for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
                                          eagle_vocab=eagle_vocab, medusa=medusa is not None,
+                                         eagle_default=eagle_default,
                                          medusa_vocab=default_size(medusa) if medusa is not None else 0,
                                          draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
                                          selfquant=twin_refusal(target) is None, skip=skip)]

@@ -78,7 +78,7 @@ SUFFIX_TREE, SUFFIX_EAGLE = {"tree_tokens": 8}, {"eagle_below": 3}
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
                 eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0,
-                selfquant: bool = False, skip: Sequence[int] | None = None) -> list[Method]:
+                selfquant: bool = False, skip: Sequence[int] | None = None, eagle_default: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
     a tree); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
@@ -86,7 +86,9 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
     full one), and then over the full one too (draft_vocab=0), for comparison. `selfquant`: its default (what
-    `--method selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them."""
+    `--method selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them.
+    `eagle_default`: the EAGLE head's folder names its default draft (verispec.method), which gets a row of its own,
+    "eagle" (`--method eagle` alone)."""
     methods = [Method("autoregressive")]
     if draft is not None:
         vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
@@ -101,6 +103,7 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     methods.append(Method("lookahead", None, {"window": 5, "ngram": 4, "candidates": 5}))
     if eagle:
         vocab = {"draft_vocab": eagle_vocab} if eagle_vocab else {}
+        methods += [Method("eagle")] if eagle_default else []
         methods += [Method("eagle", AUTO, vocab), Method("eagle", 4, vocab),
                     Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE | vocab)]
         if eagle_vocab:

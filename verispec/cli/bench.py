@@ -13,7 +13,7 @@ from verispec.cli.inputs import whole_numbers
 from verispec.cli.loading import checked_method, load_models
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError
-from verispec.models.default import MODELS, default_paths
+from verispec.models.default import MODELS, default_paths, shipped_head_for
 from verispec.models.gguf_file import is_gguf
 from verispec.models.native import load_model
 from verispec.threads import set_threads, torch_threads
@@ -37,6 +37,8 @@ def bench_command(args: argparse.Namespace) -> None:
         shipped = {kind: MODELS / f"stdlib-{kind}" for kind in ("eagle", "medusa")}
         shipped = {kind: folder if (folder / "config.json").is_file() else None for kind, folder in shipped.items()}
         args.head, args.medusa_head = args.head or shipped["eagle"], args.medusa_head or shipped["medusa"]
+    if args.target is not None and args.head is None and is_gguf(args.target):  # the head shipped for its model
+        args.head = shipped_head_for(Path(args.target), "eagle")
     # Not the current folder, where a report would litter a checkout; a fresh folder, so runs never mix.
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-"))
     if args.formats:

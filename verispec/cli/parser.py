@@ -134,9 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "$VERISPEC_LLAMA_CPP; neither: no llama.cpp rows); see docs/bench/llama-cpp.md")
     trn = sub.add_parser("train", help="train the default models on the Python standard library (hours; never in CI)")
     trn.add_argument("what", choices=("manifest", "target", "draft", "card", "eagle", "eagle-card", "medusa",
-                                     "medusa-card"),
+                                     "medusa-card", "distill"),
                      help="the corpus manifest, the target, the draft (distilled from RUNS/target/model), the cards, "
-                          "an EAGLE head for --target (RUNS/eagle) or Medusa heads (RUNS/medusa), or their cards")
+                          "an EAGLE head for --target (RUNS/eagle; for a target other than the shipped one an EAGLE-3 "
+                          "head, RUNS/eagle3, on the target's own answers (distill first), prose and code) or Medusa "
+                          "heads (RUNS/medusa), or their cards; distill: --target's answers to instruction prompts "
+                          "(RUNS/distill)")
     trn.add_argument("--runs", default="runs", help="RUNS/target, RUNS/draft and RUNS/eagle hold checkpoints, logs "
                                                     "and exports")
     trn.add_argument("--target", help="eagle, medusa and their cards: the target the heads are for (default: the "
@@ -145,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--batch-size", type=int, default=8)
     trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
                                                  "compute-bound)")
+    trn.add_argument("--questions", metavar="FILE", help="eagle-card for a target other than the shipped one: the "
+                                                         "Spec-Bench question.jsonl its numbers are measured on")
+    trn.add_argument("--prompts", type=int, default=2400, help="distill: how many instruction prompts to answer")
+    trn.add_argument("--shard", default="0/1", help="distill: I/N answers every N-th prompt from the I-th (0-based), "
+                                                    "so that N processes share the work")
     exp = sub.add_parser("export", help="a drafter's folder as a serving engine loads it (docs/scale-out.md)")
     exp.add_argument("what", choices=("eagle",), help="the drafter (the draft model's folder loads as it is)")
     exp.add_argument("out", help="the folder to write")

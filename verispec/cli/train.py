@@ -9,7 +9,7 @@ from pathlib import Path
 
 from verispec.arguments import whole_number
 from verispec.errors import InvalidArgumentError
-from verispec.models.default import MODELS, default_paths
+from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths
 from verispec.models.native import load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.threads import set_threads
@@ -35,6 +35,20 @@ def train_command(args: argparse.Namespace) -> None:
         numbers = write_cards(*(load_model(m) for m in models), *models, runs / "target", runs / "draft")
         print(json.dumps(numbers, indent=2))
         return
+    if args.what == "eagle-card" and _other_target(args.target):
+        from verispec.bench.suite import read_suite
+        from verispec.cli.decode import chat_template
+        from verispec.models.auto import load
+        from verispec.train.head_cards import write_eagle3_card
+
+        if not args.questions:
+            raise InvalidArgumentError("train eagle-card for this target measures on Spec-Bench questions: give "
+                                       "--questions FILE (a question.jsonl)")
+        target = load(args.target, "native", "cpu", "auto", exact=True)
+        numbers = write_eagle3_card(target, chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
+                                    read_suite(Path(args.questions)), args.questions)
+        print(json.dumps(numbers, indent=2))
+        return
     if args.what in ("eagle-card", "medusa-card"):
         from verispec.train.head_cards import write_eagle_card, write_medusa_card
 
@@ -45,6 +59,14 @@ def train_command(args: argparse.Namespace) -> None:
         return
     if args.what == "target":
         folder = train_target(runs / "target", cfg)
+    elif args.what == "distill" or (args.what == "eagle" and _other_target(args.target)):
+        from verispec.train.target_heads import distill_answers, train_target_head
+
+        if args.what == "eagle":
+            folder = train_target_head(runs, Path(args.target), cfg)
+        else:
+            shard, shards = _shard(args.shard)
+            folder = distill_answers(runs, Path(_needs_target(args.target)), args.prompts, shard, shards)
     elif args.what in ("eagle", "medusa"):
         from verispec.train.eagle import train_eagle
         from verispec.train.medusa import train_medusa
@@ -54,6 +76,28 @@ def train_command(args: argparse.Namespace) -> None:
     else:
         folder = train_draft(runs / "draft", runs / "target" / "model", cfg)
     print(f"exported {folder}")
+
+
+def _other_target(target: str | None) -> bool:
+    """Whether `train --target` names a target other than the shipped one (a real model, trained on its own answers)."""
+    return target is not None and Path(target).resolve() != DEFAULT_TARGET.resolve()
+
+
+def _needs_target(target: str | None) -> str:
+    if target is None:
+        raise InvalidArgumentError("train distill needs the target whose answers it records (--target FILE.gguf|DIR)")
+    return target
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """--shard I/N: 0 <= I < N."""
+    try:
+        shard, shards = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(f"--shard takes I/N, e.g. 0/2, got {text!r}") from None
+    if not 0 <= shard < shards:
+        raise InvalidArgumentError(f"--shard {text}: I must be at least 0 and below N")
+    return shard, shards
 
 
 def init_random_command(args: argparse.Namespace) -> None:

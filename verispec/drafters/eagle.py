@@ -16,6 +16,9 @@ SpecInfer's rule (draws without replacement from p) stays lossless.
 `vocab` (optional) restricts the draft's LM head to a subset of frequent tokens (as FR-Spec and EAGLE-3 do): the
 8192-wide LM head is most of the head's cost on a small target, and verification stays exact because the target
 still scores the full vocabulary; a token outside the subset is simply never proposed.
+
+An EAGLE-3 head (models/eagle3.py) drafts the same way from the target's fused low, middle and high features (the
+blocks its `feature_layers` name) and over its own LM head and draft vocabulary (`own_vocab`); a head declares both.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
-from verispec.errors import IncompatibleTargetError
+from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.eagle import EagleHead
+from verispec.models.eagle3 import Eagle3Head
 from verispec.models.linear import matmul_by
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.sampling import constrain, draw
@@ -38,19 +42,24 @@ class Eagle:
     batched = False  # its head's cache and the target's features are one sequence's
     needs = Needs(hidden_states=(FINAL,))
 
-    def __init__(self, head: EagleHead, k: int = 4, vocab: torch.Tensor | None = None,
+    def __init__(self, head: EagleHead | Eagle3Head, k: int = 4, vocab: torch.Tensor | None = None,
                  tree: tuple[int, int] | None = None) -> None:
         self.head, self.k = head, whole_number(k, "k (tokens drafted per step)", 1)
-        self.vocab = None if vocab is None else vocab.to(torch.long)
+        if vocab is not None and head.own_vocab is not None:
+            raise InvalidArgumentError(f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token "
+                                       "vocabulary; it takes no other draft vocabulary")
+        self.vocab = head.own_vocab if vocab is None else vocab.to(torch.long)
         self.tree = None if tree is None else (whole_number(tree[0], "tree top_k", 1),
                                                whole_number(tree[1], "tree total tokens", 1))
         self.width = self.k if tree is None else self.tree[1]
-        self.needs = Needs(hidden_states=(FINAL,), tree_masks=tree is not None)
+        self.needs = Needs(hidden_states=head.feature_layers, tree_masks=tree is not None)
         self._lm_head: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None
 
     def lm_head(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The target's LM head over the draft vocabulary, as a prepacked matmul built once per target weight
-        (packing takes milliseconds: not once per generation)."""
+        """The draft's LM head: the head's own, or the target's over the draft vocabulary as a prepacked matmul
+        built once per target weight (packing takes milliseconds: not once per generation)."""
+        if self.head.own_vocab is not None:
+            return self.head.logits
         if self._lm_head is None or self._lm_head[0] is not weight:
             self._lm_head = weight, matmul_by(weight if self.vocab is None else weight[self.vocab])
         return self._lm_head[1]
@@ -61,6 +70,9 @@ class Eagle:
             raise IncompatibleTargetError(f"this EAGLE head has features of {c.hidden_size} and a vocabulary of "
                                           f"{c.vocab_size}; {target.name} has {target.hidden_size} and "
                                           f"{target.lm_head_weight.shape[0]}")
+        if max(self.head.feature_layers) >= target.num_layers:
+            raise IncompatibleTargetError(f"this EAGLE head reads blocks {list(self.head.feature_layers)}; "
+                                          f"{target.name} has {target.num_layers}")
 
     def begin(self, context: DraftContext) -> EagleSession:
         return EagleSession(self, context)
@@ -76,7 +88,7 @@ class EagleSession:
         self.tree = drafter.tree
         extra = drafter.k * (1 if self.tree is None else self.tree[0])  # the drafts' entries, cut after the verdict
         self.cache = self.head.new_cache(context.cache.max_len + extra, weight.dtype, weight.device)
-        self.features = context.hidden[:, 0]  # (n, D): committed features not yet fed to the head
+        self.features = context.hidden.flatten(1)  # (n, D or 3D): committed features not yet fed to the head
         self._committed = len(context.prompt)
 
     @torch.inference_mode()
@@ -185,4 +197,4 @@ class EagleSession:
     def accepted(self, verdict: Verdict) -> None:
         """Entries built from predicted features go; the verdict's true features wait for the next proposal."""
         self.cache.truncate(min(self.cache.length, self._committed - 1))
-        self.features = torch.cat((self.features, verdict.hidden[:, 0]))
+        self.features = torch.cat((self.features, verdict.hidden.flatten(1)))

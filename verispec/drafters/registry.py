@@ -23,10 +23,11 @@ from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
 from verispec.drafters.selfquant import SelfQuant, skip_option
 from verispec.drafters.suffix import K as SUFFIX_K, SuffixDecoding, SuffixOptions
-from verispec.errors import IncompatibleTargetError, InvalidArgumentError
+from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
-from verispec.models.draft_vocab import head_draft_vocab
+from verispec.models.draft_vocab import head_draft_vocab, head_section
 from verispec.models.eagle import load_head
+from verispec.models.eagle3 import is_eagle3, load_eagle3
 from verispec.models.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.models.quant import FORMATS
@@ -158,12 +159,29 @@ def _selfquant(method: Method, res: Resources) -> SelfQuant:
 def _eagle(method: Method, res: Resources) -> Eagle:
     _reads_features(res, "eagle")
     folder = res.head_dir or default_head(res.target_dir, "eagle")
-    head = load_head(folder, res.target.config, res.target.dtype, res.target.device)
+    own = is_eagle3(folder)  # an EAGLE-3 head, with its own draft vocabulary
+    head = (load_eagle3 if own else load_head)(folder, res.target.config, res.target.dtype, res.target.device)
+    if own and method.options.get("draft_vocab"):
+        raise InvalidArgumentError(f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token vocabulary; "
+                                   "it takes no draft_vocab")
+    if method.k is None and not {"tree_top_k", "tree_tokens"} & set(method.options):
+        method = replace(method, **_head_default(folder, method))  # the setting its card measured best
     tree = method.options.get("tree_top_k"), method.options.get("tree_tokens")
     if (tree[0] is None) != (tree[1] is None):
         raise InvalidArgumentError("an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
                                    "node) and tree_tokens (nodes verified)")
-    return Eagle(head, method.k or 4, _draft_vocab(method, folder), tree=None if tree[0] is None else tree)
+    vocab = None if own else _draft_vocab(method, folder)
+    return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
+
+
+def _head_default(folder: Path, method: Method) -> dict:
+    """A head folder's default draft (config.json's verispec.method: k, and tree_top_k with tree_tokens for a tree),
+    as the fields of `method` it fills in; none where the folder names none."""
+    section = head_section(folder).get("method") or {}
+    if not isinstance(section, dict) or not set(section) <= {"k", "tree_top_k", "tree_tokens"}:
+        raise CheckpointError(f"{folder}/config.json: verispec.method names k, tree_top_k and tree_tokens only")
+    tree = {name: section[name] for name in ("tree_top_k", "tree_tokens") if name in section}
+    return {"k": section.get("k"), "options": method.options | tree}
 
 
 def _suffix(method: Method, res: Resources) -> SuffixDecoding:

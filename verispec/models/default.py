@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 from verispec.errors import CheckpointError
+from verispec.models.draft_vocab import head_section
+from verispec.models.fingerprint import gguf_fingerprint
+from verispec.models.gguf_file import is_gguf
 from verispec.models.native import NativeModel, load_model
 
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
@@ -31,9 +34,27 @@ def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = 
     return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)
 
 
+def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
+    """The head of `kind` under `models/` made for the GGUF file `target`: the one whose config.json
+    (verispec.target_match) holds the file's fingerprint (models/fingerprint.py), never matched by path."""
+    identity = gguf_fingerprint(target)
+    for folder in sorted((models or MODELS).iterdir()):
+        section = head_section(folder) if folder.is_dir() else {}
+        if section.get("drafter") == kind and section.get("target_match") == identity:
+            return folder
+    return None
+
+
 def default_head(target_dir: Path | None, kind: str) -> Path:
-    """The drafting head (`kind` "eagle" or "medusa") shipped for the shipped target; other targets name theirs."""
+    """The drafting head (`kind` "eagle" or "medusa") shipped for the target: the shipped target's own, or one made
+    for a GGUF file's model (`shipped_head_for`); other targets name theirs."""
     folder = MODELS / f"stdlib-{kind}"
+    if target_dir is not None and is_gguf(target_dir):
+        found = shipped_head_for(Path(target_dir), kind)
+        if found is None:
+            raise CheckpointError(f"method {kind} needs its head's folder (--head DIR): no {kind} head in {MODELS} was "
+                                  f"made for the model in {target_dir}")
+        return found
     if target_dir is None or Path(target_dir).resolve() != DEFAULT_TARGET.resolve():
         raise CheckpointError(f"method {kind} needs its head's folder (--head DIR) for a target other than the "
                               f"shipped {DEFAULT_TARGET.name}")

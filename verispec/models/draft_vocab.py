@@ -47,12 +47,21 @@ def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
     return load_file(str(file))["ids"].to(torch.long)[:size]
 
 
+def head_section(folder: str | Path) -> dict:
+    """The `verispec` section of a head folder's config.json (what only verispec reads); empty where there is none."""
+    config = Path(folder) / "config.json"
+    try:
+        section = json.loads(config.read_text()).get("verispec", {}) if config.is_file() else {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{config}: unreadable ({err})") from None
+    return section if isinstance(section, dict) else {}
+
+
 def default_size(folder: str | Path) -> int:
     """The draft vocabulary size a head's folder chooses: `verispec.draft_vocab` in its config.json, set where its
     card measured that drafting over fewer tokens pays; 0 (the full vocabulary) when it does not say."""
     config = Path(folder) / "config.json"
-    section = json.loads(config.read_text()).get("verispec", {}) if config.is_file() else {}
-    size = section.get("draft_vocab", 0) if isinstance(section, dict) else 0
+    size = head_section(folder).get("draft_vocab", 0)
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise CheckpointError(f"{config}: verispec.draft_vocab must be a whole number of tokens (0: all), got "
                               f"{size!r}")

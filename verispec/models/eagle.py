@@ -27,6 +27,7 @@ from verispec.models.captured import replay
 from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
 from verispec.models.llama import Block
 from verispec.models.precision import pack_block
+from verispec.models.protocol import FINAL
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -35,6 +36,9 @@ def head_config(target: ModelConfig) -> ModelConfig:
 
 
 class EagleHead(nn.Module):
+    feature_layers = (FINAL,)  # what it reads of the target: the final-normed feature
+    own_vocab = None  # it drafts through the target's LM head
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -67,6 +71,15 @@ class EagleHead(nn.Module):
         c = self.config
         return KVCache(1, 1, c.num_key_value_heads, max_len, c.dim_per_head, dtype, device)
 
+    @property
+    def layer(self) -> Block:
+        return self.layers[0]
+
+    def step_inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer's attention reads, and its residual: fc([embedding; feature]), both (training's view)."""
+        x = self.fc(torch.cat((embeddings, features), dim=-1))
+        return x, x
+
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache | None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features (B, T, D) from features f_i (B, T, D) and the next tokens' embeddings (B, T, D).
@@ -76,12 +89,7 @@ class EagleHead(nn.Module):
         """
         B, T, _ = features.shape
         start = 0 if cache is None else cache.length
-        if cache is not None:
-            cache.reserve(T)
-        if positions is None:
-            positions = torch.arange(start, start + T, device=features.device)
-        if cache is not None and mask is None and T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=features.device).tril(start)
+        positions, mask = head_layout(features, cache, positions, mask)
         if cache is not None and B == 1 and self.halves is not None and packed_here(features):  # as the target
             visible = visible_slots(mask, T, start, cache.slots, torch.uint8, features.device)
             x = self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
@@ -109,6 +117,20 @@ class EagleHead(nn.Module):
         key = (features.shape[1], tuple(cache.k.shape), cache.k.dtype)
         return replay(self.captured, key, cache, forward, (features, embeddings, positions), rows)[0]
 
+
+
+def head_layout(features: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafting head's forward of T inputs after its cache's entries: room reserved for them, their positions
+    (default: the next T) and mask (default: causal after the cache; none without a cache, in training)."""
+    T, start = features.shape[1], 0 if cache is None else cache.length
+    if cache is not None:
+        cache.reserve(T)
+    if positions is None:
+        positions = torch.arange(start, start + T, device=features.device)
+    if cache is not None and mask is None and T > 1:
+        mask = torch.ones(T, start + T, dtype=torch.bool, device=features.device).tril(start)
+    return positions, mask
 
 
 def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -6,6 +6,9 @@ LM head), but one folder cannot serve both: vLLM's `EagleLlamaForCausalLM` has a
 non-strictly, leaves a missing bias random. The `architectures` each maps differ too. Each export holds one weights
 file at its top level (engines read every top-level `*.safetensors` as weights), verispec's extras in `verispec/`,
 and for SGLang the token map of a reduced draft vocabulary (`--speculative-token-map`).
+
+An EAGLE-3 head's folder is what both engines load as it is (the same names, `LlamaForCausalLMEagle3`, its draft
+vocabulary inside as `d2t`): its export is a copy.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from verispec.errors import InvalidArgumentError
 from verispec.models.checkpoint import read_head
 from verispec.models.draft_vocab import VOCAB_FILE, default_size, load_draft_vocab, vocab_file
 from verispec.models.eagle import without_zero_bias
+from verispec.models.eagle3 import is_eagle3
 
 # The class each engine's registry maps a head's `architectures` to
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -33,6 +37,8 @@ def export_eagle(head_dir: str | Path, out: str | Path, engine: str, draft_vocab
     if engine not in ARCHITECTURES:
         raise InvalidArgumentError(f"no EAGLE export for {engine!r}; choose one of {', '.join(ARCHITECTURES)}")
     head_dir, out = Path(head_dir), Path(out)
+    if is_eagle3(head_dir):
+        return _export_eagle3(head_dir, out, draft_vocab)
     config, weights = read_head(head_dir, "an EAGLE head")
     weights = without_zero_bias(weights, head_dir)
     if engine == "sglang":
@@ -58,3 +64,14 @@ def token_map(ids: torch.Tensor, out: Path) -> Path:
     file.parent.mkdir(exist_ok=True)
     torch.save(ids.to(torch.int64).contiguous(), file)
     return file
+
+
+def _export_eagle3(head_dir: Path, out: Path, draft_vocab: int | None) -> Path:
+    """An EAGLE-3 head's folder, copied: vLLM's `eagle3` method and SGLang's `EAGLE3` read the same files."""
+    if draft_vocab is not None:
+        raise InvalidArgumentError("an EAGLE-3 head carries its own draft vocabulary (d2t); it takes no --draft-vocab")
+    read_head(head_dir, "an EAGLE-3 head")  # refused here, not by the engine, if unreadable
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json"):
+        shutil.copyfile(head_dir / name, out / name)
+    return out

@@ -34,11 +34,13 @@ def head_step_seconds(target: NativeModel, head, vocab: int | None = None, conte
                       repeats: int = 7, width: int = 1) -> float:
     """Median time of one EAGLE drafting step: the head over `width` (feature, token) pairs after `context` cached
     entries (a chain's step is one; an EAGLE-2 tree expands its frontier in one such call), then the target's LM head
-    over its `width` predicted features (its first `vocab` rows: a reduced draft vocabulary)."""
+    over its `width` predicted features (its first `vocab` rows: a reduced draft vocabulary), or the head's own LM
+    head where it has one (EAGLE-3)."""
     feature = torch.zeros(1, width, target.hidden_size, dtype=target.dtype, device=target.device)
     embedding = target.embed(torch.zeros(1, width, dtype=torch.long, device=target.device))
     cache = head.new_cache(context + width, target.dtype, target.device)
-    times, lm_head = [], matmul_by(target.lm_head_weight[:vocab].contiguous())  # as the drafter runs it
+    own = head.own_vocab is not None  # as the drafter runs it
+    times, lm_head = [], head.logits if own else matmul_by(target.lm_head_weight[:vocab].contiguous())
     with torch.inference_mode():
         head(feature[:, :1].expand(1, context, -1), embedding[:, :1].expand(1, context, -1), cache)
         for _ in range(repeats):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,10 +11,13 @@ from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.models.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
 from verispec.models.eagle import load_head
+from verispec.models.eagle3 import load_eagle3
 from verispec.models.medusa import load_heads
 from verispec.models.native import NativeModel
 from verispec.models.timing import head_step_seconds, medusa_step_seconds
 from verispec.train.card import decode_step_time, last_log, measure, validation_prompts
+from verispec.train.eagle3 import STEPS
+from verispec.train.question_measure import first_of_each_category, measure_questions
 
 EAGLE_VOCAB = 2048  # the reduced draft vocabulary a card measures: the most frequent quarter of the shipped tokenizer
 
@@ -115,3 +119,60 @@ def _default_vocab(head_dir: Path) -> str:
     """The draft vocabulary a head's folder chooses (config.json's verispec.draft_vocab), in words."""
     vocab = head_draft_vocab(head_dir, None)
     return "the full vocabulary" if vocab is None else f"its {len(vocab)} most frequent training tokens"
+
+
+# The drafts an EAGLE-3 card measures: a chain of 4 (the issue's), and EAGLE-2 trees (depth, nodes expanded per
+# depth, nodes verified); the best measured becomes the folder's default (`--method eagle` alone).
+EAGLE3_DRAFTS = {"chain k=4": (4, None), "chain k=6": (6, None), "tree 6/2/10": (6, (2, 10)),
+                 "tree 6/3/16": (6, (3, 16)), "tree 8/4/24": (8, (4, 24))}
+
+
+def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path, questions: list[dict],
+                      questions_file: str, per_category: int = 4, max_new_tokens: int = 128) -> dict:
+    """Measure an EAGLE-3 head on Spec-Bench questions (the first `per_category` of each category; every draft in
+    EAGLE3_DRAFTS: acceptance by position, tau, identity, speedup) and the cost of its drafting step; record the
+    fastest draft as the folder's default (config.json verispec.method) and write README.md."""
+    log, head = last_log(run_dir), load_eagle3(head_dir, target.config, target.dtype, target.device)
+    chosen = first_of_each_category(questions, per_category)
+    drafters = {name: Eagle(head, k, tree=tree) for name, (k, tree) in EAGLE3_DRAFTS.items()}
+    numbers = measure_questions(target, render, chosen, drafters, max_new_tokens)
+    step = decode_step_time(target)
+    cost = head_step_seconds(target, head) / step
+    best = max(EAGLE3_DRAFTS, key=lambda name: numbers[name]["speedup"])
+    k, tree = EAGLE3_DRAFTS[best]
+    config = json.loads((head_dir / "config.json").read_text())
+    config["verispec"]["method"] = {"k": k} | ({} if tree is None else {"tree_top_k": tree[0], "tree_tokens": tree[1]})
+    (head_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    numbers |= {"head": log, "draft_cost_ratio": cost, "default": best}
+    rows = "\n".join(f"| {name} | {n['tau']:.2f} | {_by_position(n)} | {n['speedup']:.2f} | "
+                     f"{n['identical_to_autoregressive']:.0%} |" for name in EAGLE3_DRAFTS for n in [numbers[name]])
+    depths = ", ".join(f"{log[key]:.1%}" for key in sorted(log) if key.startswith("val_top1_depth"))
+    sizes = config["verispec"].get("training_tokens", {})
+    (head_dir / "README.md").write_text(
+        f"# verispec EAGLE-3 head for {target.name}\n\n"
+        f"EAGLE-3 draft head (Li et al. 2025): fc over the target's fused low, middle and high features (the residual "
+        f"streams entering blocks {', '.join(str(i + 1) for i in head.feature_layers)}; {3 * head.config.hidden_size} -> "
+        f"{head.config.hidden_size}), one decoder layer over [norm(embedding); norm(feature)], its own final norm and "
+        f"LM head over the {len(head.own_vocab)} tokens most frequent in its training text (`d2t`, `t2d`); "
+        f"{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters, bf16. EAGLE-3's checkpoint layout "
+        f"(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; `architectures: [\"LlamaForCausalLMEagle3\"]`), which "
+        f"vLLM's `eagle3` method and SGLang's `EAGLE3` load as it is (docs/scale-out.md). verispec finds it for a GGUF "
+        f"file of this model by the file's metadata (config.json's `verispec.target_match`).\n\n"
+        f"Training: `verispec train eagle --target FILE.gguf --hours {log['hours']:.2f}` (after `verispec train "
+        f"distill`), features computed on the fly by the frozen target in bfloat16, training-time test over "
+        f"{config['verispec'].get('training_time_test_steps', STEPS)} steps, cross-entropy to the target's next-token distribution over the draft vocabulary: "
+        f"{log['tokens_seen'] / 1e6:.2f}M tokens in {log['hours']:.2f} h of training steps on {os.cpu_count()} CPU "
+        f"cores (one thread, beside other work). Training text, tokens by source (train / validation): "
+        f"{json.dumps(sizes)}; the target's own greedy answers to instruction prompts written for it "
+        f"(verispec/train/prompts.py), prose and dialogue from Debian documentation packages (verispec/train/prose.py, "
+        f"licences there), the standard library's code. Validation top-1 agreement with the target by draft depth: "
+        f"{depths}.\n\n"
+        f"Measured on the Spec-Bench dev questions ({questions_file}: the first {per_category} of each category, "
+        f"{numbers['questions']} questions, {numbers['turns']} turns, each answered up to {max_new_tokens} tokens as "
+        f"the target answers it; greedy, one thread; `verispec train eagle-card --target FILE.gguf --threads 1`). "
+        f"Depth/expanded/verified for trees; speedup is wall-clock against plain decoding, interleaved turn by turn "
+        f"on a shared machine (the bench's report is the place for speed):\n\n"
+        f"| draft | tau | acceptance by position | speedup | identical |\n| --- | --- | --- | --- | --- |\n{rows}\n\n"
+        f"`--method eagle` alone drafts the fastest of these, {best} (config.json verispec.method). One drafting step "
+        f"(the head and its LM head, one token) costs c = {cost:.3f} of a target decoding step (one thread).\n")
+    return numbers

@@ -30,6 +30,9 @@ class TrainConfig:
     bf16: bool = True  # autocast matmuls to bfloat16 (weights and optimizer stay float32): AMX makes them ~8x faster
 
 
+PAUSED = 5.0  # a step that takes this many times the usual counts as the usual: the run was paused, not training
+
+
 def init_weights(model: LlamaForCausalLM) -> None:
     """GPT-2 style: N(0, 0.02), residual projections scaled down by the depth, norms at one."""
     depth = model.config.num_hidden_layers
@@ -66,7 +69,9 @@ def learning_rate(cfg: TrainConfig, step: int, progress: float) -> float:
 def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens: np.ndarray,
           loss_fn: Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor],
           evaluate: Callable[[LlamaForCausalLM], dict]) -> dict:
-    """Train until `cfg.hours` of training time have passed in total, resuming from `run_dir/state.pt`.
+    """Train until `cfg.hours` of training time have passed in total, resuming from `run_dir/state.pt`. A step
+    that takes more than PAUSED times the usual (the process was stopped with SIGSTOP, or starved) counts as that, so
+    that pausing a run does not spend its budget.
 
     Every `eval_every_minutes` it evaluates, appends a line to `run_dir/log.jsonl` and saves its state
     (model, optimizer, step, time, tokens seen), so a killed run loses at most that much work.
@@ -78,6 +83,9 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     step, elapsed, seen = 0, 0.0, 0
+    # Heads trained side by side in one ModuleDict (sharing a target's forward) each clip their own gradient, as alone
+    parts = list(model.values()) if isinstance(model, torch.nn.ModuleDict) else [model]
+    clip_groups = [list(part.parameters()) for part in parts]
     generator = torch.Generator().manual_seed(cfg.seed)
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
@@ -92,6 +100,7 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
         else:
             generator.manual_seed(cfg.seed + step)
     budget, last_eval, loss_sum, loss_steps = cfg.hours * 3600, elapsed, 0.0, 0
+    typical = None  # a step's usual seconds: a step far longer was paused (SIGSTOP) or stalled, not training
     model.train()
     while elapsed < budget:
         t0 = time.perf_counter()
@@ -102,10 +111,13 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = loss_fn(model, batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in clip_groups:
+            torch.nn.utils.clip_grad_norm_(group, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step, seen, elapsed = step + 1, seen + batch[:, 1:].numel(), elapsed + time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        typical = seconds if typical is None else 0.9 * typical + 0.1 * min(seconds, PAUSED * typical)
+        step, seen, elapsed = step + 1, seen + batch[:, 1:].numel(), elapsed + min(seconds, PAUSED * typical)
         loss_sum, loss_steps = loss_sum + float(loss.detach()), loss_steps + 1
         if elapsed - last_eval >= cfg.eval_every_minutes * 60 or elapsed >= budget:
             model.eval()
