@@ -25,7 +25,7 @@ from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams
 
 from drafting import start_session
-from test_cross_vocab import byte_bpe
+from vocabularies import byte_bpe
 from test_verify import P_VALUE_MIN, compare
 
 # "!", '"' and "#" and the target's merge '!"'; the draft merges otherwise. Both end with <|endoftext|>.
