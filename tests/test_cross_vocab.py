@@ -5,6 +5,7 @@ enumerable pair are in test_cross_vocab_sampling.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, translation_fo
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter, check_method
 from verispec.errors import TokenizerMismatchError
+from verispec.models.auto import load
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import load_model
 from verispec.retokenize import DraftText, Encoder
@@ -57,7 +59,8 @@ def test_byte_level_pieces_are_what_the_tokenizer_decodes() -> None:
 def sentencepiece_style() -> Tokenizer:
     """SentencePiece's spelling in a BPE: "▁" for a space, "<0xNN>" for a raw byte (byte fallback), <s> special."""
     vocab = {"<unk>": 0, "<0x41>": 1, "<0xE2>": 2, "A": 3, "▁A": 4, "B": 5, "▁AB": 6, "▁": 7}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "A"), ("▁A", "B")], unk_token="<unk>", byte_fallback=True))
+    merges = [("▁", "A"), ("▁A", "B")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
@@ -138,6 +141,30 @@ def test_both_ways_decode_exactly_what_the_target_does(target, twin, truth, name
         runs = [generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, temperature=temperature,
                          seed=5).tokens for _ in range(2)]
         assert runs[0] == runs[1] and len(runs[0]) == N and max(runs[0]) < target.vocab_size
+
+
+@pytest.mark.parametrize("way", [INTERSECTION, REENCODE])
+def test_a_transformers_draft_drafts_both_ways_a_forward_at_a_time(target, twin_dir, truth, way) -> None:
+    """Through transformers the draft has no greedy chains nor LM heads over part of the vocabulary: the intersection
+    takes the shared tokens' logits from the whole head, re-encoding drafts a forward at a time."""
+    draft = load(twin_dir, backend="transformers")
+    assert not (draft.capabilities.greedy_chains or draft.capabilities.vocab_heads)
+    drafter = build_drafter(Method("draft", 3, {"vocab_map": way}), Resources(draft=draft, target=target))
+    out = generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True)
+    assert out.tokens == truth and out.stats.accepted > N // 4
+
+
+@pytest.mark.parametrize("way", [INTERSECTION, REENCODE])
+def test_both_ways_under_a_grammar_decode_what_the_constrained_target_does(target, twin, way) -> None:
+    """The grammar is the target's: the intersection's q is masked by it over the target's ids, re-encoded proposals
+    are cut where it forbids them."""
+    drafter = build_drafter(Method("draft", 3, {"vocab_map": way}), Resources(draft=twin, target=target))
+    pattern = r"(ab|cd)[0-9]{2,4}-[xyz]+q"
+    out = generate(target, PROMPT, drafter, max_new_tokens=16, regex=pattern)
+    assert out.tokens == generate(target, PROMPT, max_new_tokens=16, regex=pattern).tokens
+    sampled = [generate(target, PROMPT, drafter, max_new_tokens=16, regex=pattern, temperature=1.0, seed=seed)
+               for seed in range(3)]
+    assert all(re.fullmatch(pattern, s.text) or s.stop_reason == "max_new_tokens" for s in sampled)
 
 
 def test_intersection_drafts_the_targets_ids_of_shared_tokens(target, twin) -> None:

@@ -128,8 +128,8 @@ def _applies(shared: VocabMap, tree: bool) -> dict[str, str]:
 def _ways_line(shared: VocabMap, tree: bool) -> str:
     """What a mismatch error says would work."""
     share = len(shared) / shared.target_size
-    says = {INTERSECTION: f"vocab_map intersection (--vocab-map intersection) would draft among the {len(shared)} tokens "
-                          f"both share ({share:.1%} of the target's {shared.target_size}), lossless under greedy "
+    says = {INTERSECTION: "vocab_map intersection (--vocab-map intersection) would draft among the "
+                          f"{len(shared)} tokens both share ({share:.1%} of the target's {shared.target_size}), lossless under greedy "
                           "decoding and sampling",
             REENCODE: "vocab_map reencode (--vocab-map reencode) would re-encode the draft's greedy text into the "
                       "target's tokens (chains; lossless under greedy decoding and, as a one-hot guess, sampling)"}

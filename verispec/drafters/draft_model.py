@@ -82,7 +82,8 @@ class DraftModel:
         if self.translation is not None:
             self.translation.check(target)
         elif not same_tokenizer(target, self.model):
-            if self.model.tokenizer.get_vocab(with_added_tokens=True) == target.tokenizer.get_vocab(with_added_tokens=True):
+            vocabs = (m.tokenizer.get_vocab(with_added_tokens=True) for m in (target, self.model))
+            if next(vocabs) == next(vocabs):  # one tokenizer, tables of different sizes
                 raise TokenizerMismatchError(f"draft {self.model.name} has {self.model.vocab_size} usable tokens, "
                                              f"target {target.name} {target.vocab_size}")
             raise mismatch_error(target, self.model, tree=self.branch > 1)

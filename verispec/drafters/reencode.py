@@ -51,7 +51,8 @@ class ReencodeSession:
             if self.head is None:
                 out.append(int(argmax(self.model(x, self.cache, logits_to_keep=1)[0, -1, : self.model.vocab_size])))
             else:
-                out.append(int(self.head.ids[argmax(self.model(x, self.cache, head=self.head, logits_to_keep=1)[0, -1])]))
+                logits = self.model(x, self.cache, head=self.head, logits_to_keep=1)[0, -1]
+                out.append(int(self.head.ids[argmax(logits)]))
             x = torch.tensor([out[-1:]], device=self.model.device)
         return out
 
