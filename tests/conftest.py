@@ -13,6 +13,8 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, random_pair, tiny_config
 from verispec.reference import full_lm_forward, load_params
 
+from vocabularies import twin_checkpoint
+
 
 @pytest.fixture(scope="session")
 def pair_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
@@ -38,6 +40,12 @@ def draft(pair_dirs: tuple[Path, Path]) -> NativeModel:
 @pytest.fixture(scope="session")
 def unrelated(unrelated_dir: Path) -> NativeModel:
     return load_model(unrelated_dir)
+
+
+@pytest.fixture(scope="session")
+def twin_dir(tmp_path_factory: pytest.TempPathFactory, pair_dirs: tuple[Path, Path]) -> Path:
+    """The pair's draft with another tokenizer (vocabularies.py)."""
+    return twin_checkpoint(pair_dirs[1], tmp_path_factory.mktemp("twin"))
 
 
 @pytest.fixture

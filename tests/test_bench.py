@@ -183,6 +183,22 @@ def test_exact_mode_rows_match_autoregressive_in_bfloat16(tmp_path, pair_dirs) -
     assert "(bfloat16 exact mode): 100%" in (tmp_path / "report.md").read_text()
 
 
+def test_a_draft_with_another_tokenizer_gets_both_ways_and_the_overlap(tmp_path, pair_dirs, twin_dir) -> None:
+    """The draft-model rows of a draft with another tokenizer draft among the shared tokens and by re-encoding, both
+    exact; the report gives the vocabularies' overlap and the float64 check runs the intersection."""
+    rows = ["draft k=4 vocab_map=intersection", "draft k=auto vocab_map=reencode",
+            "draft k=4 vocab_map=intersection branch=2"]
+    summary = run_bench(pair_dirs[0], twin_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
+                        BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive", *rows]))
+    assert list(summary) == ["autoregressive", *rows]
+    assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
+    info = json.loads((tmp_path / "results.json").read_text())["info"]
+    assert info["vocab_overlap"] == {"shared": 257, "target_vocab": 257, "draft_vocab": 260, "share_of_target": 1.0,
+                                     "answer_tokens_shared": 1.0}  # (every token of the target's is the twin's too)
+    assert info["float64_check"]["method"] == "draft k=4 vocab_map=intersection"
+    assert "they share 257 tokens, 100.0% of the target's vocabulary" in (tmp_path / "report.md").read_text()
+
+
 def test_the_report_gives_the_weight_read_time(quick) -> None:
     out, results = quick
     timing = results["timing"]

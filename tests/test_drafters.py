@@ -33,6 +33,10 @@ EXAMPLES = {
     "draft": Method("draft", 3),
     "draft tree": Method("draft", 3, {"branch": 2, "branch_depth": 2}),
     "draft vocab": Method("draft", 3, {"draft_vocab": 100}),  # its 100 most frequent tokens, saved by `built`
+    # the ways of a draft with another tokenizer, here over the same one (the intersection: every token)
+    "draft intersection": Method("draft", 3, {"vocab_map": "intersection", "draft_vocab": 100}),
+    "draft intersection tree": Method("draft", 3, {"vocab_map": "intersection", "branch": 2}),
+    "draft reencode": Method("draft", 3, {"vocab_map": "reencode"}),
     "ngram": Method("ngram", 3, {"max_ngram": 2}),
     "layerskip": Method("layerskip", 3, {"skip": [1]}),
     "selfquant": Method("selfquant", 3, {"skip": [1]}),  # a q4_0 twin of the target, on verispec's kernels

@@ -1,4 +1,4 @@
-"""Tokenizers: loading `tokenizer.json`, the end-of-text id, and checking two models share one."""
+"""Tokenizers: loading `tokenizer.json` and the end-of-text id."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from verispec.errors import CheckpointError, TokenizerMismatchError
+from verispec.errors import CheckpointError
 
 EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
@@ -82,15 +82,6 @@ def check_tokenizer_fits(tokens: int, rows: int, name: str | Path) -> None:
     if tokens > rows:
         raise CheckpointError(f"{name}: the tokenizer has {tokens} tokens but the model's embedding table only "
                               f"{rows} rows; ids {rows} and up could never be generated")
-
-
-def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
-    """Speculation compares token ids, so both models must map text to ids identically."""
-    if target.get_vocab(with_added_tokens=True) != draft.get_vocab(with_added_tokens=True):
-        raise TokenizerMismatchError(
-            f"draft {draft_name} and target {target_name} use different tokenizers "
-            f"({draft.get_vocab_size()} vs {target.get_vocab_size()} tokens); speculation needs a shared vocabulary"
-        )
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:

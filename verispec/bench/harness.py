@@ -14,7 +14,7 @@ import torch
 from verispec.bench.costs import timing
 from verispec.bench.llamacpp import llama_cpp_methods
 from verispec.bench.methods import our_methods, ours, transformers_methods, unrelated_methods
-from verispec.bench.metrics import summarize
+from verispec.bench.metrics import BASELINE, summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS, is_spec_bench, turn_prompts
@@ -22,6 +22,7 @@ from verispec.bench.suite import SUITE, check_items, read_suite
 
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
+from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
 from verispec.drafters.registry import Resources
 from verispec.errors import InvalidArgumentError
@@ -36,6 +37,7 @@ from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.serve.chat import load_chat_template
 from verispec.threads import torch_threads
+from verispec.vocab_map import shared_tokens, token_table
 
 
 def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list[int]]]:
@@ -56,16 +58,33 @@ def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list
 
 def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[dict, list[int]]],
                   count: int = 8) -> dict | None:
-    """Greedy draft-model speculation (k = 4) against autoregressive decoding with both models in float64, on the
-    first `count` prompts: where rounding cannot flip a near-tie, the outputs must be identical."""
+    """Greedy draft-model speculation (k = 4; among the shared tokens for a draft with another tokenizer) against
+    autoregressive decoding with both models in float64, on the first `count` prompts: where rounding cannot flip a
+    near-tie, the outputs must be identical."""
     if draft_dir is None:
         return None
     target, draft = load_model(target_dir, dtype="float64"), load_model(draft_dir, dtype="float64")
+    cross = not same_tokenizer(target, draft)
+    drafter = DraftModel(draft, 4, translation=translation_for(target, draft, INTERSECTION) if cross else None)
     chosen = prompts[:count]
-    same = sum(generate(target, ids, DraftModel(draft, 4), max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
+    same = sum(generate(target, ids, drafter, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
                == generate(target, ids, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
                for item, ids in chosen)
-    return {"method": "draft k=4", "prompts": len(chosen), "exact_match": same / len(chosen)}
+    return {"method": "draft k=4" + (" vocab_map=intersection" if cross else ""), "prompts": len(chosen),
+            "exact_match": same / len(chosen)}
+
+
+def vocab_overlap(target: NativeModel, draft: NativeModel, records: list[dict]) -> dict | None:
+    """For a draft with another tokenizer: the tokens both vocabularies share, as a share of the target's, and the
+    share of the target's own answers (the baseline's tokens) that are shared tokens, which bounds what drafting among
+    them can propose; None where a tokenizer's tokens cannot be read as bytes."""
+    tables = token_table(target.tokenizer), token_table(draft.tokenizer)
+    if None in tables:
+        return None
+    shared = shared_tokens(*tables, target.vocab_size, draft.vocab_size)
+    answers = [t for r in records if r["method"] == BASELINE and r["repeat"] == 0 for t in r["tokens"]]
+    return {"shared": len(shared), "target_vocab": target.vocab_size, "draft_vocab": draft.vocab_size,
+            "share_of_target": len(shared) / target.vocab_size, "answer_tokens_shared": shared.covered(answers)}
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
     target = load_model(target_dir, dtype=dtype, exact=exact, quantize=options.quantize)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
+    cross = draft is not None and not same_tokenizer(target, draft)  # a draft with another tokenizer
     dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose: the peers' float dtype
     plan = target_dir / PLAN_FILE
     skip = LayerSkip.from_checkpoint(target_dir).skip if plan.is_file() else None  # written by search-layerskip
@@ -127,17 +147,19 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
                                          eagle_default=eagle_default,
                                          medusa_vocab=default_size(medusa) if medusa is not None else 0,
                                          draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
-                                         selfquant=twin_refusal(target) is None, skip=skip)]
+                                         selfquant=twin_refusal(target) is None, skip=skip, cross=cross)]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
-        methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods()]
+        methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods(cross)]
     if options.peers:
-        methods += transformers_methods(target_dir, draft_dir, dtype=dtype)
+        methods += transformers_methods(target_dir, draft_dir, dtype=dtype, cross=cross)
     notes = []  # what could not run, and why: printed, and in the report
     if options.llama_cpp is not None:
-        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, draft_dir, target, options.quantize or dtype,
-                                        options.threads)
+        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, None if cross else draft_dir, target,
+                                        options.quantize or dtype, options.threads)
         methods += rows
+        notes += ["llama.cpp speculative left out: its draft-model speculation needs the target's vocabulary, "
+                  "and this draft has another tokenizer"] if cross else []
     for note in notes if options.progress else ():
         print(f"note: {note}", flush=True)
     labels = [m.label for m in methods]
@@ -160,6 +182,7 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
             "exact": exact, "notes": notes, "constrained": any("json_schema" in item for item in suite),
             "float64_check": float64_check(target_dir, draft_dir, prompts),
+            "vocab_overlap": vocab_overlap(target, draft, records) if cross else None,
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
             "methods": {m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})

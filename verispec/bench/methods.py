@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from verispec.drafters.base import Drafter
+from verispec.drafters.cross_vocab import INTERSECTION, REENCODE
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.grammar import TokenGrammar
@@ -19,6 +20,7 @@ from verispec.models.native import NativeModel
 from verispec.models.precision import parse_dtype
 
 DRAFT_KS = (1, 2, 3, 4, 6, 8)
+CROSS_KS = (2, 4, 6)  # a draft with another tokenizer: each way at these k and at auto
 
 
 @dataclass
@@ -78,19 +80,23 @@ SUFFIX_TREE, SUFFIX_EAGLE = {"tree_tokens": 8}, {"eagle_below": 3}
 
 def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
                 eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0,
-                selfquant: bool = False, skip: Sequence[int] | None = None, eagle_default: bool = False) -> list[Method]:
+                selfquant: bool = False, skip: Sequence[int] | None = None, eagle_default: bool = False,
+                cross: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
     a tree); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
     layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
     (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
-    full one), and then over the full one too (draft_vocab=0), for comparison. `selfquant`: its default (what
-    `--method selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them.
+    full one), and then over the full one too (draft_vocab=0), for comparison. A draft with another tokenizer than
+    the target's (`cross`) has instead the rows of `cross_methods`. `selfquant`: its default (what `--method
+    selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them.
     `eagle_default`: the EAGLE head's folder names its default draft (verispec.method), which gets a row of its own,
     "eagle" (`--method eagle` alone)."""
     methods = [Method("autoregressive")]
-    if draft is not None:
+    if draft is not None and cross:
+        methods += cross_methods(draft_vocab)
+    elif draft is not None:
         vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
         methods += [Method("draft", k, vocab) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2} | vocab)]
         if draft_vocab:
@@ -116,17 +122,34 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     return methods
 
 
-def unrelated_methods() -> list[Method]:
+def cross_methods(draft_vocab: int = 0) -> list[Method]:
+    """A draft with another tokenizer: drafting among the shared tokens and by re-encoding its text, each at CROSS_KS
+    and at auto, over the draft vocabulary its folder chooses (`draft_vocab` tokens, 0: the full one); the
+    intersection as a tree too (two candidates for the first token), and over the draft's full vocabulary."""
+    vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
+    methods = [Method("draft", k, {"vocab_map": way} | vocab) for way in (INTERSECTION, REENCODE)
+               for k in (*CROSS_KS, AUTO)]
+    methods.append(Method("draft", 4, {"vocab_map": INTERSECTION, "branch": 2} | vocab))
+    if draft_vocab:
+        methods.append(Method("draft", 4, {"vocab_map": INTERSECTION, "draft_vocab": 0}))
+    return methods
+
+
+def unrelated_methods(cross: bool = False) -> list[Method]:
     """Rows on the never-agreeing pair: the draft model at k = 4 (what drafting costs when nothing is accepted) and
-    at k = auto (which should stop drafting and stay within a few percent of autoregressive decoding)."""
-    return [Method("draft", 4), Method("draft", AUTO)]
+    at k = auto (which should stop drafting and stay within a few percent of autoregressive decoding); among the shared
+    tokens for a draft with another tokenizer (`cross`)."""
+    options = {"vocab_map": INTERSECTION} if cross else {}
+    return [Method("draft", 4, options), Method("draft", AUTO, options)]
 
 
-def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32") -> list[BenchMethod]:
+def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32",
+                         cross: bool = False) -> list[BenchMethod]:
     """transformers' greedy generate, its assisted generation (its defaults, and at our k) and its prompt lookup
-    (our n-gram sizes), on the same checkpoints. EOS is switched off as in our runs, so every method produces
-    exactly max_new_tokens tokens of the same greedy continuation."""
-    from transformers import AutoModelForCausalLM
+    (our n-gram sizes), on the same checkpoints; with a draft of another tokenizer (`cross`), its universal assisted
+    generation, given both tokenizers. EOS is switched off as in our runs, so every method produces exactly
+    max_new_tokens tokens of the same greedy continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # its notes on generation arguments would interleave with the progress bar
@@ -137,6 +160,10 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
 
     config = copy.deepcopy(target.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False
+    tokenizers = {}  # universal assisted generation re-encodes between the two
+    if cross and assistant is not None:
+        tokenizers = {"tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(target_dir)),
+                      "assistant_tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(draft_dir))}
 
     def peer(label: str, **options) -> BenchMethod:
         @torch.inference_mode()
@@ -152,8 +179,9 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
     methods = [peer("transformers greedy")]
     if assistant is not None:
         assistant.generation_config.eos_token_id = None
-        methods.append(peer("transformers assisted", assistant_model=assistant))  # its defaults (adaptive length)
+        methods.append(peer("transformers assisted", assistant_model=assistant, **tokenizers))  # its defaults
         methods.append(peer(f"transformers assisted k={k}", assistant_model=assistant, num_assistant_tokens=k,
-                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+                            **tokenizers))
     methods.append(peer("transformers prompt lookup", prompt_lookup_num_tokens=k, max_matching_ngram_size=3))
     return methods

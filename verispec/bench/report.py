@@ -93,6 +93,19 @@ def _spec_bench_note(info: dict) -> str:
             f"method writes that answer and nothing past it{skipped}.")
 
 
+def _overlap_note(info: dict) -> str:
+    """The vocabularies of a draft with another tokenizer (empty for the same one)."""
+    o = info.get("vocab_overlap")
+    if not o:
+        return ""
+    return (f" The draft has another tokenizer than the target's ({o['draft_vocab']} tokens against "
+            f"{o['target_vocab']}): they share {o['shared']} tokens, {o['share_of_target']:.1%} of the target's "
+            f"vocabulary; {o['answer_tokens_shared']:.1%} of the tokens of the target's own answers here (the "
+            "autoregressive rows') are shared tokens, the most that drafting among them (vocab_map=intersection) could "
+            "propose; vocab_map=reencode re-encodes the draft's text into the target's tokens. transformers' assisted "
+            "rows are then its universal assisted generation, given both tokenizers.")
+
+
 def _drafted(entry: dict) -> str:
     """Mean tokens drafted per step, and the share of plain steps (k = 0) where there were any (adaptive k)."""
     steps = entry.get("steps_by_depth")
@@ -195,7 +208,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
           "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
           "Peak memory is the whole process's."
           + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "")
-          + _spec_bench_note(info) + "\n",
+          + _spec_bench_note(info) + _overlap_note(info) + "\n",
           *(f"Note: {note}\n" for note in info.get("notes", [])),
           "## Speedup by category\n", *_by_category(summary, categories), "",
           "## All prompts\n", *_table(summary, "all")]

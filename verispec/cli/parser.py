@@ -183,7 +183,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     # reaches the method record (the defaults live in the drafters) and an option given to a method that does not
     # take it is refused.
     for name, option in OPTIONS.items():
-        parser.add_argument(option.flag_for(name), dest=name, type=option.type,
+        parser.add_argument(option.flag_for(name), dest=name, type=option.type, choices=option.choices,
                             help=f"{', '.join(families_taking(name))}: {option.help}")
 
 

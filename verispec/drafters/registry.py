@@ -15,6 +15,7 @@ from typing import Any, Callable
 from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.arguments import whole_number
 from verispec.drafters.base import Drafter, Needs
+from verispec.drafters.cross_vocab import WAYS, translation_for
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
@@ -67,6 +68,7 @@ class Option:
     help: str  # what it does, after the families that take it
     type: Callable[[str], Any] = int  # what the command line's text becomes
     flag: str | None = None  # the command line's name, where it is not --name-with-dashes
+    choices: tuple[str, ...] | None = None  # the values it takes, where they are a few names
 
     def flag_for(self, name: str) -> str:
         return self.flag or "--" + name.replace("_", "-")
@@ -102,6 +104,11 @@ OPTIONS: dict[str, Option] = {
     "draft_vocab": Option("draft over this many of the most frequent tokens only (a cheaper LM head; verification "
                           "still scores them all); 0: all of them (default: the draft's or head's folder's own, 2048 "
                           "for the shipped ones)"),
+    "vocab_map": Option("a draft with another tokenizer than the target's: intersection drafts among the tokens "
+                        "both vocabularies share (lossless under greedy decoding and sampling; chains and trees), "
+                        "reencode re-encodes the draft's greedy text into the target's tokens (chains; lossless too, "
+                        "under sampling as a one-hot guess), auto picks the first that applies (nothing for the same "
+                        "tokenizer); default: the draft must have the target's tokenizer", str, choices=WAYS),
 }
 
 
@@ -120,7 +127,7 @@ AUTO = "auto"
 def _draft(method: Method, res: Resources) -> DraftModel:
     if res.draft is None:
         raise InvalidArgumentError("method draft needs a draft model (--draft DIR)")
-    options = {name: value for name, value in method.options.items() if name != "draft_vocab"}
+    options = {name: value for name, value in method.options.items() if name not in ("draft_vocab", "vocab_map")}
     size = method.options.get("draft_vocab")
     size = None if size is None else whole_number(size, "draft_vocab", 0)
     vocab = None
@@ -131,7 +138,13 @@ def _draft(method: Method, res: Resources) -> DraftModel:
             raise InvalidArgumentError("draft_vocab reads the draft's token frequencies from its folder, which is not "
                                        "known here")
         vocab = _draft_vocab(method, res.draft_dir)
-    return DraftModel(res.draft, method.k or 4, vocab=vocab, **options)
+    translation = None
+    if "vocab_map" in method.options:
+        if res.target is None:
+            raise InvalidArgumentError("vocab_map maps the draft's tokens to the target's, which is not known here")
+        translation = translation_for(res.target, res.draft, method.options["vocab_map"],
+                                      tree=method.options.get("branch", 1) > 1)
+    return DraftModel(res.draft, method.k or 4, vocab=vocab, translation=translation, **options)
 
 
 def _layerskip(method: Method, res: Resources) -> LayerSkip:
@@ -218,9 +231,9 @@ def _reads_features(res: Resources, family: str) -> None:
 
 FAMILIES: dict[str, Family] = {
     "autoregressive": Family("plain decoding: one target forward per token", (), lambda m, r: None, takes_k=False),
-    "draft": Family("a smaller model with the target's tokenizer proposes (a chain, or a tree with branch > 1; "
-                    "draft_vocab: among that many frequent tokens, by an LM head over them, 0 for all, by default "
-                    "the draft's own)", ("branch", "branch_depth", "draft_vocab"), _draft,
+    "draft": Family("a smaller model proposes (a chain, or a tree with branch > 1; draft_vocab: among that many "
+                    "frequent tokens, by an LM head over them, 0 for all, by default the draft's own; vocab_map: a "
+                    "draft with another tokenizer)", ("branch", "branch_depth", "draft_vocab", "vocab_map"), _draft,
                     lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1)),
     "ngram": Family("prompt lookup: what followed the text's last n-gram earlier", ("max_ngram", "min_ngram"),
                     lambda m, r: PromptLookup(m.k or 4, **m.options)),
@@ -265,6 +278,10 @@ def check_method(method: Method) -> Needs:
     if unknown:
         takes = f"it takes {', '.join(family.options)}" if family.options else "it takes none"
         raise InvalidArgumentError(f"method {method.family} takes no option {', '.join(unknown)} ({takes})")
+    for name, value in method.options.items():
+        choices = OPTIONS[name].choices
+        if choices is not None and value not in choices:
+            raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     if method.k == AUTO:
         if method.family == "autoregressive":
             raise InvalidArgumentError("method autoregressive drafts nothing, so it takes no k, auto included")
