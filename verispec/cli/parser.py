@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     lsk.add_argument("--out", help="write the plan to this .json file instead (needed for a GGUF target, which has no "
                                    "folder), for --skip FILE.json")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
-    bench.add_argument("--target", help="target checkpoint folder; default: the shipped models/stdlib-target, with "
-                                        "models/stdlib-draft as the draft")
-    bench.add_argument("--draft", help="draft checkpoint folder (with --target and without it: no draft-model rows)")
+    bench.add_argument("--target", help="target checkpoint, a folder or a GGUF file; default: the shipped "
+                                        "models/stdlib-target, with models/stdlib-draft as the draft")
+    bench.add_argument("--draft", help="draft checkpoint, a folder or a GGUF file (with --target and without "
+                                       "it: no draft-model rows)")
     bench.add_argument("--head", help="EAGLE head folder, which adds the EAGLE rows (default: models/stdlib-eagle "
                                       "with the shipped target, where it exists)")
     bench.add_argument("--medusa-head", help="Medusa heads folder, which adds the Medusa rows (default: "
@@ -166,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The target, the method and its options: what `loading.load_models` builds from (generate, chat, serve,
     bench-serve)."""
-    parser.add_argument("--target", help="target checkpoint folder (Hugging Face format); default: the shipped "
-                                         "models/stdlib-target, with models/stdlib-draft as the draft")
-    parser.add_argument("--draft", help="draft checkpoint folder (--method draft); with --target and without it, "
-                                        "plain decoding")
+    parser.add_argument("--target", help="target checkpoint: a Hugging Face folder or a GGUF file; default: the "
+                                         "shipped models/stdlib-target, with models/stdlib-draft as the draft")
+    parser.add_argument("--draft", help="draft checkpoint, a folder or a GGUF file (--method draft); with --target "
+                                        "and without it, plain decoding")
     parser.add_argument("--method", choices=list(FAMILIES), default="draft",
                         help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
