@@ -71,6 +71,8 @@ def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["spec_bench"] == {"questions": 5, "turns": 6, "max_new_tokens": N, "skipped": [9]}
     assert len(results["records"]) == 6 * len(LABELS)
+    check = results["info"]["float64_check"]  # no draft: suffix decoding against plain decoding in float64
+    assert check == {"method": "suffix", "prompts": 6, "exact_match": 1.0}
     report = (tmp_path / "out" / "report.md").read_text()
     table = report[report.index("## Speedup by category"):report.index("## All prompts")]
     header = ("| method | writing | qa | translation | multi-turn | multi-turn turn 1 | multi-turn turn 2 | overall "

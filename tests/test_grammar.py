@@ -77,8 +77,11 @@ def test_every_method_decodes_exactly_as_constrained_plain_decoding(target, buil
                                                                    schema) -> None:
     out = generate(target, PROMPT, built(name), max_new_tokens=N, grammar=grammars[schema])
     assert out.stop_reason == "eos"
-    if name != "autoregressive" and schema != "choice":  # (a choice is a token or two long)
-        assert out.stats.accepted > 0  # drafts were verified, not all cut
+    # Drafts were verified, not all cut (a choice is a token or two long). Re-encoding proposes the draft's own
+    # greedy text, which no grammar masks: on this random pair it is what the unconstrained target would say, which
+    # the grammar mostly forbids, so it may never be accepted.
+    if name not in ("autoregressive", "draft reencode") and schema != "choice":
+        assert out.stats.accepted > 0
     jsonschema.validate(parsed(target, out.tokens), SCHEMAS[schema])
     assert out.tokens == plain[schema]
 

@@ -24,7 +24,7 @@ from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
 from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
-from verispec.drafters.registry import Resources
+from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
@@ -57,21 +57,24 @@ def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list
 
 
 def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[dict, list[int]]],
-                  count: int = 8) -> dict | None:
-    """Greedy draft-model speculation (k = 4; among the shared tokens for a draft with another tokenizer) against
-    autoregressive decoding with both models in float64, on the first `count` prompts: where rounding cannot flip a
-    near-tie, the outputs must be identical."""
+                  count: int = 8) -> dict:
+    """Greedy speculation against autoregressive decoding with every model in float64, on `count` prompts:
+    where rounding cannot flip a near-tie, the outputs must be identical. With a draft, the draft model at k = 4
+    (among the shared tokens for a draft with another tokenizer); without one, suffix decoding, which needs no
+    training. The `count` shortest prompts: a float64 prefill of a long one costs minutes on a real model."""
+    target = load_model(target_dir, dtype="float64")
     if draft_dir is None:
-        return None
-    target, draft = load_model(target_dir, dtype="float64"), load_model(draft_dir, dtype="float64")
-    cross = not same_tokenizer(target, draft)
-    drafter = DraftModel(draft, 4, translation=translation_for(target, draft, INTERSECTION) if cross else None)
-    chosen = prompts[:count]
+        label, drafter = "suffix", build_drafter(Method("suffix"), Resources(target=target))
+    else:
+        draft = load_model(draft_dir, dtype="float64")
+        cross = not same_tokenizer(target, draft)
+        label = "draft k=4" + (" vocab_map=intersection" if cross else "")
+        drafter = DraftModel(draft, 4, translation=translation_for(target, draft, INTERSECTION) if cross else None)
+    chosen = sorted(prompts, key=lambda prompt: len(prompt[1]))[:count]
     same = sum(generate(target, ids, drafter, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
                == generate(target, ids, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
                for item, ids in chosen)
-    return {"method": "draft k=4" + (" vocab_map=intersection" if cross else ""), "prompts": len(chosen),
-            "exact_match": same / len(chosen)}
+    return {"method": label, "prompts": len(chosen), "exact_match": same / len(chosen)}
 
 
 def vocab_overlap(target: NativeModel, draft: NativeModel, records: list[dict]) -> dict | None:
