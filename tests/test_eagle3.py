@@ -201,3 +201,36 @@ def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(ggu
         assert len(next(line for line in out.splitlines() if "by position:" in line).split(":")[-1].split()) == 3
         assert main([*argv, "--target", str(tuned)]) == 2
     assert "--head DIR" in capsys.readouterr().err
+
+
+def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, capsys) -> None:
+    """`train eagle-card --target DIR --questions FILE`: every draft measured on the questions' turns through the
+    target's chat template, identical to plain decoding; the fastest recorded as the folder's default draft."""
+    target_dir = random_checkpoint(tmp_path / "target", tiny_config(num_hidden_layers=8, max_position_embeddings=1024),
+                                   seed=3)
+    config = json.loads((target_dir / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    target = load_model(target_dir)
+    runs = tmp_path / "runs"
+    folder = save_eagle3(random_head(target), runs / "eagle3" / "model", target.name, {"training_time_test_steps": 3})
+    log = {"step": 1, "tokens_seen": 64, "hours": 0.01} | {f"val_top1_depth{d}": 0.1 for d in range(1, 6)}
+    (runs / "eagle3" / "log.jsonl").write_text(json.dumps(log) + "\n")
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in [
+        {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 2, "category": "writing", "turns": ["Name a colour."]},
+        {"question_id": 3, "category": "qa", "turns": ["Who wrote Hamlet?"]}]))
+    args = ["train", "eagle-card", "--runs", str(runs), "--target", str(target_dir), "--questions", str(questions),
+            "--per-category", "1", "--threads", "1"]
+    assert main(args) == 0
+    numbers = json.loads(capsys.readouterr().out)
+    assert numbers["questions"] == 2 and numbers["turns"] == 3  # the first of each category, both turns of one
+    drafts = [name for name in numbers if name.startswith(("chain", "tree"))]
+    assert drafts and all(numbers[name]["identical_to_autoregressive"] == 1.0 for name in drafts)
+    method = json.loads((folder / "config.json").read_text())["verispec"]["method"]
+    assert numbers["default"] in drafts and method["k"] >= 4
+    card = (folder / "README.md").read_text()
+    assert "--per-category 1" in card and f"| {numbers['default']} |" in card
+    with pytest.raises(SystemExit):
+        main(args[:5] + ["--target", str(target_dir)])  # no --questions: one line, exit 2

@@ -46,7 +46,8 @@ def train_command(args: argparse.Namespace) -> None:
                                        "--questions FILE (a question.jsonl)")
         target = load(args.target, "native", "cpu", "auto", exact=True)
         numbers = write_eagle3_card(target, chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
-                                    read_suite(Path(args.questions)), args.questions)
+                                    read_suite(Path(args.questions)), args.questions,
+                                    whole_number(args.per_category, "--per-category", 1))
         print(json.dumps(numbers, indent=2))
         return
     if args.what in ("eagle-card", "medusa-card"):
