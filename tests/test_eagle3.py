@@ -222,7 +222,7 @@ def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, caps
         {"question_id": 2, "category": "writing", "turns": ["Name a colour."]},
         {"question_id": 3, "category": "qa", "turns": ["Who wrote Hamlet?"]}]))
     args = ["train", "eagle-card", "--runs", str(runs), "--target", str(target_dir), "--questions", str(questions),
-            "--per-category", "1", "--threads", "1"]
+            "--per-category", "1", "--max-new-tokens", "12", "--threads", "1"]
     assert main(args) == 0
     numbers = json.loads(capsys.readouterr().out)
     assert numbers["questions"] == 2 and numbers["turns"] == 3  # the first of each category, both turns of one
@@ -231,6 +231,6 @@ def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, caps
     method = json.loads((folder / "config.json").read_text())["verispec"]["method"]
     assert numbers["default"] in drafts and method["k"] >= 4
     card = (folder / "README.md").read_text()
-    assert "--per-category 1" in card and f"| {numbers['default']} |" in card
+    assert "--per-category 1 --max-new-tokens 12" in card and f"| {numbers['default']} |" in card
     with pytest.raises(SystemExit):
         main(args[:5] + ["--target", str(target_dir)])  # no --questions: one line, exit 2

@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "Spec-Bench question.jsonl its numbers are measured on")
     trn.add_argument("--per-category", type=int, default=4, help="eagle-card with --questions: the first N questions "
                                                                   "of each category")
+    trn.add_argument("--max-new-tokens", type=int, default=128, help="eagle-card with --questions: each turn's "
+                                                                     "answer, to EOS or at most this")
     trn.add_argument("--prompts", type=int, default=2400, help="distill: how many instruction prompts to answer")
     trn.add_argument("--shard", default="0/1", help="distill: I/N answers every N-th prompt from the I-th (0-based), "
                                                     "so that N processes share the work")

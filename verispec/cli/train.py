@@ -47,7 +47,8 @@ def train_command(args: argparse.Namespace) -> None:
         target = load(args.target, "native", "cpu", "auto", exact=True)
         numbers = write_eagle3_card(target, chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
                                     read_suite(Path(args.questions)), args.questions,
-                                    whole_number(args.per_category, "--per-category", 1))
+                                    whole_number(args.per_category, "--per-category", 1),
+                                    whole_number(args.max_new_tokens, "--max-new-tokens", 1))
         print(json.dumps(numbers, indent=2))
         return
     if args.what in ("eagle-card", "medusa-card"):

@@ -170,7 +170,7 @@ def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path
         f"Measured on the Spec-Bench dev questions ({questions_file}: the first {per_category} of each category, "
         f"{numbers['questions']} questions, {numbers['turns']} turns, each answered up to {max_new_tokens} tokens as "
         f"the target answers it; greedy, one thread; `verispec train eagle-card --target FILE.gguf --questions "
-        f"{questions_file} --per-category {per_category} --threads 1`). "
+        f"{questions_file} --per-category {per_category} --max-new-tokens {max_new_tokens} --threads 1`). "
         f"Depth/expanded/verified for trees; speedup is wall-clock against plain decoding, interleaved turn by turn "
         f"on a shared machine (the bench's report is the place for speed):\n\n"
         f"| draft | tau | acceptance by position | speedup | identical |\n| --- | --- | --- | --- | --- |\n{rows}\n\n"
