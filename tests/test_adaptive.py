@@ -307,8 +307,9 @@ def test_a_probes_price_includes_catching_up_as_measured() -> None:
         session.propose([1, 2, 3], 8)
         time.sleep(0.001)  # the target's forward
         session.accepted(Verdict([]))
-    probes = [i for i, k in enumerate(inner.asked) if k and not inner.asked[i - 1]]
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    # The plain runs between drafting steps (a probe that looked good may draft a step more: timing decides that).
+    drafted = [i for i, k in enumerate(inner.asked) if k]
+    gaps = [b - a - 1 for a, b in zip(drafted, drafted[1:]) if b - a > 1]
     assert gaps and gaps[-1] == PROBE_WAIT_MAX
 
 
