@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from verispec import kernels
-from verispec.kernels.build import ISAS, cpu_flags
+from verispec.kernels.build import ISAS, chosen_isa, cpu_flags
 
 TESTS = Path(__file__).parent
 # What depends on the build: the kernels themselves, the quantized matmul, captures, exact mode (with PyTorch's
@@ -23,21 +23,15 @@ BUILD_TESTS = ["test_kernels.py", "test_quantized_matmul.py", "test_capture.py",
 SKIP = "not built_once and not (row_counts and torch) and not unpadded"
 
 
-def check(isa: str) -> str:
-    code = "from verispec import kernels; import torch; print(kernels.available(torch.float32), '|', kernels.reason())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VERISPEC_ISA": isa})
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def test_verispec_isa_asks_for_a_build_and_names_a_bad_one() -> None:
-    assert check("bogus") == "False | VERISPEC_ISA=bogus is not one of auto, avx512, avx2"
+def test_verispec_isa_asks_for_a_build_and_names_a_bad_one(monkeypatch) -> None:
+    monkeypatch.setenv("VERISPEC_ISA", "bogus")
+    assert chosen_isa() == (None, "VERISPEC_ISA=bogus is not one of auto, avx512, avx2")
     for isa, (_, needs) in ISAS.items():
+        monkeypatch.setenv("VERISPEC_ISA", isa)
         if needs <= cpu_flags():
-            assert check(isa) == f"True | the {isa} build"
+            assert chosen_isa() == (isa, f"the {isa} build")
         else:
-            assert check(isa).startswith(f"False | this CPU cannot run the {isa} build (it lacks ")
+            assert chosen_isa()[1].startswith(f"this CPU cannot run the {isa} build (it lacks ")
 
 
 @pytest.mark.parametrize("isa", [isa for isa, (_, needs) in ISAS.items() if needs <= cpu_flags()])
