@@ -60,7 +60,8 @@ def chosen_isa() -> tuple[str | None, str]:
     return None, "this CPU has neither AVX-512 with bfloat16 dot products nor AVX2 with FMA and F16C"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with ($CXX, else the first on PATH), None where there is none."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
@@ -74,12 +75,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     isa, why = chosen_isa()
     if isa is None:
         return None, why
-    compiler = _compiler()
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         return None, "no C++ compiler found (set CXX)"
     flags = [*FLAGS, *ISAS[isa][0]]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
         texts = [path.read_text() for path in (*SOURCES, HEADER)]
         key = hashlib.sha256("\0".join([*texts, version, *flags]).encode()).hexdigest()[:16]
         folder = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec") / "kernels"
@@ -88,17 +89,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as scratch:  # compile aside, then move into place at once
                 built = Path(scratch) / library.name
-                done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                done = subprocess.run([compiler_path, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode != 0:
                     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                    return None, f"the kernels did not compile ({compiler}): {last}"
+                    return None, f"the kernels did not compile ({compiler_path}): {last}"
                 os.replace(built, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"the kernels could not be built or loaded: {error}"
     if not lib.vs_available():
-        return None, f"{compiler} does not target the {isa} build's instructions (too old?)"
+        return None, f"{compiler_path} does not target the {isa} build's instructions (too old?)"
     _declare(lib)
     return lib, why
 
