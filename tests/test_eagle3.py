@@ -232,5 +232,7 @@ def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, caps
     assert numbers["default"] in drafts and method["k"] >= 4
     card = (folder / "README.md").read_text()
     assert "--per-category 1 --max-new-tokens 12" in card and f"| {numbers['default']} |" in card
-    with pytest.raises(SystemExit):
-        main(args[:5] + ["--target", str(target_dir)])  # no --questions: one line, exit 2
+    assert main(args[:6]) == 2  # no --questions: one line, exit 2
+    assert "give --questions FILE" in capsys.readouterr().err
+    assert main([*args, "--per-category", "0"]) == 2  # refused before the target loads
+    assert "--per-category must be an integer >= 1" in capsys.readouterr().err

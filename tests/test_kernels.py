@@ -4,7 +4,6 @@ other rows and of where its keys sit."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -147,9 +146,8 @@ def test_the_kernels_are_built_once_into_the_cache_folder(tmp_path) -> None:
 def test_without_the_kernels_the_runtime_keeps_torchs_and_says_why(tmp_path) -> None:
     assert run_python(CHECK, VERISPEC_KERNELS="0") == "False | disabled by VERISPEC_KERNELS"
     said = run_python(CHECK, VERISPEC_CACHE=str(tmp_path), CXX="false")
-    isa = chosen_isa()[0]  # where no build runs at all, that is the reason given before any compiler is tried
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    assert said.startswith("False | the kernels did not compile") if isa and x86 else said.startswith("False | ")
+    # Where no build runs here at all (another architecture lists none of the flags), that is the reason given.
+    assert said.startswith("False | the kernels did not compile" if chosen_isa()[0] else "False | ")
     code = ("from verispec.models.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
             "from verispec.models.native import load_model; "
             f"m = load_model(random_checkpoint(pathlib.Path({str(tmp_path)!r}) / 'm', tiny_config()), exact=True); "

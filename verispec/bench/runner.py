@@ -19,20 +19,22 @@ def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]],
     for name in names:  # warm-up: first calls pay for allocation and kernel selection
         methods[name](prompts[0][1], 4)
     # What exists now (models, libraries) lives to the end: frozen, the collections below scan only what the runs
-    # make, instead of every object of transformers and torch (a quarter of a second each).
+    # make, instead of every object of transformers and torch each time.
     gc.collect()
     gc.freeze()
     records = []
-    bar = tqdm(total=repeats * len(prompts) * len(names), disable=not progress, desc="bench", unit="run")
-    for repeat in range(repeats):
-        for item, ids in prompts:
-            for name in rng.sample(names, len(names)):
-                gc.collect()  # outside the timed call, so no run pays for another's garbage
-                constrained = {"grammar": item["grammar"]} if "grammar" in item else {}  # a JSON suite's schema
-                run = methods[name](ids, item["max_new_tokens"], **constrained)
-                records.append({"method": name, "id": item["id"], "category": item["category"],
-                                "groups": item.get("groups", []), "repeat": repeat, **asdict(run)})
-                bar.update()
-    bar.close()
-    gc.unfreeze()
+    try:
+        bar = tqdm(total=repeats * len(prompts) * len(names), disable=not progress, desc="bench", unit="run")
+        for repeat in range(repeats):
+            for item, ids in prompts:
+                for name in rng.sample(names, len(names)):
+                    gc.collect()  # outside the timed call, so no run pays for another's garbage
+                    constrained = {"grammar": item["grammar"]} if "grammar" in item else {}  # a JSON suite's schema
+                    run = methods[name](ids, item["max_new_tokens"], **constrained)
+                    records.append({"method": name, "id": item["id"], "category": item["category"],
+                                    "groups": item.get("groups", []), "repeat": repeat, **asdict(run)})
+                    bar.update()
+        bar.close()
+    finally:
+        gc.unfreeze()
     return records

@@ -44,11 +44,11 @@ def train_command(args: argparse.Namespace) -> None:
         if not args.questions:
             raise InvalidArgumentError("train eagle-card for this target measures on Spec-Bench questions: give "
                                        "--questions FILE (a question.jsonl)")
+        per_category = whole_number(args.per_category, "--per-category", 1)  # before the target loads
+        max_new_tokens = whole_number(args.max_new_tokens, "--max-new-tokens", 1)
         target = load(args.target, "native", "cpu", "auto", exact=True)
         numbers = write_eagle3_card(target, chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
-                                    read_suite(Path(args.questions)), args.questions,
-                                    whole_number(args.per_category, "--per-category", 1),
-                                    whole_number(args.max_new_tokens, "--max-new-tokens", 1))
+                                    read_suite(Path(args.questions)), args.questions, per_category, max_new_tokens)
         print(json.dumps(numbers, indent=2))
         return
     if args.what in ("eagle-card", "medusa-card"):
