@@ -152,6 +152,9 @@ def _other_tokenizer_dir(tmp_path: Path) -> Path:
     ("empty_prompt", "prompt is empty"),
     ("long_prompt", "context holds"),
     ("bad_dtype_device", "is not usable"),
+    ("unknown_method", "argument --method: invalid choice: 'bogus'"),
+    ("not_a_number", "argument --max-new-tokens: invalid int value"),
+    ("unknown_twin_format", "argument --format: invalid choice: 'q2_k'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, pair_dirs, case, message) -> None:
     target, draft = map(str, pair_dirs)
@@ -165,7 +168,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, pair_dirs, case, mes
             "top_p_big": ["p", "--target", target, "--top-p", "1.5"],
             "empty_prompt": ["", "--target", target],
             "long_prompt": ["x" * 300, "--target", target, "--draft", draft],
-            "bad_dtype_device": ["p", "--target", target, "--device", "nosuchdevice"]}[case]
+            "bad_dtype_device": ["p", "--target", target, "--device", "nosuchdevice"],
+            "unknown_method": ["p", "--target", target, "--method", "bogus"],
+            "not_a_number": ["p", "--target", target, "--max-new-tokens", "many"],
+            "unknown_twin_format": ["p", "--target", target, "--method", "selfquant", "--format", "q2_k"]}[case]
     code, out, err = run(capsys, "generate", *args)
     assert code == 2
     assert out == ""  # nothing half-written

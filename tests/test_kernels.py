@@ -87,7 +87,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visib
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("H, Hkv, D", [(8, 8, 64), (6, 2, 24), (4, 1, 17)])
+@pytest.mark.parametrize("H, Hkv, D", [(8, 8, 64), (6, 2, 24), (4, 1, 17), (9, 3, 64), (14, 2, 64), (8, 2, 128)])
 def test_attention_is_right_over_each_rows_visible_slots(dtype: torch.dtype, H: int, Hkv: int, D: int) -> None:
     generator = torch.Generator().manual_seed(H * D)
     R, S = 6, 90
@@ -119,6 +119,27 @@ def test_a_rows_attention_is_the_same_wherever_its_keys_sit_and_whatever_else_ru
     visible[1, slots] = 1
     visible[0, slots[:10]] = visible[2, slots[-5:]] = 1  # other rows see other slots
     assert torch.equal(kernels.attend(q, k, v, visible)[1], alone[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 2, 24)])
+def test_a_heads_attention_is_the_same_whatever_heads_share_its_keys(dtype: torch.dtype, H: int, Hkv: int,
+                                                                      D: int) -> None:
+    """The kernel takes the heads of a key head together (a key read once for all of them); each head's bits are
+    still those of that head attended alone."""
+    generator = torch.Generator().manual_seed(H + D)
+    R, S = 3, 150
+    q = torch.randn(H, R, D, generator=generator).to(dtype)
+    k, v = (torch.randn(Hkv, S, D, generator=generator).to(dtype) for _ in range(2))
+    visible = (torch.rand(R, S, generator=generator) < 0.7).to(torch.uint8)
+    visible[:, 0] = 1
+    together = kernels.attend(q, k, v, visible).view(R, H, D)
+    group = H // Hkv
+    for h in (0, group - 1, H - 1):
+        alone = kernels.attend(q[h:h + 1].contiguous(), k[h // group:h // group + 1], v[h // group:h // group + 1],
+                               visible)
+        assert torch.equal(together[:, h], alone)
 
 
 def run_python(code: str, **env: str) -> str:

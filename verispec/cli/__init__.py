@@ -18,8 +18,8 @@ from verispec.threads import set_threads
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; 0 on success, 2 for bad input (one line on stderr), 130 after Ctrl-C, 1 for a bug."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
             raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         args.auto_dtype = getattr(args, "dtype", None) == "auto"

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
+from verispec.errors import InvalidArgumentError
 from verispec.models.auto import BACKENDS
 from verispec.models.precision import DTYPES
 from verispec.models.quant import FORMATS
 from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line reported as the other bad input is: one line (main prints it, exit 2), not
+    the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InvalidArgumentError(f"{message} (`{self.prog} --help` lists the options)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    parser = Parser(prog="verispec", description="Lossless speculative decoding.")  # its subcommands' class too
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
@@ -179,7 +189,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
                                    "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
-                                   "pay (default auto for draft and ngram chains; 4 for eagle and trees; 8 for suffix; "
+                                   "pay (default auto for draft, ngram and selfquant chains; 4 for eagle and trees; 8 for suffix; "
                                    "layerskip: the k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, "
                                    "or auto: on or off)")
     parser.add_argument("--head", help="eagle, medusa, suffix with --eagle-below: the head's folder (default: "

@@ -82,10 +82,11 @@ OPTIONS: dict[str, Option] = {
     "candidates": Option("most n-grams verified per step (G, default 5)"),
     "skip": Option("layers to skip, e.g. 2,3, or a layer-skip plan's file, e.g. PLAN.json (layerskip: default "
                    "TARGET/layerskip.json; selfquant: none)", str),
-    "format": Option(f"the twin's projections in this block format: {', '.join(FORMATS)} (default "
-                     f"{TwinFormat.format})", str),
+    "format": Option(f"the twin's projections in this block format (default {TwinFormat.format})", str,
+                     choices=tuple(FORMATS)),
     "head_format": Option(f"the twin's LM head in this block format, or {SAME_HEAD}: the target's own (default "
-                          f"{TwinFormat.head}; a target's head already in it is shared, not requantized)", str),
+                          f"{TwinFormat.head}; a target's head already in it is shared, not requantized)", str,
+                          choices=(*FORMATS, SAME_HEAD)),
     "branch": Option("candidates per node at the first --branch-depth depths; > 1 verifies a token tree (native "
                      "runtime; default 1, a chain)"),
     "branch_depth": Option("how many depths branch (default 1)"),

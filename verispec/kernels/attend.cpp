@@ -43,11 +43,23 @@ struct QueryBF16 {
       part[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask[i], q + i * 32);
     }
   }
-  vf dot(const bf16* k) const {
+  vf dot(const bf16* key) const {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < N; i++)
-      acc = _mm512_dpbf16_ps(acc, part[i], (__m512bh)_mm512_maskz_loadu_epi16(mask[i], k + i * 32));
+      acc = _mm512_dpbf16_ps(acc, part[i], (__m512bh)_mm512_maskz_loadu_epi16(mask[i], key + i * 32));
     return acc;
+  }
+  // dots[c] = q . key c for c < count, 0 beyond, each key's sum in the order of its parts (as `dot` takes them); a
+  // whole block with the parts outermost, so that the 16 sums run side by side in registers
+  void dots(const bf16* const* key, int count, vf* dots) const {
+    if (count == 16) {
+      for (int c = 0; c < 16; c++) dots[c] = _mm512_setzero_ps();
+      for (int i = 0; i < N; i++)
+        for (int c = 0; c < 16; c++)
+          dots[c] = _mm512_dpbf16_ps(dots[c], part[i], (__m512bh)_mm512_maskz_loadu_epi16(mask[i], key[c] + i * 32));
+      return;
+    }
+    for (int c = 0; c < 16; c++) dots[c] = c < count ? dot(key[c]) : _mm512_setzero_ps();
   }
 };
 #else
@@ -70,12 +82,26 @@ struct QueryFMA {
       part[i] = load(q + i * 16, mask[i]);
     }
   }
-  vf dot(const T* k) const {
-    vf acc = vmul(part[0], load(k, mask[0]));
-    for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(k + i * 16, mask[i]), acc);
+  vf dot(const T* key) const {
+    vf acc = vmul(part[0], load(key, mask[0]));
+    for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(key + i * 16, mask[i]), acc);
     return acc;
   }
+  // dots[c] = q . key c for c < count, 0 beyond, each key's sum in the order of its parts. A whole block of 16 on
+  // AVX-512 (32 registers) takes the parts outermost, so that the keys' sums run side by side in registers.
+  void dots(const T* const* key, int count, vf* dots) const {
+#ifdef VS_AVX512
+    if (count == 16) {
+      for (int c = 0; c < 16; c++) dots[c] = vmul(part[0], load(key[c], mask[0]));
+      for (int i = 1; i < NV; i++)
+        for (int c = 0; c < 16; c++) dots[c] = vfmadd(part[i], load(key[c] + i * 16, mask[i]), dots[c]);
+      return;
+    }
+#endif
+    for (int c = 0; c < 16; c++) dots[c] = c < count ? dot(key[c]) : vzero();
+  }
 };
+
 template <typename T, int NV> struct Query;
 #ifdef VS_AVX512
 template <int NV> struct Query<bf16, NV> { typedef QueryBF16<NV> type; };
@@ -104,48 +130,107 @@ static inline long seen(const uint8_t* visible, long S, long* slot) {
   return n;
 }
 
-template <typename T, int NV>
+// Into the L1 cache, ahead of its use: the D values of a key or value row. The keys are read by blocks of 16 and the
+// loads of a block by parts, which the hardware's prefetchers do not follow.
+static const long AHEAD = 32;
+template <typename T>
+static inline void fetch(const T* row, long D) {
+  for (long b = 0; b < D * (long)sizeof(T); b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
+}
+
+// out[t] += p[t][j] * v[slot[j]] over the seen slots j in order, for NH heads of one group at once: each value row is
+// loaded once for them all, and their sums (each in the one order a head alone would take) run side by side.
+template <typename T, int NV, int NH>
+static void weigh(const T* vh, const long* slot, long n, const float* const* p, long D, vf (*out)[NV]) {
+  vmask m[NV];
+  for (int i = 0; i < NV; i++) m[i] = lanes(D - i * 16);
+  vf sum[NH][NV];  // local, not out, so that they stay in registers (a vector type may alias what the loop reads)
+  for (int t = 0; t < NH; t++)
+    for (int i = 0; i < NV; i++) sum[t][i] = vzero();
+  for (long j = 0; j < n; j++) {
+    const T* vj = vh + slot[j] * D;
+    if (j + AHEAD < n) fetch(vh + slot[j + AHEAD] * D, D);
+    vf value[NV];
+    for (int i = 0; i < NV; i++) value[i] = load(vj + i * 16, m[i]);
+    for (int t = 0; t < NH; t++) {
+      const vf weight = vset1(p[t][j]);
+      for (int i = 0; i < NV; i++) sum[t][i] = vfmadd(weight, value[i], sum[t][i]);
+    }
+  }
+  for (int t = 0; t < NH; t++)
+    for (int i = 0; i < NV; i++) out[t][i] = sum[t][i];
+}
+
+// Heads that share a key head are taken together: a block of 16 keys is read from memory once, for the first of
+// them, and from the L1 cache for the rest. Each head's numbers are the same as if it were alone.
+template <typename T, int NV, bool FULL>
 static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, long kv_head, const uint8_t* visible,
-                   long S, T* y, long R, long H, long Hkv, long D) {
+                   long S, T* y, long R, long H, long Hkv, long D_) {
+  const long D = FULL ? NV * 16 : D_;  // a whole number of vectors: the masks are constants
+  const long G = H / Hkv;             // query heads per key head
+  const int NH = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;  // heads weighed at once: their sums and a value row in registers
   const vf scale = vset1(1.0f / sqrtf((float)D));
-  thread_local std::vector<float> score;  // grown, never cleared: every entry read is written first
+  const long stride = S + 16;
+  thread_local std::vector<float> score;  // G rows of `stride`; grown, never cleared: every entry read is written first
   thread_local std::vector<long> slot;
-  if ((long)score.size() < S + 16) score.resize(S + 16);
+  thread_local std::vector<float> top, totals;  // each head's running maximum (16 lanes), and its sum of weights
+  if ((long)score.size() < G * stride) score.resize(G * stride);
   if ((long)slot.size() < S) slot.resize(S);
+  if ((long)top.size() < G * 16) top.resize(G * 16);
+  if ((long)totals.size() < G) totals.resize(G);
   vmask vmasks[NV];
   for (int i = 0; i < NV; i++) vmasks[i] = lanes(D - i * 16);
   for (long r = 0; r < R; r++) {
     const long n = seen(visible + r * S, S, slot.data());
-    for (long h = 0; h < H; h++) {
-      const T* kh = k + h / (H / Hkv) * kv_head;
-      const T* vh = v + h / (H / Hkv) * kv_head;
-      const typename Query<T, NV>::type query(q + r * q_row + h * q_head, D);
-      vf top = vset1(-INFINITY);
+    for (long g = 0; g < Hkv; g++) {
+      const T* kh = k + g * kv_head;
+      const T* vh = v + g * kv_head;
+      const T* qg = q + r * q_row + g * G * q_head;
+      for (long t = 0; t < G; t++) store(top.data() + t * 16, vset1(-INFINITY), lanes(16));
       for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
-        vf dots[16];
-        for (int i = 0; i < 16; i++) dots[i] = j + i < n ? query.dot(kh + slot[j + i] * D) : vzero();
-        const vmask mk = lanes(n - j);
-        const vf scores = vmul(sum16(dots), scale);
-        store(score.data() + j, scores, mk);
-        top = vmax_in(mk, top, scores);
+        const int count = n - j < 16 ? (int)(n - j) : 16;
+        const T* key[16];
+        for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
+        for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
+        const vmask mk = lanes(count);
+        for (long t = 0; t < G; t++) {
+          const typename Query<T, NV>::type query(qg + t * q_head, D);
+          vf dots[16];
+          query.dots(key, count, dots);
+          const vf scores = vmul(sum16(dots), scale);
+          store(score.data() + t * stride + j, scores, mk);
+          store(top.data() + t * 16, vmax_in(mk, load(top.data() + t * 16), scores), lanes(16));
+        }
       }
-      const vf most = vset1(vtop(top));
-      vf total = vzero();
-      for (long j = 0; j < n; j += 16) {
-        const vmask mk = lanes(n - j);
-        const vf e = vkeep(mk, exp_ps(vsub(load(score.data() + j, mk), most)));
-        store(score.data() + j, e, mk);
-        total = vadd(total, e);
+      for (long t = 0; t < G; t++) {
+        float* row = score.data() + t * stride;
+        const vf most = vset1(vtop(load(top.data() + t * 16)));
+        vf total = vzero();
+        for (long j = 0; j < n; j += 16) {
+          const vmask mk = lanes(n - j);
+          const vf e = vkeep(mk, exp_ps(vsub(load(row + j, mk), most)));
+          store(row + j, e, mk);
+          total = vadd(total, e);
+        }
+        totals[t] = vsum(total);
       }
-      vf out[NV];
-      for (int i = 0; i < NV; i++) out[i] = vzero();
-      for (long j = 0; j < n; j++) {
-        const T* vj = vh + slot[j] * D;
-        const vf p = vset1(score[j]);
-        for (int i = 0; i < NV; i++) out[i] = vfmadd(p, load(vj + i * 16, vmasks[i]), out[i]);
+      for (long t0 = 0; t0 < G; t0 += NH) {
+        vf out[NH][NV];
+        const float* p[NH];
+        for (int t = 0; t < NH && t0 + t < G; t++) p[t] = score.data() + (t0 + t) * stride;
+        auto weigh_some = [&](auto heads) { weigh<T, NV, decltype(heads)::value>(vh, slot.data(), n, p, D, out); };
+        switch (G - t0 < NH ? G - t0 : NH) {
+          case 1: weigh_some(std::integral_constant<int, 1>()); break;
+          case 2: if constexpr (NH >= 2) weigh_some(std::integral_constant<int, 2>()); break;
+          case 3: if constexpr (NH >= 3) weigh_some(std::integral_constant<int, 3>()); break;
+          default: if constexpr (NH >= 4) weigh_some(std::integral_constant<int, 4>()); break;
+        }
+        for (int t = 0; t < NH && t0 + t < G; t++) {
+          const vf inv = vset1(1.0f / totals[t0 + t]);
+          T* yh = y + (r * H + g * G + t0 + t) * D;
+          for (int i = 0; i < NV; i++) store(yh + i * 16, vmul(out[t][i], inv), vmasks[i]);
+        }
       }
-      const vf inv = vset1(1.0f / vsum(total));
-      for (int i = 0; i < NV; i++) store(y + (r * H + h) * D + i * 16, vmul(out[i], inv), vmasks[i]);
     }
   }
 }
@@ -154,13 +239,18 @@ template <typename T>
 static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D
   typedef void (*Attend)(const T*, long, long, const T*, const T*, long, const uint8_t*, long, T*, long, long, long,
                          long);
-  static const Attend by_vectors[MAX_LANES] = {attend<T, 1>,  attend<T, 2>,  attend<T, 3>,  attend<T, 4>,
-                                               attend<T, 5>,  attend<T, 6>,  attend<T, 7>,  attend<T, 8>,
-                                               attend<T, 9>,  attend<T, 10>, attend<T, 11>, attend<T, 12>,
-                                               attend<T, 13>, attend<T, 14>, attend<T, 15>, attend<T, 16>};
+  static const Attend by_vectors[2][MAX_LANES] = {
+      {attend<T, 1, false>, attend<T, 2, false>, attend<T, 3, false>, attend<T, 4, false>, attend<T, 5, false>,
+       attend<T, 6, false>, attend<T, 7, false>, attend<T, 8, false>, attend<T, 9, false>, attend<T, 10, false>,
+       attend<T, 11, false>, attend<T, 12, false>, attend<T, 13, false>, attend<T, 14, false>, attend<T, 15, false>,
+       attend<T, 16, false>},
+      {attend<T, 1, true>, attend<T, 2, true>, attend<T, 3, true>, attend<T, 4, true>, attend<T, 5, true>,
+       attend<T, 6, true>, attend<T, 7, true>, attend<T, 8, true>, attend<T, 9, true>, attend<T, 10, true>,
+       attend<T, 11, true>, attend<T, 12, true>, attend<T, 13, true>, attend<T, 14, true>, attend<T, 15, true>,
+       attend<T, 16, true>}};  // [D a whole number of vectors][vectors a head - 1]
   const long D = a[12];
   if (D < 1 || D > 16 * MAX_LANES) return -1;
-  by_vectors[(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const T*, 3), ARG(const T*, 4), a[5],
+  by_vectors[D % 16 == 0][(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const T*, 3), ARG(const T*, 4), a[5],
                                 ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D);
   return 0;
 }
