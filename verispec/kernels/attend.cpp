@@ -141,9 +141,8 @@ static inline void fetch(const T* row, long D) {
 // out[t] += p[t][j] * v[slot[j]] over the seen slots j in order, for NH heads of one group at once: each value row is
 // loaded once for them all, and their sums (each in the one order a head alone would take) run side by side.
 template <typename T, int NV, int NH>
-static void weigh(const T* vh, const long* slot, long n, const float* const* p, long D, vf (*out)[NV]) {
-  vmask m[NV];
-  for (int i = 0; i < NV; i++) m[i] = lanes(D - i * 16);
+static void weigh(const T* vh, const long* slot, long n, const float* const* p, long D, const vmask* m,
+                  vf (*out)[NV]) {
   vf sum[NH][NV];  // local, not out, so that they stay in registers (a vector type may alias what the loop reads)
   for (int t = 0; t < NH; t++)
     for (int i = 0; i < NV; i++) sum[t][i] = vzero();
@@ -168,7 +167,7 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
                    long S, T* y, long R, long H, long Hkv, long D_) {
   const long D = FULL ? NV * 16 : D_;  // a whole number of vectors: the masks are constants
   const long G = H / Hkv;             // query heads per key head
-  const int NH = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;  // heads weighed at once: their sums and a value row in registers
+  constexpr int NH = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;  // heads weighed at once: their sums and a value row in registers
   const vf scale = vset1(1.0f / sqrtf((float)D));
   const long stride = S + 16;
   thread_local std::vector<float> score;  // G rows of `stride`; grown, never cleared: every entry read is written first
@@ -214,23 +213,18 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
         }
         totals[t] = vsum(total);
       }
-      for (long t0 = 0; t0 < G; t0 += NH) {
-        vf out[NH][NV];
-        const float* p[NH];
-        for (int t = 0; t < NH && t0 + t < G; t++) p[t] = score.data() + (t0 + t) * stride;
-        auto weigh_some = [&](auto heads) { weigh<T, NV, decltype(heads)::value>(vh, slot.data(), n, p, D, out); };
-        switch (G - t0 < NH ? G - t0 : NH) {
-          case 1: weigh_some(std::integral_constant<int, 1>()); break;
-          case 2: if constexpr (NH >= 2) weigh_some(std::integral_constant<int, 2>()); break;
-          case 3: if constexpr (NH >= 3) weigh_some(std::integral_constant<int, 3>()); break;
-          default: if constexpr (NH >= 4) weigh_some(std::integral_constant<int, 4>()); break;
-        }
-        for (int t = 0; t < NH && t0 + t < G; t++) {
+      in_row_blocks<NH>(G, [&](auto heads, long t0) {  // the group's heads NH at a time, then the rest at once
+        constexpr int NT = decltype(heads)::value;
+        vf out[NT][NV];
+        const float* p[NT];
+        for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
+        weigh<T, NV, NT>(vh, slot.data(), n, p, D, vmasks, out);
+        for (int t = 0; t < NT; t++) {
           const vf inv = vset1(1.0f / totals[t0 + t]);
           T* yh = y + (r * H + g * G + t0 + t) * D;
           for (int i = 0; i < NV; i++) store(yh + i * 16, vmul(out[t][i], inv), vmasks[i]);
         }
-      }
+      });
     }
   }
 }
