@@ -35,9 +35,11 @@ def one_thread(single_thread: None) -> None:
 
 
 # Every precision on every kernel family that runs it: float32 and bfloat16 on verispec's kernels (matmul and
-# `VisibleSlots` attention) and on PyTorch's (oneDNN, `FixedWidthKeys`); the block formats on verispec's only.
+# `VisibleSlots` attention) and on PyTorch's (oneDNN, `FixedWidthKeys`), float32 over a float16 cache on both; the
+# block formats (a float16 cache by default) on verispec's only.
+F16_CACHE = "float32-float16-cache"
 SETTINGS = [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False),
-            *((fmt, True) for fmt in FORMATS)]
+            (F16_CACHE, True), (F16_CACHE, False), *((fmt, True) for fmt in FORMATS)]
 
 
 @pytest.fixture(scope="module", params=SETTINGS,
@@ -54,6 +56,9 @@ def exact_on(pair_dirs: tuple[Path, Path], precision: torch.dtype | str, own_ker
     if precision in FORMATS:
         with torch_threads(1):  # (quantized weights run on verispec's kernels, which take one thread)
             model = load_model(pair_dirs[0], exact=True, quantize=precision)
+        assert model.kv_dtype == torch.float16
+    elif precision == F16_CACHE:
+        model = load_model(pair_dirs[0], exact=True, fast=False, kv_dtype="float16")
     else:
         model = load_model(pair_dirs[0], dtype=precision, exact=True, fast=False)
     model.pack(EXACT_ROWS, own_kernels)

@@ -121,4 +121,4 @@ def test_a_quantized_forward_is_captured_and_replays_bitwise_as_op_by_op(tmp_pat
     assert torch.equal(decode(True), decode(False))
     steps = [c for c in model.execution.captured.values() if isinstance(c, CapturedForward) and c.rows == 1]
     names = set(steps[0].program.timed(1))  # the kernels its program calls
-    assert {"linear_q4_1", "linear_q8_0", "attend_f32"} <= names
+    assert {"linear_q4_1", "linear_q8_0", "attend_f32_f16", "store_kv_f16"} <= names  # a float16 cache

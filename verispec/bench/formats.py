@@ -4,8 +4,8 @@ verification of a chain or tree of n - 1 drafts costs, in units of a plain step)
 
 The formats: float32 and bfloat16 (every weight in the dtype), Q8_0, Q4_0 and Q4_1 (the projections in the block
 format, the LM head in Q8_0, float32 activations: `load_model(quantize=)`), and a GGUF file's own formats
-(`dtype="auto"`). All are loaded at once and timed in turns, round by round (medians over the rounds), after the
-cache holds `context` tokens; one thread.
+(`dtype="auto"`), beside its default float16 key/value cache and a float32 one. All are loaded at once and timed in
+turns, round by round (medians over the rounds), after the cache holds `context` tokens; one thread.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ SETTINGS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")
 
 
 def settings(target: Path) -> dict[str, dict]:
-    """Each format's load options (a GGUF target's own formats too, as "file")."""
-    return SETTINGS | ({"file": dict(dtype="auto")} if is_gguf(target) else {})
+    """Each format's load options (a GGUF target's own formats too, as "file", and beside a float32 cache rather
+    than its default float16 one)."""
+    file = {"file": dict(dtype="auto"), "file, float32 cache": dict(dtype="auto", kv_dtype="float32")}
+    return SETTINGS | (file if is_gguf(target) else {})
 
 
 def measure(models: dict[str, NativeModel], rounds: int, context: int) -> dict[str, dict[int, float]]:
@@ -77,13 +79,13 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
              f"Command: `{command}`  ", f"Machine: {where}, verispec's kernels: {kernels.reason()}, one thread  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread; the floor under a 1-token step is its weights' "
              f"bytes over it). After {context} cached tokens; medians of {rounds} rounds in turns.", "",
-             "| format | linears | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
+             "| format | linears | cache | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
              + " | ".join(f"r({n})" for n in WIDTHS[1:]) + " |",
-             "|---|---|---|---|---|---|" + "---|" * (len(WIDTHS) - 1)]
+             "|---|---|---|---|---|---|---|" + "---|" * (len(WIDTHS) - 1)]
     for name, model in models.items():
         size, one = weight_bytes(model), seconds[name][1]
         kinds = ", ".join(f"{k} x {v}" for k, v in formats(model.module).items())
-        lines.append(f"| {name} | {kinds} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} | "
+        lines.append(f"| {name} | {kinds} | {str(model.kv_dtype).removeprefix('torch.')} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} | "
                      f"{one / (size / bandwidth):.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
     lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; the "

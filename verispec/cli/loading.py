@@ -73,12 +73,14 @@ def load_target(args: argparse.Namespace) -> CausalLM:
     left at auto (its bfloat16 has none of those kernels)."""
     auto_exact = args.exact is None and args.command == "generate"
     if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
-        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact), quantize=args.quantize)
+        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact), quantize=args.quantize,
+                    kv_dtype=args.kv_dtype)
     exact = own_kernels_run(args.dtype, args.device) if auto_exact else bool(args.exact)
     try:
-        return load(args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize)
+        return load(args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize,
+                    kv_dtype=args.kv_dtype)
     except UnsupportedArchitectureError:
-        if args.backend == "native" or args.exact or args.quantize:
+        if args.backend == "native" or args.exact or args.quantize or args.kv_dtype != "auto":
             raise
         # auto's own fallback (it says what both runtimes made of the folder), at no exact mode
         return load(args.target, "auto", args.device, "float32" if args.auto_dtype else args.dtype)

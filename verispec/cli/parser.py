@@ -8,7 +8,7 @@ from typing import NoReturn
 from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
 from verispec.errors import InvalidArgumentError
 from verispec.models.auto import BACKENDS
-from verispec.models.precision import DTYPES
+from verispec.models.precision import DTYPES, KV_DTYPES
 from verispec.models.quant import FORMATS
 from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
 
@@ -238,6 +238,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=sorted(FORMATS),
                         help="keep the target's projections in this block format (its LM head in q8_0), on "
                              "verispec's kernels with float32 activations")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                        help="what the key/value cache holds: auto (default): float16 beside block-quantized weights "
+                             "(as llama.cpp), else the activations' dtype; float16 goes with float32 activations")
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction,
                         help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype "
                              "(default: on for generate where the native target runs on verispec's kernels, which "

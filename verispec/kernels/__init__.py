@@ -24,10 +24,11 @@ from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_a
 
 __all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
            "rotary_", "silu_mul", "gather", "store_kv", "argmax", "causal_rows", "next_token", "run", "program",
-           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED"]
+           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED", "KV_DTYPES"]
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a cache's: the activations', or float16 for float32 ones
 # ggml's block formats the quantized matmul reads (quant.cpp): bytes per block of 32 inputs, and where in a block
 # its quants start (after the float16 scale, and Q4_1's float16 min)
 QUANTIZED = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
@@ -44,6 +45,12 @@ def chosen(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether a model loaded now takes the kernels by default: where they are available and torch runs one thread.
     They run on one; with more, PyTorch's multi-threaded kernels read the weights with more cores."""
     return torch.get_num_threads() == 1 and available(dtype, device)
+
+
+def _widened(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether float32 rows `x` go with a float16 cache's keys and values (on the CPU)."""
+    return x.dtype == torch.float32 and keys.dtype == values.dtype == torch.float16 and \
+        keys.device.type == values.device.type == "cpu"
 
 
 def _kernel(name: str, *tensors: torch.Tensor) -> str:
@@ -155,10 +162,11 @@ class Matmul:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Attention for R rows over the cache slots each sees: q (H, R, D) (any strides with the last dim unit), k and
     v (Hkv, S, D) with the same strides, each slot's D values contiguous, visible (R, S) uint8 -> (R, H * D), each
-    row's softmax over its visible slots in slot order, the scale 1/sqrt(D)."""
+    row's softmax over its visible slots in slot order, the scale 1/sqrt(D). k and v are q's dtype, or float16 for
+    float32 queries (a float16 cache: `KV_DTYPES`)."""
     H, R, D = q.shape
     Hkv, S, _ = k.shape
-    kernel = _kernel("attend", q, k, v)
+    kernel = _kernel("attend", q) + "_f16" if _widened(q, k, v) else _kernel("attend", q, k, v)
     if v.shape != k.shape or k.shape[2] != D or v.stride() != k.stride() or k.stride()[1:] != (D, 1):
         raise ValueError(f"keys and values must be (Hkv, S, {D}) with rows of {D} contiguous; got {tuple(k.shape)} "
                          f"strides {k.stride()} and {tuple(v.shape)} strides {v.stride()}")
@@ -239,14 +247,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
     """New keys and values k, v (R, Hkv * D) (rows of one stride, unit last stride) into a layer's cache keys, values
     (Hkv, S, D) (contiguous) at slots start.value .. + R - 1, `start` read when the call runs (or is replayed)."""
     Hkv, S, D = keys.shape
-    if (k.dtype, v.dtype, values.dtype) != (keys.dtype,) * 3 or keys.dtype not in _SUFFIX or not (
-            keys.is_contiguous() and values.is_contiguous() and values.shape == keys.shape):
-        raise ValueError(f"store_kv: caches of one dtype, contiguous (Hkv, S, D); got {tuple(keys.shape)}")
+    widen = _widened(k, keys, values) and v.dtype == torch.float32
+    same = (k.dtype, v.dtype, values.dtype) == (keys.dtype,) * 3 and keys.dtype in _SUFFIX
+    if not (widen or same) or not (keys.is_contiguous() and values.is_contiguous() and values.shape == keys.shape):
+        raise ValueError(f"store_kv: caches of one dtype (the rows', or float16 for float32 rows), contiguous (Hkv, "
+                         f"S, D); got {keys.dtype} {tuple(keys.shape)} for {k.dtype} rows")
     R = k.shape[0]
     if k.shape != (R, Hkv * D) or v.shape != k.shape or k.stride() != v.stride() or k.stride(-1) != 1:
         raise ValueError(f"store_kv: new keys and values ({R}, {Hkv * D}) alike; got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    if _call("store_kv", [k, v, k.stride(0), R, Hkv, D, keys, values, S, start, keys.element_size()]):
+    if _call("store_kv_f16" if widen else "store_kv", [k, v, k.stride(0), R, Hkv, D, keys, values, S, start,
+                                                       keys.element_size()]):
         raise IndexError(f"store_kv: slots {start.value} .. {start.value + R - 1} outside a cache of {S}")
 
 

@@ -1,4 +1,6 @@
 // Attention over each row's own visible keys.
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -71,8 +73,9 @@ static inline vf sum16(const vf* a) {
 }
 #endif
 
-// q . k as a vector whose lanes sum to it, by FMAs over 16-lane vectors (bfloat16 widened to float32).
-template <typename T, int NV>
+// q . k as a vector whose lanes sum to it, by FMAs over 16-lane vectors (bfloat16 and float16 widened to float32):
+// a query of T, keys of K (float16 keys for float32 queries: a float16 cache).
+template <typename T, typename K, int NV>
 struct QueryFMA {
   vf part[NV];
   vmask mask[NV];
@@ -82,14 +85,14 @@ struct QueryFMA {
       part[i] = load(q + i * 16, mask[i]);
     }
   }
-  vf dot(const T* key) const {
+  vf dot(const K* key) const {
     vf acc = vmul(part[0], load(key, mask[0]));
     for (int i = 1; i < NV; i++) acc = vfmadd(part[i], load(key + i * 16, mask[i]), acc);
     return acc;
   }
   // dots[c] = q . key c for c < count, 0 beyond, each key's sum in the order of its parts. A whole block of 16 on
   // AVX-512 (32 registers) takes the parts outermost, so that the keys' sums run side by side in registers.
-  void dots(const T* const* key, int count, vf* dots) const {
+  void dots(const K* const* key, int count, vf* dots) const {
 #ifdef VS_AVX512
     if (count == 16) {
       for (int c = 0; c < 16; c++) dots[c] = vmul(part[0], load(key[c], mask[0]));
@@ -102,13 +105,14 @@ struct QueryFMA {
   }
 };
 
-template <typename T, int NV> struct Query;
+template <typename T, typename K, int NV> struct Query;  // a query of T over keys of K
 #ifdef VS_AVX512
-template <int NV> struct Query<bf16, NV> { typedef QueryBF16<NV> type; };
+template <int NV> struct Query<bf16, bf16, NV> { typedef QueryBF16<NV> type; };
 #else
-template <int NV> struct Query<bf16, NV> { typedef QueryFMA<bf16, NV> type; };
+template <int NV> struct Query<bf16, bf16, NV> { typedef QueryFMA<bf16, bf16, NV> type; };
 #endif
-template <int NV> struct Query<float, NV> { typedef QueryFMA<float, NV> type; };
+template <int NV> struct Query<float, float, NV> { typedef QueryFMA<float, float, NV> type; };
+template <int NV> struct Query<float, f16, NV> { typedef QueryFMA<float, f16, NV> type; };
 
 // The slots a row sees, in order: slot[j] for j < the count returned. A whole block of unseen slots costs one test.
 static inline long seen(const uint8_t* visible, long S, long* slot) {
@@ -161,9 +165,10 @@ static void weigh(const T* vh, const long* slot, long n, const float* const* p, 
 }
 
 // Heads that share a key head are taken together: a block of 16 keys is read from memory once, for the first of
-// them, and from the L1 cache for the rest. Each head's numbers are the same as if it were alone.
-template <typename T, int NV, bool FULL>
-static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, long kv_head, const uint8_t* visible,
+// them, and from the L1 cache for the rest. Each head's numbers are the same as if it were alone. Queries and
+// outputs are T, keys and values K.
+template <typename T, typename K, int NV, bool FULL>
+static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head, const uint8_t* visible,
                    long S, T* y, long R, long H, long Hkv, long D_) {
   const long D = FULL ? NV * 16 : D_;  // a whole number of vectors: the masks are constants
   const long G = H / Hkv;             // query heads per key head
@@ -182,18 +187,18 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
   for (long r = 0; r < R; r++) {
     const long n = seen(visible + r * S, S, slot.data());
     for (long g = 0; g < Hkv; g++) {
-      const T* kh = k + g * kv_head;
-      const T* vh = v + g * kv_head;
+      const K* kh = k + g * kv_head;
+      const K* vh = v + g * kv_head;
       const T* qg = q + r * q_row + g * G * q_head;
       for (long t = 0; t < G; t++) store(top.data() + t * 16, vset1(-INFINITY), lanes(16));
       for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
         const int count = n - j < 16 ? (int)(n - j) : 16;
-        const T* key[16];
+        const K* key[16];
         for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
         for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
         const vmask mk = lanes(count);
         for (long t = 0; t < G; t++) {
-          const typename Query<T, NV>::type query(qg + t * q_head, D);
+          const typename Query<T, K, NV>::type query(qg + t * q_head, D);
           vf dots[16];
           query.dots(key, count, dots);
           const vf scores = vmul(sum16(dots), scale);
@@ -218,7 +223,7 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
         vf out[NT][NV];
         const float* p[NT];
         for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
-        weigh<T, NV, NT>(vh, slot.data(), n, p, D, vmasks, out);
+        weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out);
         for (int t = 0; t < NT; t++) {
           const vf inv = vset1(1.0f / totals[t0 + t]);
           T* yh = y + (r * H + g * G + t0 + t) * D;
@@ -229,26 +234,26 @@ static void attend(const T* q, long q_row, long q_head, const T* k, const T* v, 
   }
 }
 
-template <typename T>
+template <typename T, typename K>
+using Attend = void (*)(const T*, long, long, const K*, const K*, long, const uint8_t*, long, T*, long, long, long, long);
+template <typename T, typename K, bool FULL, int... I>
+static constexpr std::array<Attend<T, K>, MAX_LANES> by_vectors(std::integer_sequence<int, I...>) {
+  return {attend<T, K, I + 1, FULL>...};  // [vectors a head - 1]
+}
+
+template <typename T, typename K>
 static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D
-  typedef void (*Attend)(const T*, long, long, const T*, const T*, long, const uint8_t*, long, T*, long, long, long,
-                         long);
-  static const Attend by_vectors[2][MAX_LANES] = {
-      {attend<T, 1, false>, attend<T, 2, false>, attend<T, 3, false>, attend<T, 4, false>, attend<T, 5, false>,
-       attend<T, 6, false>, attend<T, 7, false>, attend<T, 8, false>, attend<T, 9, false>, attend<T, 10, false>,
-       attend<T, 11, false>, attend<T, 12, false>, attend<T, 13, false>, attend<T, 14, false>, attend<T, 15, false>,
-       attend<T, 16, false>},
-      {attend<T, 1, true>, attend<T, 2, true>, attend<T, 3, true>, attend<T, 4, true>, attend<T, 5, true>,
-       attend<T, 6, true>, attend<T, 7, true>, attend<T, 8, true>, attend<T, 9, true>, attend<T, 10, true>,
-       attend<T, 11, true>, attend<T, 12, true>, attend<T, 13, true>, attend<T, 14, true>, attend<T, 15, true>,
-       attend<T, 16, true>}};  // [D a whole number of vectors][vectors a head - 1]
+  static const std::array<Attend<T, K>, MAX_LANES> table[2] = {  // [D a whole number of vectors]
+      by_vectors<T, K, false>(std::make_integer_sequence<int, MAX_LANES>()),
+      by_vectors<T, K, true>(std::make_integer_sequence<int, MAX_LANES>())};
   const long D = a[12];
   if (D < 1 || D > 16 * MAX_LANES) return -1;
-  by_vectors[D % 16 == 0][(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const T*, 3), ARG(const T*, 4), a[5],
-                                ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D);
+  table[D % 16 == 0][(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const K*, 3), ARG(const K*, 4), a[5],
+                                        ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D);
   return 0;
 }
 
-extern "C" int vs_attend_bf16(const int64_t* a) { return attend<bf16>(a); }
-extern "C" int vs_attend_f32(const int64_t* a) { return attend<float>(a); }
+extern "C" int vs_attend_bf16(const int64_t* a) { return attend<bf16, bf16>(a); }
+extern "C" int vs_attend_f32(const int64_t* a) { return attend<float, float>(a); }
+extern "C" int vs_attend_f32_f16(const int64_t* a) { return attend<float, f16>(a); }  // a float16 cache
 #endif

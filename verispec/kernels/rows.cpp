@@ -132,3 +132,23 @@ extern "C" int vs_store_kv(const int64_t* a) {
     }
   return 0;
 }
+
+// The same from float32 rows into a float16 cache (each value rounded to the nearest float16, ties to even, as
+// torch's .half()). a: as vs_store_kv's, size unused
+extern "C" int vs_store_kv_f16(const int64_t* a) {
+  const float *k = ARG(const float*, 0), *v = ARG(const float*, 1);
+  const long ld = a[2], R = a[3], Hkv = a[4], D = a[5], S = a[8];
+  f16 *ck = ARG(f16*, 6), *cv = ARG(f16*, 7);
+  const long start = *ARG(const int64_t*, 9);
+  if (start < 0 || start + R > S) return -1;
+  for (long r = 0; r < R; r++)
+    for (long h = 0; h < Hkv; h++) {
+      const long src = r * ld + h * D, dst = (h * S + start + r) * D;
+      for (long i = 0; i < D; i += 16) {
+        const vmask m = lanes(D - i);
+        store(ck + dst + i, load(k + src + i, m), m);
+        store(cv + dst + i, load(v + src + i, m), m);
+      }
+    }
+  return 0;
+}

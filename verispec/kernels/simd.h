@@ -20,6 +20,7 @@
 #include <type_traits>
 
 typedef uint16_t bf16;  // bfloat16 bits
+enum class f16 : uint16_t {};  // float16 bits (a type of its own: loads and stores convert by the type)
 
 #define ARG(T, i) ((T)a[i])  // the i-th argument as a T
 static inline float float_arg(const int64_t* a, int i) {  // a float passed as its 32 bits
@@ -85,6 +86,10 @@ static inline vf load(const bf16* p, vmask m) {  // lanes past m read as 0
 }
 static inline void store(float* p, vf v, vmask m) { _mm512_mask_storeu_ps(p, m, v); }
 static inline void store(bf16* p, vf v, vmask m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline vf load(const f16* p, vmask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+static inline void store(f16* p, vf v, vmask m) {  // rounded to nearest even, as torch's .half()
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 static inline vf round_to(vf v, const bf16*) {  // to bfloat16 and back, as storing and loading would
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
@@ -195,17 +200,26 @@ static inline void store(float* p, vf v, vmask m) {
     _mm256_maskstore_ps(p + 8, m.hi, v.hi);
   }
 }
-static inline void store(bf16* p, vf v, vmask m) {
-  const __m256i both = _mm256_set_m128i(narrow(v.hi), narrow(v.lo));
+static inline void store_halves(void* p, __m256i both, vmask m) {  // the first m.n of 16 two-byte lanes
   if (m.n == 16) {
     _mm256_storeu_si256((__m256i*)p, both);
   } else {
-    bf16 part[16];
+    uint16_t part[16];
     _mm256_storeu_si256((__m256i*)part, both);
     memcpy(p, part, 2 * m.n);
   }
 }
+static inline void store(bf16* p, vf v, vmask m) { store_halves(p, _mm256_set_m128i(narrow(v.hi), narrow(v.lo)), m); }
 static inline vf round_to(vf v, const bf16*) { return {widen(narrow(v.lo)), widen(narrow(v.hi))}; }
+static inline vf load(const f16* p, vmask m) {  // lanes past m read as 0
+  f16 part[16] = {};
+  if (m.n < 16) p = (const f16*)memcpy(part, p, 2 * m.n);
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+static inline void store(f16* p, vf v, vmask m) {  // rounded to nearest even, as torch's .half()
+  store_halves(p, _mm256_set_m128i(_mm256_cvtps_ph(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                   _mm256_cvtps_ph(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), m);
+}
 #undef VS_2
 #endif
 

@@ -13,23 +13,25 @@ BACKENDS = ("auto", "native", "transformers")
 
 
 def load(name_or_path: str | Path, backend: str = "auto", device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", *, exact: bool = False, quantize: str | None = None) -> CausalLM:
+         dtype: str | torch.dtype = "float32", *, exact: bool = False, quantize: str | None = None,
+         kv_dtype: str | torch.dtype = "auto") -> CausalLM:
     """`auto` tries the native runtime and falls back to transformers for an architecture it does not implement.
-    `exact` (batch-invariant forwards) and `quantize` (weights kept in a block format) are the native runtime's."""
+    `exact` (batch-invariant forwards), `quantize` (weights kept in a block format) and `kv_dtype` (what the caches
+    hold, `native.kv_dtype_of`) are the native runtime's."""
     from verispec.models.hf_adapter import load_transformers_model
     from verispec.models.native import load_model
 
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "transformers" and (exact or quantize):
-        raise InvalidArgumentError(f"{'exact mode' if exact else 'quantizing'} is a mode of the native runtime; "
-                                   "transformers has none")
+    native_only = "exact mode" if exact else "quantizing" if quantize else "a cache dtype" if kv_dtype != "auto" else None
+    if backend == "transformers" and native_only:
+        raise InvalidArgumentError(f"{native_only} is a mode of the native runtime; transformers has none")
     if backend == "transformers":
         return load_transformers_model(name_or_path, device, dtype)
     try:
-        return load_model(name_or_path, device, dtype, exact=exact, quantize=quantize)
+        return load_model(name_or_path, device, dtype, exact=exact, quantize=quantize, kv_dtype=kv_dtype)
     except UnsupportedArchitectureError as unsupported:
-        if backend == "native" or exact or quantize:
+        if backend == "native" or native_only:
             raise
         try:
             return load_transformers_model(name_or_path, device, dtype)

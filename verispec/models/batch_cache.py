@@ -74,8 +74,8 @@ class BatchLayout:
         """Store this layer's new (B, Hkv, T, D) keys and values (real tokens only); return the rows' keys and
         values (B, Hkv, span, D)."""
         keys, values = self.cache.k[layer], self.cache.v[layer]  # (slots, Hkv, max_len, D)
-        keys[self.write_slot, :, self.write_position] = k.transpose(1, 2)[self.real]
-        values[self.write_slot, :, self.write_position] = v.transpose(1, 2)[self.real]
+        keys[self.write_slot, :, self.write_position] = k.transpose(1, 2)[self.real].to(keys.dtype)  # (a float16 cache)
+        values[self.write_slot, :, self.write_position] = v.transpose(1, 2)[self.real].to(values.dtype)
         if self.block is not None:  # neighbouring slots: a view, no copy
             return keys[self.block, :, : self.span], values[self.block, :, : self.span]
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]

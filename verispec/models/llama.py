@@ -66,6 +66,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # from a float16 cache: each row's own keys as stored, too
         y = layout.attend(q, k, v)  # (B, T, H * D)
         return self.o(y, residual) if self.o is not None else residual + self.o_proj(y)
 

@@ -21,7 +21,8 @@ from verispec.models.gguf_file import is_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
-from verispec.models.precision import file_formats, pack_model, parse_dtype, quantize_linears, quantized_at_load
+from verispec.models.precision import (file_formats, kv_dtype_of, pack_model, parse_dtype, quantize_linears,
+                                       quantized_at_load)
 from verispec.models.protocol import Capabilities
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
@@ -64,9 +65,10 @@ class NativeModel:
     """
 
     def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
-                 exact: bool = False) -> None:
+                 exact: bool = False, kv_dtype: str | torch.dtype = "auto") -> None:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.exact = exact
+        self.kv_dtype = kv_dtype_of(module, kv_dtype)  # its caches' (`kv_dtype_of`)
         # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
         self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
                                          greedy_chains=True, vocab_heads=True, twins=True)
@@ -87,13 +89,13 @@ class NativeModel:
         c = self.config
         static = dict(rows=EXACT_ROWS, width=exact_width(self.context_length)) if self.exact else {}
         return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
-                       c.dim_per_head, self.dtype, self.device, **static)
+                       c.dim_per_head, self.kv_dtype, self.device, **static)
 
     def new_batch_cache(self, slots: int, max_len: int | None = None) -> BatchKVCache:
         """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length)."""
         c = self.config
         return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len or self.context_length,
-                            c.dim_per_head, self.dtype, self.device)
+                            c.dim_per_head, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache, slots: Sequence[int],
@@ -148,7 +150,7 @@ def exact_width(context_length: int) -> int:
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True,
-               quantize: str | None = None) -> NativeModel:
+               quantize: str | None = None, kv_dtype: str | torch.dtype = "auto") -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
     (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
     formats where they run (`precision.file_formats`: its Q8_0, Q4_0 and Q4_1 tensors as blocks on verispec's
@@ -160,7 +162,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
     this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
-    the plain linears. Elsewhere it changes nothing."""
+    the plain linears. Elsewhere it changes nothing. `kv_dtype`: what its caches hold (`kv_dtype_of`: by default
+    float16 for block-quantized weights, else the activations' dtype)."""
     device = usable_device(device)
     if is_gguf(checkpoint):
         gguf = read_gguf(checkpoint)
@@ -193,4 +196,4 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
         quantize_linears(module, quantized_at_load(module, quantize))
     if fast and packable(torch_dtype, device):
         pack_model(module, EXACT_ROWS if exact else 1)
-    return NativeModel(module, tokenizer, eos, name, exact=exact)
+    return NativeModel(module, tokenizer, eos, name, exact=exact, kv_dtype=kv_dtype)

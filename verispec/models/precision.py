@@ -18,7 +18,7 @@ from torch import nn
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
-from verispec.models.quant import BLOCK, QuantizedLinear, QuantizedWeight, check_format
+from verispec.models.quant import BLOCK, FORMATS, QuantizedLinear, QuantizedWeight, check_format
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
@@ -30,6 +30,24 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `load_model(kv_dtype=)` takes
+
+
+def kv_dtype_of(module: nn.Module, asked: str | torch.dtype = "auto") -> torch.dtype:
+    """The dtype a model's key/value caches hold: `asked`, or for "auto" float16 where the model keeps block-quantized
+    weights (float32 activations: half the cache's bytes, as llama.cpp keeps its cache), else the activations' dtype.
+    A cache holds the activations' dtype, or float16 beside float32 activations."""
+    activations = module.model.norm.weight.dtype  # (a linear may be quantized)
+    if asked == "auto":
+        quantized = activations == torch.float32 and bool(formats(module).keys() & FORMATS.keys())
+        return torch.float16 if quantized else activations
+    dtype = parse_dtype(asked)
+    if dtype != activations and (dtype, activations) != (torch.float16, torch.float32):
+        raise InvalidArgumentError(f"a key/value cache holds the activations' dtype ({activations})"
+                                   f"{', or float16' if activations == torch.float32 else ''}; got {dtype}")
+    return dtype
 
 
 def projections(module: nn.Module) -> dict[str, nn.Linear]:
