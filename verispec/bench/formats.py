@@ -38,14 +38,23 @@ def settings(target: Path) -> dict[str, dict]:
     return SETTINGS | (file if is_gguf(target) else {})
 
 
-def measure(models: dict[str, NativeModel], rounds: int, context: int) -> dict[str, dict[int, float]]:
-    """Seconds of a forward of n tokens for each model and n, the median over `rounds` rounds in turns."""
+def measure(models: dict[str, NativeModel], rounds: int, context: int
+            ) -> tuple[dict[str, dict[int, float]], dict[str, float], float]:
+    """Seconds of a forward of n tokens for each model and n, the median over `rounds` rounds in turns; each model's
+    1-token step over its weight-read time, the median over the rounds of the step over the read time at that
+    moment (the read bandwidth measured just before the step: a shared host's moves by a fifth within minutes); and
+    the median read bandwidth (bytes per second)."""
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in WIDTHS} for name in models}
+    ratios: dict[str, list[float]] = {name: [] for name in models}
+    bandwidths = []
     for _ in range(rounds):
         for name, model in models.items():
+            bandwidths.append(read_bandwidth(repeats=3))
             for n in WIDTHS:
-                times[name][n].append(forward_seconds(model, n, context, repeats=3))
-    return {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
+                times[name][n].append(forward_seconds(model, n, context, repeats=5 if n == 1 else 3))
+            ratios[name].append(times[name][1][-1] / (weight_bytes(model) / bandwidths[-1]))
+    return ({name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()},
+            {name: statistics.median(r) for name, r in ratios.items()}, statistics.median(bandwidths))
 
 
 def by_kernel(model: NativeModel, context: int, repeats: int = 21) -> dict[str, float]:
@@ -71,22 +80,24 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
     out.mkdir(parents=True, exist_ok=True)
     with torch_threads(1), torch.inference_mode():
         models = {name: load_model(target, **options) for name, options in settings(target).items()}
-        bandwidth = read_bandwidth()
-        seconds = measure(models, rounds, context)
+        seconds, step_over_read, bandwidth = measure(models, rounds, context)
         kernel_s = {name: by_kernel(model, context) for name, model in models.items()}
         where = machine()
     lines = [f"# Forward by weight format: {target.name}", "",
              f"Command: `{command}`  ", f"Machine: {where}, verispec's kernels: {kernels.reason()}, one thread  ",
-             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread; the floor under a 1-token step is its weights' "
-             f"bytes over it). After {context} cached tokens; medians of {rounds} rounds in turns.", "",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread, the median of the rounds; the floor under a "
+             f"1-token step is its weights' bytes over it). After {context} cached tokens; medians of {rounds} rounds "
+             f"in turns. Step / read is the median over the rounds of the step over the read time measured just "
+             f"before it.", "",
              "| format | linears | cache | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
              + " | ".join(f"r({n})" for n in WIDTHS[1:]) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * (len(WIDTHS) - 1)]
     for name, model in models.items():
         size, one = weight_bytes(model), seconds[name][1]
         kinds = ", ".join(f"{k} x {v}" for k, v in formats(model.module).items())
-        lines.append(f"| {name} | {kinds} | {str(model.kv_dtype).removeprefix('torch.')} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} | "
-                     f"{one / (size / bandwidth):.2f}x | "
+        cache = str(model.kv_dtype).removeprefix("torch.")
+        lines.append(f"| {name} | {kinds} | {cache} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} "
+                     f"| {step_over_read[name]:.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
     lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; the "
               "rest of the step is Python around it):", "",
