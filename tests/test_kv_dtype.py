@@ -14,6 +14,7 @@ from verispec.cli import main
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.drafters import PromptLookup
+from verispec.models.cache import saturate_f16
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 
@@ -30,14 +31,19 @@ def one_thread(single_thread: None) -> None:
 def test_store_kv_rounds_to_float16_as_torch_does() -> None:
     Hkv, D, S = 2, 40, 9  # D past a whole vector: the last lanes masked
     new = torch.randn(3, 2 * Hkv * D, generator=torch.Generator().manual_seed(3)) * 300
-    new[0, :8] = torch.tensor([1e-6, 7e4, -7e4, 6.1e-5, 1e-8, 2049.0, 2051.0, float("inf")])  # subnormal, overflow,
-    # ties to even
+    new[0, :9] = torch.tensor([1e-6, 7e4, -7e4, 6.1e-5, 1e-8, 2049.0, 2051.0, float("inf"), 65519.0])  # subnormal,
+    # saturated at float16's largest finite value, ties to even
     keys, values = torch.zeros(Hkv, S, D, dtype=torch.float16), torch.zeros(Hkv, S, D, dtype=torch.float16)
     kernels.store_kv(new[:, :Hkv * D], new[:, Hkv * D:], keys, values, ctypes.c_int64(4))
     for cache, part in ((keys, new[:, :Hkv * D]), (values, new[:, Hkv * D:])):
-        expected = part.reshape(3, Hkv, D).transpose(0, 1).half()
+        expected = part.reshape(3, Hkv, D).transpose(0, 1).clamp(-65504, 65504).half()
         assert torch.equal(cache[:, 4:7].view(torch.int16), expected.view(torch.int16))
+        assert torch.equal(saturate_f16(part, cache).half(), part.clamp(-65504, 65504).half())
         assert not cache[:, :4].any() and not cache[:, 7:].any()
+    assert keys.isfinite().all() and keys[0, 4, 1] == 65504 == -keys[0, 4, 2]  # saturated, never an infinity
+    nan = torch.full((1, 2 * Hkv * D), float("nan"))
+    kernels.store_kv(nan[:, :Hkv * D], nan[:, Hkv * D:], keys, values, ctypes.c_int64(8))
+    assert keys[:, 8].isnan().all()  # a NaN stays a NaN
     with pytest.raises(ValueError, match="float16 for float32 rows"):
         kernels.store_kv(new[:, :Hkv * D].bfloat16(), new[:, Hkv * D:].bfloat16(), keys, values, ctypes.c_int64(0))
     with pytest.raises(IndexError, match="outside a cache of 9"):
@@ -83,7 +89,10 @@ def test_a_cache_holds_float16_by_default_only_beside_block_quantized_weights(fo
 
 @needs_kernels
 def test_a_quantized_model_keeps_a_float16_cache_unless_asked(folder) -> None:
-    assert load_model(folder, quantize="q4_1").kv_dtype == torch.float16
+    """A sequence's cache, which verispec's attention widens as it reads; the batched engine's PyTorch attention
+    would widen it every layer, so its cache holds float16 only when asked."""
+    model = load_model(folder, quantize="q4_1")
+    assert model.kv_dtype == torch.float16 and model.new_batch_cache(2, 20).k.dtype == torch.float32
     assert load_model(folder, quantize="q4_1", kv_dtype="float32").kv_dtype == torch.float32
 
 
@@ -113,6 +122,8 @@ def test_the_cli_takes_a_cache_dtype_and_refuses_one_the_activations_do_not_go_w
     args = ["generate", "x = 1", "--max-new-tokens", "6", "--threads", "1", "--color", "never", "--target", target]
     assert main([*args, "--draft", draft, "--dtype", "float32", "--kv-dtype", "float16", "--compare"]) == 0
     assert "identical to autoregressive: yes" in capsys.readouterr().out
+    assert main([*args, "--kv-dtype", "float16"]) == 0  # --dtype auto: float32 activations for the cache
+    capsys.readouterr()
     assert main([*args, "--dtype", "float32", "--kv-dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a key/value cache holds the activations' dtype" in err

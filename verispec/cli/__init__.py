@@ -29,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.dtype = "float32"
             else:
                 args.dtype = auto_dtype(getattr(args, "device", "cpu"), getattr(args, "target", None))
+                if args.dtype == "bfloat16" and getattr(args, "kv_dtype", None) == "float16":
+                    args.dtype = "float32"  # a float16 cache goes with float32 activations
         code = {"generate": decode.generate_command, "chat": decode.chat_command, "serve": decode.serve_command,
                 "bench": bench.bench_command, "bench-serve": bench.bench_serve_command,
                 "search-layerskip": bench.search_layerskip_command, "train": train.train_command,

@@ -133,8 +133,8 @@ extern "C" int vs_store_kv(const int64_t* a) {
   return 0;
 }
 
-// The same from float32 rows into a float16 cache (each value rounded to the nearest float16, ties to even, as
-// torch's .half()). a: as vs_store_kv's, size unused
+// The same from float32 rows into a float16 cache: each value saturated to float16's range and rounded to the nearest
+// float16, ties to even, as models/cache.py `saturate_f16` and torch's .half() do. a: as vs_store_kv's, size unused
 extern "C" int vs_store_kv_f16(const int64_t* a) {
   const float *k = ARG(const float*, 0), *v = ARG(const float*, 1);
   const long ld = a[2], R = a[3], Hkv = a[4], D = a[5], S = a[8];
@@ -146,8 +146,8 @@ extern "C" int vs_store_kv_f16(const int64_t* a) {
       const long src = r * ld + h * D, dst = (h * S + start + r) * D;
       for (long i = 0; i < D; i += 16) {
         const vmask m = lanes(D - i);
-        store(ck + dst + i, load(k + src + i, m), m);
-        store(cv + dst + i, load(v + src + i, m), m);
+        store(ck + dst + i, saturate_f16(load(k + src + i, m)), m);
+        store(cv + dst + i, saturate_f16(load(v + src + i, m)), m);
       }
     }
   return 0;

@@ -87,7 +87,7 @@ static inline vf load(const bf16* p, vmask m) {  // lanes past m read as 0
 static inline void store(float* p, vf v, vmask m) { _mm512_mask_storeu_ps(p, m, v); }
 static inline void store(bf16* p, vf v, vmask m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline vf load(const f16* p, vmask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-static inline void store(f16* p, vf v, vmask m) {  // rounded to nearest even, as torch's .half()
+static inline void store(f16* p, vf v, vmask m) {  // to nearest even, as torch's .half() (saturate_f16 first)
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 static inline vf round_to(vf v, const bf16*) {  // to bfloat16 and back, as storing and loading would
@@ -216,7 +216,7 @@ static inline vf load(const f16* p, vmask m) {  // lanes past m read as 0
   if (m.n < 16) p = (const f16*)memcpy(part, p, 2 * m.n);
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
-static inline void store(f16* p, vf v, vmask m) {  // rounded to nearest even, as torch's .half()
+static inline void store(f16* p, vf v, vmask m) {  // to nearest even, as torch's .half() (saturate_f16 first)
   store_halves(p, _mm256_set_m128i(_mm256_cvtps_ph(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                                    _mm256_cvtps_ph(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), m);
 }
@@ -225,6 +225,10 @@ static inline void store(f16* p, vf v, vmask m) {  // rounded to nearest even, a
 
 #ifdef VS_KERNELS
 static inline vf load(const float* p) { return load(p, lanes(16)); }
+// Into float16's finite range (a NaN stays NaN: maxps and minps return their second operand then), as
+// models/cache.py `saturate_f16` does: a cache slot never holds an infinity, which PyTorch's attention, multiplying
+// the zero weights of unseen slots by their values, would turn into NaN.
+static inline vf saturate_f16(vf v) { return vmin(vset1(65504.0f), vmax(vset1(-65504.0f), v)); }
 static inline vf round_to(vf v, const float*) { return v; }
 
 static inline vf exp_ps(vf x) {  // e^x to about 2 ulp (Cephes' expf polynomial); 0 below -88, inf past 88.7

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from verispec.errors import ContextLengthError
+from verispec.models.cache import saturate_f16
 
 
 class BatchKVCache:
@@ -74,8 +75,9 @@ class BatchLayout:
         """Store this layer's new (B, Hkv, T, D) keys and values (real tokens only); return the rows' keys and
         values (B, Hkv, span, D)."""
         keys, values = self.cache.k[layer], self.cache.v[layer]  # (slots, Hkv, max_len, D)
-        keys[self.write_slot, :, self.write_position] = k.transpose(1, 2)[self.real].to(keys.dtype)  # (a float16 cache)
-        values[self.write_slot, :, self.write_position] = v.transpose(1, 2)[self.real].to(values.dtype)
+        keys[self.write_slot, :, self.write_position] = saturate_f16(k.transpose(1, 2)[self.real], keys).to(keys.dtype)
+        values[self.write_slot, :, self.write_position] = saturate_f16(v.transpose(1, 2)[self.real], values).to(
+            values.dtype)
         if self.block is not None:  # neighbouring slots: a view, no copy
             return keys[self.block, :, : self.span], values[self.block, :, : self.span]
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]

@@ -13,6 +13,15 @@ SLOT_BLOCK = 128  # a cache without rows allocates its slots in blocks of this m
 # a layout, and with it the forwards captured for it (models/captured.py)
 
 
+F16_MAX = 65504.0  # float16's largest finite value
+
+
+def saturate_f16(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as a float16 `cache` stores it: into float16's finite range (NaN stays NaN), as verispec's store_kv_f16
+    does, so that a slot never holds an infinity; x itself for a cache of another dtype."""
+    return x.clamp(-F16_MAX, F16_MAX) if cache.dtype == torch.float16 and x.dtype != torch.float16 else x
+
+
 class KVCache:
     """Keys and values of every layer, preallocated to `max_len` positions.
 
@@ -80,8 +89,8 @@ class KVCache:
         """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far (in a static
         cache, all its slots)."""
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
+        self.k[layer, :, :, self.length:end] = saturate_f16(k, self.k)
+        self.v[layer, :, :, self.length:end] = saturate_f16(v, self.v)
         if self.rows is not None:  # static: every slot, for a fixed key width
             return self.k[layer], self.v[layer]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]

@@ -68,7 +68,8 @@ class NativeModel:
                  exact: bool = False, kv_dtype: str | torch.dtype = "auto") -> None:
         self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
         self.exact = exact
-        self.kv_dtype = kv_dtype_of(module, kv_dtype)  # its caches' (`kv_dtype_of`)
+        self.kv_dtype = kv_dtype_of(module, kv_dtype)  # its caches' (`kv_dtype_of`), and the batched engine's:
+        self.batch_kv_dtype = kv_dtype_of(module, kv_dtype, batched=True)
         # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
         self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
                                          greedy_chains=True, vocab_heads=True, twins=True)
@@ -95,7 +96,7 @@ class NativeModel:
         """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length)."""
         c = self.config
         return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len or self.context_length,
-                            c.dim_per_head, self.kv_dtype, self.device)
+                            c.dim_per_head, self.batch_kv_dtype, self.device)
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache, slots: Sequence[int],
@@ -163,7 +164,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
     the plain linears. Elsewhere it changes nothing. `kv_dtype`: what its caches hold (`kv_dtype_of`: by default
-    float16 for block-quantized weights, else the activations' dtype)."""
+    float16 in a sequence's cache beside block-quantized weights, else the activations' dtype)."""
     device = usable_device(device)
     if is_gguf(checkpoint):
         gguf = read_gguf(checkpoint)

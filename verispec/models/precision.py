@@ -35,14 +35,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `load_model(kv_dtype=)` takes
 
 
-def kv_dtype_of(module: nn.Module, asked: str | torch.dtype = "auto") -> torch.dtype:
-    """The dtype a model's key/value caches hold: `asked`, or for "auto" float16 where the model keeps block-quantized
-    weights (float32 activations: half the cache's bytes, as llama.cpp keeps its cache), else the activations' dtype.
+def kv_dtype_of(module: nn.Module, asked: str | torch.dtype = "auto", batched: bool = False) -> torch.dtype:
+    """The dtype a model's key/value caches hold (`batched`: the batched engine's): `asked`, or for "auto" float16 in
+    a sequence's cache where the model keeps block-quantized weights (float32 activations, attention on verispec's
+    kernels, which widen it as they read: half the bytes, as llama.cpp keeps its cache), else the activations' dtype
+    (the batched engine's PyTorch attention would widen a float16 cache every layer, reading more than it saves).
     A cache holds the activations' dtype, or float16 beside float32 activations."""
     activations = module.model.norm.weight.dtype  # (a linear may be quantized)
     if asked == "auto":
         quantized = activations == torch.float32 and bool(formats(module).keys() & FORMATS.keys())
-        return torch.float16 if quantized else activations
+        return torch.float16 if quantized and not batched else activations
     dtype = parse_dtype(asked)
     if dtype != activations and (dtype, activations) != (torch.float16, torch.float32):
         raise InvalidArgumentError(f"a key/value cache holds the activations' dtype ({activations})"
