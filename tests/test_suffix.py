@@ -12,7 +12,7 @@ import pytest
 from verispec import InvalidArgumentError, Method, SuffixDecoding, build_drafter, generate, generate_batch, load_default
 from verispec.cli import main
 from verispec.drafters.suffix import Recorded, SuffixOptions
-from verispec.drafters.suffix_tree import Limits, SuffixTree
+from verispec.drafters.suffix_tree import NOTHING, Limits, SuffixTree
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
@@ -65,6 +65,34 @@ def test_counts_match_brute_force_with_interleaved_sequences(seed) -> None:
         tree.extend(rng.choice(sequences), [rng.randrange(alphabet) for _ in range(rng.randint(1, 3))])
     check_counts(tree, [s.tokens for s in sequences])
     assert tree_follows(tree, (alphabet,)) is None  # a token never seen
+
+
+def unpruned(tree: SuffixTree, pattern: list[int], limits: Limits):
+    """The best candidate over every match, each grown (what `speculate` gives, without its pruning)."""
+    best = NOTHING
+    for n, position in tree.matches(pattern):
+        candidate = tree._grow(position, n, limits)
+        if candidate.score > best.score:
+            best = candidate
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_sequences_own_matches_and_the_pruned_search_propose_what_the_full_search_does(seed) -> None:
+    """A session's own tree reads its matches from the positions its sequence keeps, and skips a match whose size
+    bound cannot beat the best so far: the proposal is the one from walking every suffix and growing every match."""
+    rng = random.Random(seed)
+    depth, alphabet = rng.choice([(4, 2), (6, 3), (8, 2), (24, 5)])
+    tree = SuffixTree(depth)
+    sequence = tree.sequence()
+    for _ in range(30):
+        tree.extend(sequence, [rng.randrange(alphabet) for _ in range(rng.randint(1, 4))])
+        assert tree.own_matches(sequence) == tree.matches(sequence.tokens)
+        limits = Limits(rng.choice([1, 4, 8]), rng.choice([2, 8]), rng.choice([0.5, 1.0, 2.0]),
+                        rng.choice([0.0, 0.1, 0.3]), rng.random() < 0.5)
+        expected = unpruned(tree, sequence.tokens, limits)
+        for got in (tree.speculate(sequence.tokens, limits), tree.speculate_own(sequence, limits)):
+            assert got == expected or not got.tokens and not expected.tokens  # (nothing to propose: no match kept)
 
 
 def chain(tree_text, nodes=8, depth=8, factor=8.0, min_prob=0.0, tree=False):

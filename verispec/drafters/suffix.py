@@ -161,7 +161,7 @@ class SuffixSession:
             nodes = self.limits.nodes if self.limits.tree else min(self.limits.nodes, k)  # a chain: k at most
             limits = replace(self.limits, depth=min(k, self.limits.depth), nodes=nodes)
             history = self.drafter.history
-            best = _best([self.local.speculate(context, limits),
+            best = _best([self.local.speculate_own(self.text, limits),  # (its text is the context)
                           NOTHING if history is None else history.speculate(context, limits)])
         if self.fallback is not None:
             own = bool(best.tokens) and best.match >= self.drafter.fallback_below

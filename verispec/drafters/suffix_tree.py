@@ -165,10 +165,28 @@ class SuffixTree:
             out.append((n, position))
         return out[::-1]
 
+    def own_matches(self, sequence: TreeSequence) -> list[tuple[int, Position]]:
+        """`matches(sequence.tokens)` for a sequence of this tree, read from the positions it keeps of its suffixes
+        (each occurs: in the sequence itself) rather than walked from the root, suffix by suffix."""
+        tokens, end = sequence.tokens, len(sequence.tokens)
+        return [(n, self._resolve(sequence.suffixes[n], tokens, end)) for n in range(len(sequence.suffixes) - 1, 0, -1)]
+
     def speculate(self, pattern: Sequence[int], limits: Limits) -> Candidate:
         """The best-scoring proposal over every matched suffix of `pattern` (ties: the longer match)."""
+        return self._best_of(self.matches(pattern), limits)
+
+    def speculate_own(self, sequence: TreeSequence, limits: Limits) -> Candidate:
+        """`speculate(sequence.tokens, limits)` for a sequence of this tree, its matches read from the positions it
+        keeps (`own_matches`)."""
+        return self._best_of(self.own_matches(sequence), limits)
+
+    def _best_of(self, matches: list[tuple[int, Position]], limits: Limits) -> Candidate:
         best = NOTHING
-        for n, position in self.matches(pattern):
+        for n, position in matches:
+            following, total = self._next(position, n)
+            likeliest = max((count for _, count, _ in following), default=0) / (total or 1)
+            if min(limits.nodes, int(limits.factor * n + 1e-9)) * likeliest <= best.score:
+                continue  # each proposed token's probability is at most the likeliest first one's: no higher score
             candidate = self._grow(position, n, limits)
             if candidate.score > best.score:
                 best = candidate
