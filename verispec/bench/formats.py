@@ -96,8 +96,8 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
         size, one = weight_bytes(model), seconds[name][1]
         kinds = ", ".join(f"{k} x {v}" for k, v in formats(model.module).items())
         cache = str(model.kv_dtype).removeprefix("torch.")
-        lines.append(f"| {name} | {kinds} | {cache} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | {one * 1e3:.2f} "
-                     f"| {step_over_read[name]:.2f}x | "
+        lines.append(f"| {name} | {kinds} | {cache} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | "
+                     f"{one * 1e3:.2f} | {step_over_read[name]:.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
     lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; the "
               "rest of the step is Python around it):", "",

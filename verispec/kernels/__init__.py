@@ -24,11 +24,10 @@ from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_a
 
 __all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
            "rotary_", "silu_mul", "gather", "store_kv", "argmax", "causal_rows", "next_token", "run", "program",
-           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED", "KV_DTYPES"]
+           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED"]
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a cache's: the activations', or float16 for float32 ones
 # ggml's block formats the quantized matmul reads (quant.cpp): bytes per block of 32 inputs, and where in a block
 # its quants start (after the float16 scale, and Q4_1's float16 min)
 QUANTIZED = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
@@ -163,7 +162,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     """Attention for R rows over the cache slots each sees: q (H, R, D) (any strides with the last dim unit), k and
     v (Hkv, S, D) with the same strides, each slot's D values contiguous, visible (R, S) uint8 -> (R, H * D), each
     row's softmax over its visible slots in slot order, the scale 1/sqrt(D). k and v are q's dtype, or float16 for
-    float32 queries (a float16 cache: `KV_DTYPES`)."""
+    float32 queries (a float16 cache)."""
     H, R, D = q.shape
     Hkv, S, _ = k.shape
     kernel = _kernel("attend", q) + "_f16" if _widened(q, k, v) else _kernel("attend", q, k, v)
