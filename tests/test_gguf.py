@@ -105,9 +105,10 @@ def test_the_reader_hands_over_blocks_floats_and_huggingface_rows(files) -> None
     assert isinstance(weights["model.embed_tokens.weight"], QuantizedWeight)
     assert weights["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float16
     assert weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
-    up = weights["model.layers.0.mlp.up_proj.weight"]  # Q6_K: float32, exactly as gguf dequantizes it
+    up = weights["model.layers.0.mlp.up_proj.weight"]  # Q6_K: its blocks, untouched
     blocks = GGUFFile(files["llama"]).tensors["blk.0.ffn_up.weight"].data
-    assert up.dtype == torch.float32 and np.array_equal(up.numpy(), gguf.quants.dequantize(blocks, GGML.Q6_K))
+    assert isinstance(up, QuantizedWeight) and up.format == "q6_k" and np.array_equal(up.blocks.numpy(), blocks)
+    assert np.array_equal(up.dequantize().numpy(), gguf.quants.dequantize(blocks, GGML.Q6_K))
     norm = weights["model.layers.1.input_layernorm.weight"]
     assert torch.equal(norm, torch.from_numpy(hf["model.layers.1.input_layernorm.weight"].astype(np.float32)))
     assert not checkpoint.config.tie_word_embeddings and "lm_head.weight" in weights

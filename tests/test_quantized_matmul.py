@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, quantize
 
 from verispec import kernels
 from verispec.bench.bandwidth import weight_bytes
 from verispec.errors import InvalidArgumentError
 from verispec.models.native import load_model
-from verispec.models.quant import FORMATS, QuantizedLinear, QuantizedWeight
+from verispec.models.quant import FORMATS, KEPT, QuantizedLinear, QuantizedWeight
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 
@@ -32,12 +33,25 @@ def ggml_math(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return (q * d).view(x.shape).double() @ weight.dequantize().double().T
 
 
+def random_weight(fmt: str, N: int, K: int, generator: torch.Generator) -> QuantizedWeight:
+    """A weight quantized from random floats, or for a format gguf cannot quantize to (the K-quants), random blocks
+    with small float16 super-block scales."""
+    if fmt in FORMATS or fmt in ("q5_0", "q5_1"):
+        return QuantizedWeight(fmt, torch.from_numpy(quantize(torch.randn(N, K, generator=generator).numpy(), KEPT[fmt])))
+    inputs, size = GGML_QUANT_SIZES[KEPT[fmt]]
+    blocks = torch.randint(0, 256, (N, K // inputs, size), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(N, K // inputs, generator=generator) * 0.01 + 0.005).half().view(torch.uint8).view(N, -1, 2)
+    for offset in {"q4_k": (0, 2), "q6_k": (208,)}[fmt]:  # D (and M): where ggml's block_q4_K / block_q6_K keep them
+        blocks[..., offset:offset + 2] = scales
+    return QuantizedWeight(fmt, blocks.view(N, -1))
+
+
 @needs_kernels
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("N, K", [(40, 64), (576, 576), (17, 1536), (1, 32), (100, 160)])
+@pytest.mark.parametrize("fmt", sorted(KEPT))
+@pytest.mark.parametrize("N, K", [(40, 256), (576, 768), (17, 1536), (1, 256), (100, 512)])
 def test_a_quantized_matmul_is_ggmls_math_and_each_row_is_its_own(fmt: str, N: int, K: int) -> None:
     generator = torch.Generator().manual_seed(N * K)
-    weight = QuantizedWeight.of(torch.randn(N, K, generator=generator), fmt)
+    weight = random_weight(fmt, N, K, generator)
     bias, x = torch.randn(N, generator=generator), torch.randn(13, K, generator=generator) * 3
     x[2] = 0  # a row of zeros quantizes with d = 0
     matmul = kernels.Matmul(weight.blocks, bias, fmt)

@@ -19,7 +19,9 @@ from typing import Sequence, Union
 
 import torch
 
+from verispec.kernels import quant_pack
 from verispec.kernels.build import isa, library, reason
+from verispec.kernels.quant_pack import QUANTIZED
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
 __all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
@@ -28,10 +30,6 @@ __all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Ma
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# ggml's block formats the quantized matmul reads (quant.cpp): bytes per block of 32 inputs, and where in a block
-# its quants start (after the float16 scale, and Q4_1's float16 min)
-QUANTIZED = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
-QUANT_COLS = 16  # output columns per packed quantized block (quant.cpp QCOLS)
 
 
 def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -102,21 +100,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quantized(format: str, blocks: torch.Tensor) -> torch.Tensor:
-    """A weight in ggml's blocks (N, K / 32 * block bytes), row by row, laid out as the quantized matmul streams it
-    (quant.cpp): by blocks of 16 output columns, and in each by blocks of 32 inputs: the columns' float16 scales, for
-    Q4_1 their mins, then the quants in groups of 4 inputs, each group the 16 columns' 4 bytes side by side (Q8_0's as
-    q + 128); rows past N are zero blocks."""
-    size, start = QUANTIZED[format]
-    N, nb = blocks.shape[0], blocks.shape[1] // size
-    padded = torch.zeros(-(-N // QUANT_COLS) * QUANT_COLS, nb, size, dtype=torch.uint8)
-    padded[:N] = blocks.view(N, nb, size)
-    b = padded.view(-1, QUANT_COLS, nb, size).transpose(1, 2)  # (N/16, nb, 16 columns, block bytes)
-    quants = b[..., start:]
-    if format == "q8_0":
-        quants = quants ^ 0x80  # int8 q as the unsigned q + 128
-    groups = quants.reshape(*b.shape[:3], -1, 4).transpose(2, 3)  # (N/16, nb, groups of 4 inputs, 16 columns, 4)
-    parts = [b[..., 0:2], *([b[..., 2:4]] if format == "q4_1" else []), groups]
-    return torch.cat([part.reshape(*b.shape[:2], -1) for part in parts], -1).contiguous()
+    """A weight in ggml's blocks (N, K / block inputs * block bytes), row by row, laid out as the quantized matmul
+    streams it (kernels/quant_pack.py)."""
+    return quant_pack.pack(format, blocks)
 
 
 class Matmul:
@@ -132,10 +118,11 @@ class Matmul:
             self.dtype, self.packed = weight.dtype, pack(weight)
         else:
             if format not in QUANTIZED or weight.dtype != torch.uint8 or weight.dim() != 2 or \
-                    weight.shape[1] % QUANTIZED[format][0]:
+                    weight.shape[1] % quant_pack.bytes_per_block(format):
                 raise ValueError(f"a quantized matmul takes uint8 blocks of one of {', '.join(QUANTIZED)}; got "
                                  f"{format!r} {weight.dtype} {tuple(weight.shape)}")
-            self.out_features, self.in_features = weight.shape[0], weight.shape[1] // QUANTIZED[format][0] * 32
+            blocks = weight.shape[1] // quant_pack.bytes_per_block(format)
+            self.out_features, self.in_features = weight.shape[0], blocks * quant_pack.inputs_per_block(format)
             self.kernel, self.dtype, self.packed = f"linear_{format}", torch.float32, pack_quantized(format, weight)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")

@@ -2,32 +2,44 @@
 // ggml's formats (models/quant.py), dequantized in registers, never in memory.
 //
 // As ggml does for its integer dot products, each row of x is first quantized by blocks of 32 inputs: q = round(x /
-// d) in int8, d = max |x| / 127, kept with d and the sum of the block's q (a row's own numbers, so the row's result
+// d) in int8, d = max |x| / 127, kept with d and the sums of the block's q (a row's own numbers, so the row's result
 // does not depend on the others). A weight block's integer dot product with it is then taken by the CPU's int8 dot
 // product (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd), and scaled in float32:
-//   Q8_0: w = dw * qw               y += dw * d * sum(qw * q)
-//   Q4_0: w = dw * (qw - 8)          y += dw * d * (sum(qw * q) - 8 * sum(q))
-//   Q4_1: w = dw * qw + mw           y += dw * d * sum(qw * q) + mw * d * sum(q)
-// The weight is packed (kernels/__init__.py `pack_quantized`) in blocks of 16 output columns, and within a column
-// block by blocks of 32 inputs: the 16 columns' scales dw (float16), for Q4_1 their mins mw (float16), then the
-// quants as the dot product takes them: groups of 4 inputs, each group the 16 columns' 4 bytes side by side. Q8_0
-// groups are qw + 128 (unsigned, for vpdpbusd; AVX2 takes the sign back); a Q4 group's bytes hold inputs 4g .. 4g + 3
-// in their low nibbles and 16 + 4g .. 16 + 4g + 3 in their high ones, as ggml's bytes 4g .. 4g + 3 do.
+//   Q8_0: w = dw * qw                 y += dw * d * sum(qw * q)
+//   Q4_0: w = dw * (qw - 8)           y += dw * d * (sum(qw * q) - 8 * sum(q))
+//   Q5_0: w = dw * (qw - 16)          y += dw * d * (sum(qw * q) - 16 * sum(q))
+//   Q4_1, Q5_1: w = dw * qw + mw      y += dw * d * sum(qw * q) + mw * d * sum(q)
+//   Q4_K: as Q4_1 with dw = D * sc, mw = -M * m: D, M the super-block's (256 inputs), sc, m the block's 6-bit ones
+//   Q6_K: w = D * sc * (qw - 32), sc by 16 inputs: each half of the block as Q5_0, with its own sc and sum(q)
+// (D * sc and M * m are exact in float32: a float16 times a 6- or 8-bit integer.)
+// The weight is packed (kernels/quant_pack.py) in blocks of 16 output columns, and within a column block by blocks
+// of 32 inputs (a K-quant's super-block first has the 16 columns' D, then M, as float16): the 16 columns' scales (dw,
+// then mw, as float16; a K-quant's sc, then m or the second half's sc, as bytes), then the quants as the dot product
+// takes them: groups of 4 inputs, each group the 16 columns' 4 bytes side by side. Q8_0's are qw + 128 (unsigned,
+// for vpdpbusd; AVX2 takes the sign back). The others' group bytes hold inputs 4g .. 4g + 3 in their low nibbles and
+// 16 + 4g .. 16 + 4g + 3 in their high ones, as ggml's Q4_0 bytes 4g .. 4g + 3 do; then the higher bits: Q5's bit 4
+// as one bit per group byte (8 bytes for the low nibbles' inputs, then 8 for the high ones', by group); Q6_K's bits 4
+// and 5 as two bits per group byte, a 64-byte vector for two groups (bits 0-1 the first group's low nibbles' inputs,
+// 2-3 its high ones', 4-5 and 6-7 the second group's).
 #include <vector>
 
 #include "simd.h"
 
 #ifdef VS_KERNELS
-enum Format { Q8_0, Q4_0, Q4_1 };
+enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K };
 static const int QCOLS = 16;  // output columns per weight block: one 16-lane accumulator per row
 static const int QK = 32;     // inputs per block
 // Bytes of weight asked into the L2 cache ahead of their use. The weight is read once, front to back; without this,
 // one thread's stream of it ran well below the memory's rate, more so for several rows.
 static const long FETCH_AHEAD = 16384;
-template <Format F>
-constexpr long block_bytes() {  // packed bytes per 16 columns x 32 inputs
-  return (F == Q4_1 ? 64 : 32) + (F == Q8_0 ? 512 : 256);
-}
+constexpr bool k_quant(Format F) { return F == Q4_K || F == Q6_K; }
+constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K; }
+constexpr long head_bytes(Format F) { return F == Q4_1 || F == Q5_1 ? 64 : 32; }  // per block, before the quants
+constexpr long high_bytes(Format F) { return F == Q5_0 || F == Q5_1 ? 64 : F == Q6_K ? 128 : 0; }
+constexpr long block_bytes(Format F) { return head_bytes(F) + (F == Q8_0 ? 512 : 256) + high_bytes(F); }
+constexpr int SUPER = 8;  // blocks per K-quant super-block
+constexpr long super_bytes(Format F) { return F == Q4_K ? 64 : F == Q6_K ? 32 : 0; }  // its header: D (and M)
+constexpr int32_t offset(Format F) { return F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0; }  // qw - offset
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
 static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken unsigned
@@ -36,7 +48,7 @@ static const int QROWS = 4;
 static const int Q8_OFFSET = 0;  // AVX2 takes them signed
 #endif
 
-struct Rows {  // x's rows quantized by blocks: q (M, K), and d, sum(q) and d * sum(q) by (row, block)
+struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs
   std::vector<int8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> sum;
@@ -64,16 +76,17 @@ static void quantize_rows(const float* x, long ldx, long M, long K, Rows& r) {
   r.q.resize(M * K);
   r.d.resize(M * nb);
   r.ds.resize(M * nb);
-  r.sum.resize(M * nb);
+  r.sum.resize(M * nb * 2);
   for (long m = 0; m < M; m++)
     for (long b = 0; b < nb; b++) {
       const float* xb = x + m * ldx + b * QK;
       const vf a0 = load(xb), a1 = load(xb + 16);
       const float d = vtop(vmax(vabs(a0), vabs(a1))) / 127.0f, id = d ? 1.0f / d : 0.0f;
       int8_t* q = r.q.data() + m * K + b * QK;
-      const int32_t sum = to_int8(vmul(a0, vset1(id)), q) + to_int8(vmul(a1, vset1(id)), q + 16);
       const long i = m * nb + b;
-      r.d[i] = d, r.sum[i] = sum, r.ds[i] = d * (float)sum;
+      r.sum[2 * i] = to_int8(vmul(a0, vset1(id)), q);
+      r.sum[2 * i + 1] = to_int8(vmul(a1, vset1(id)), q + 16);
+      r.d[i] = d, r.ds[i] = d * (float)(r.sum[2 * i] + r.sum[2 * i + 1]);
     }
 }
 
@@ -84,59 +97,109 @@ static inline int32_t word(const int8_t* q) {  // four int8 as one lane's bytes
 }
 
 #ifdef VS_AVX512
-// The 16 columns' integer dot products with a row's block q, one lane each.
+typedef __m512i ivec;
+// Group g's quants of the 16 columns as unsigned bytes: the inputs of the low nibbles (lo), of the high ones (hi).
+template <Format F>
+static inline void group(const uint8_t* w, int g, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(w + 64 * g), low = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  const uint8_t* h = w + 256;  // the higher bits
+  if (F == Q5_0 || F == Q5_1) {
+    uint64_t bl, bh;
+    memcpy(&bl, h + 16 * g, 8), memcpy(&bh, h + 16 * g + 8, 8);
+    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bl, _mm512_set1_epi8(0x10)));
+    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bh, _mm512_set1_epi8(0x10)));
+  } else if (F == Q6_K) {  // bits 4-5 from a 2-bit field: (v << s) & 0x30 in 16-bit lanes, masked within each byte
+    const __m512i v2 = _mm512_loadu_si512(h + 64 * (g / 2)), top = _mm512_set1_epi8(0x30);
+    const __m512i l2 = g % 2 ? v2 : _mm512_slli_epi16(v2, 4), h2 = g % 2 ? _mm512_srli_epi16(v2, 2) : _mm512_slli_epi16(v2, 2);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(l2, top)), hi = _mm512_or_si512(hi, _mm512_and_si512(h2, top));
+  }
+}
+// The 16 columns' integer dot products with a row's block q, one lane each: over the block (isum[0]), or, for
+// Q6_K, over its first 16 inputs (isum[0]) and its last 16 (isum[1]).
 template <Format F, int MR>
-static inline void dots(const uint8_t* w, const int8_t* const* q, __m512i* isum) {
-  for (int m = 0; m < MR; m++) isum[m] = _mm512_setzero_si512();
+static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+  for (int p = 0; p < (F == Q6_K ? 2 : 1); p++)
+    for (int m = 0; m < MR; m++) isum[p][m] = _mm512_setzero_si512();
   if (F == Q8_0) {
     for (int g = 0; g < 8; g++) {
       const __m512i v = _mm512_loadu_si512(w + 64 * g);
-      for (int m = 0; m < MR; m++) isum[m] = _mm512_dpbusd_epi32(isum[m], v, _mm512_set1_epi32(word(q[m] + 4 * g)));
+      for (int m = 0; m < MR; m++) isum[0][m] = _mm512_dpbusd_epi32(isum[0][m], v, _mm512_set1_epi32(word(q[m] + 4 * g)));
     }
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-      const __m512i v = _mm512_loadu_si512(w + 64 * g);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      for (int m = 0; m < MR; m++) {
-        isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(word(q[m] + 4 * g)));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(word(q[m] + 16 + 4 * g)));
-      }
+    return;
+  }
+  for (int g = 0; g < 4; g++) {
+    __m512i lo, hi;
+    group<F>(w, g, lo, hi);
+    for (int m = 0; m < MR; m++) {
+      isum[0][m] = _mm512_dpbusd_epi32(isum[0][m], lo, _mm512_set1_epi32(word(q[m] + 4 * g)));
+      ivec& second = isum[F == Q6_K][m];
+      second = _mm512_dpbusd_epi32(second, hi, _mm512_set1_epi32(word(q[m] + 16 + 4 * g)));
     }
   }
 }
 static inline vf as_float(__m512i i) { return _mm512_cvtepi32_ps(i); }
 static inline __m512i minus(__m512i i, int32_t k) { return _mm512_sub_epi32(i, _mm512_set1_epi32(k)); }
 static inline vf halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-typedef __m512i ivec;
+template <typename T>
+static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return _mm512_cvtepi32_ps(std::is_signed_v<T> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
 #else
 struct ivec {
   __m256i lo, hi;
 };
-static inline __m256i half_dot(const uint8_t* w, const int8_t* q, Format F) {  // eight columns' dot products
+static inline __m256i bits_to_bytes(const uint8_t* p) {  // 32 bits as 32 bytes of 0x10 (bit set) or 0
+  uint32_t x;
+  memcpy(&x, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(x), _mm256_set_epi64x(0x0303030303030303,
+      0x0202020202020202, 0x0101010101010101, 0));  // byte i holds the bits' byte i / 8
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i's own bit, i % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+// Eight columns' (half c of the 16) dot products with a row's block q: over the block, or for Q6_K, its two halves.
+template <Format F>
+static inline void half_dot(const uint8_t* w, const int8_t* q, int c, __m256i* t) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i t = _mm256_setzero_si256();
+  t[0] = t[1] = _mm256_setzero_si256();
   if (F == Q8_0) {
     for (int g = 0; g < 8; g++) {
-      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g)), _mm256_set1_epi8(-128));
+      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c)), _mm256_set1_epi8(-128));
       const __m256i a = _mm256_set1_epi32(word(q + 4 * g));  // qw * q as |qw| * (q with qw's sign)
-      t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(a, v)), ones));
+      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(a, v)), ones));
     }
-  } else {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q + 4 * g))),
-                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q + 16 + 4 * g))));
-      t = _mm256_add_epi32(t, _mm256_madd_epi16(p, ones));
+    return;
+  }
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const uint8_t* h = w + 256;
+  for (int g = 0; g < 4; g++) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if (F == Q5_0 || F == Q5_1) {
+      lo = _mm256_or_si256(lo, bits_to_bytes(h + 16 * g + 4 * c));
+      hi = _mm256_or_si256(hi, bits_to_bytes(h + 16 * g + 8 + 4 * c));
+    } else if (F == Q6_K) {
+      const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + 32 * c));
+      const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(l2, top)), hi = _mm256_or_si256(hi, _mm256_and_si256(h2, top));
+    }
+    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q + 4 * g)));
+    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q + 16 + 4 * g)));
+    if (F == Q6_K) {
+      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(pl, ones)), t[1] = _mm256_add_epi32(t[1], _mm256_madd_epi16(ph, ones));
+    } else {
+      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
     }
   }
-  return t;
 }
 template <Format F, int MR>
-static inline void dots(const uint8_t* w, const int8_t* const* q, ivec* isum) {
-  for (int m = 0; m < MR; m++) isum[m] = {half_dot(w, q[m], F), half_dot(w + 32, q[m], F)};
+static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+  for (int m = 0; m < MR; m++) {
+    __m256i lo[2], hi[2];
+    half_dot<F>(w, q[m], 0, lo), half_dot<F>(w, q[m], 1, hi);
+    for (int p = 0; p < (F == Q6_K ? 2 : 1); p++) isum[p][m] = {lo[p], hi[p]};
+  }
 }
 static inline vf as_float(ivec i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
 static inline ivec minus(ivec i, int32_t k) {
@@ -146,6 +209,12 @@ static inline ivec minus(ivec i, int32_t k) {
 static inline vf halves(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))};
 }
+template <typename T>
+static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
+  const __m128i b0 = _mm_loadl_epi64((const __m128i*)p), b1 = _mm_loadl_epi64((const __m128i*)(p + 8));
+  if (std::is_signed_v<T>) return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1))};
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b0)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b1))};
+}
 #endif
 
 // MR rows (from row m0) by one block of 16 columns: every row takes the same instructions in the same order.
@@ -153,23 +222,37 @@ template <Format F, int MR>
 static void block(const Rows& r, long m0, long K, const uint8_t* w, const float* bias, const float* res, long ldr,
                   float* y, long ldy, long cols) {
   const long nb = K / QK;
-  vf acc[MR];
+  vf acc[MR], D = vzero(), M = vzero();
   for (int m = 0; m < MR; m++) acc[m] = vzero();
-  for (long b = 0; b < nb; b++, w += block_bytes<F>()) {
-    for (long line = 0; line < block_bytes<F>(); line += 64)
+  for (long b = 0; b < nb; b++, w += block_bytes(F)) {
+    if (k_quant(F) && b % SUPER == 0) {  // a super-block's header
+      D = halves(w);
+      if (F == Q4_K) M = halves(w + 32);
+      w += super_bytes(F);
+    }
+    for (long line = 0; line < block_bytes(F); line += 64)
       _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
     const int8_t* q[MR];
     for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
-    ivec isum[MR];
-    dots<F, MR>(w + (F == Q4_1 ? 64 : 32), q, isum);
-    const vf dw = halves(w), mw = F == Q4_1 ? halves(w + 32) : vzero();
+    ivec isum[2][MR];
+    dots<F, MR>(w + head_bytes(F), q, isum);
+    // The block's scales: dw (and mw, or for Q6_K the second half's dw)
+    const vf dw = F == Q4_K ? vmul(D, bytes<uint8_t>(w)) : F == Q6_K ? vmul(D, bytes<int8_t>(w)) : halves(w);
+    const vf mw = F == Q4_K ? vmul(M, bytes<uint8_t>(w + 16)) : F == Q6_K ? vmul(D, bytes<int8_t>(w + 16))
+                  : has_min(F) ? halves(w + 32) : vzero();
     for (int m = 0; m < MR; m++) {
       const long i = (m0 + m) * nb + b;
-      const ivec s = F == Q8_0 && Q8_OFFSET ? minus(isum[m], Q8_OFFSET * r.sum[i])
-                     : F == Q4_0            ? minus(isum[m], 8 * r.sum[i])
-                                            : isum[m];
-      acc[m] = vfmadd(as_float(s), vmul(dw, vset1(r.d[i])), acc[m]);
-      if (F == Q4_1) acc[m] = vfmadd(mw, vset1(r.ds[i]), acc[m]);
+      const vf d = vset1(r.d[i]);
+      if (F == Q6_K) {
+        acc[m] = vfmadd(as_float(minus(isum[0][m], offset(F) * r.sum[2 * i])), vmul(dw, d), acc[m]);
+        acc[m] = vfmadd(as_float(minus(isum[1][m], offset(F) * r.sum[2 * i + 1])), vmul(mw, d), acc[m]);
+        continue;
+      }
+      const int32_t k = F == Q8_0 ? Q8_OFFSET : offset(F);
+      const ivec s = k ? minus(isum[0][m], k * (r.sum[2 * i] + r.sum[2 * i + 1])) : isum[0][m];
+      acc[m] = vfmadd(as_float(s), vmul(dw, d), acc[m]);
+      if (F == Q4_K) acc[m] = vfnmadd(mw, vset1(r.ds[i]), acc[m]);
+      else if (has_min(F)) acc[m] = vfmadd(mw, vset1(r.ds[i]), acc[m]);
     }
   }
   for (int m = 0; m < MR; m++) {
@@ -186,10 +269,10 @@ static int qlinear(const int64_t* a) {  // a: x, ldx, w, bias, y, ldy, M, N, K, 
   const uint8_t* w = ARG(const uint8_t*, 2);
   float* y = ARG(float*, 4);
   const long ldx = a[1], ldy = a[5], M = a[6], N = a[7], K = a[8], ldr = a[10];
-  if (K % QK) return -1;
+  if (K % (k_quant(F) ? QK * SUPER : QK)) return -1;
   thread_local Rows rows;
   quantize_rows(x, ldx, M, K, rows);
-  const long column_block = K / QK * block_bytes<F>();
+  const long column_block = K / QK * block_bytes(F) + (k_quant(F) ? K / (QK * SUPER) * super_bytes(F) : 0);
   for (long n = 0; n < N; n += QCOLS) {
     const uint8_t* wb = w + n / QCOLS * column_block;
     const long cols = N - n < QCOLS ? N - n : QCOLS;
@@ -205,4 +288,8 @@ static int qlinear(const int64_t* a) {  // a: x, ldx, w, bias, y, ldy, M, N, K, 
 extern "C" int vs_linear_q8_0(const int64_t* a) { return qlinear<Q8_0>(a); }
 extern "C" int vs_linear_q4_0(const int64_t* a) { return qlinear<Q4_0>(a); }
 extern "C" int vs_linear_q4_1(const int64_t* a) { return qlinear<Q4_1>(a); }
+extern "C" int vs_linear_q5_0(const int64_t* a) { return qlinear<Q5_0>(a); }
+extern "C" int vs_linear_q5_1(const int64_t* a) { return qlinear<Q5_1>(a); }
+extern "C" int vs_linear_q4_k(const int64_t* a) { return qlinear<Q4_K>(a); }
+extern "C" int vs_linear_q6_k(const int64_t* a) { return qlinear<Q6_K>(a); }
 #endif

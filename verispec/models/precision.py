@@ -1,11 +1,11 @@
 """Where a model's weights get their format and are packed for the kernels that run them.
 
-Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats Q8_0, Q4_0 and Q4_1
-(models/quant.py), kept quantized linear by linear (`QuantizedLinear`) where verispec's kernels run, with float32
-activations. `quantize_linears` puts a model's projections and LM head into a block format (`--quantize`, or a
-GGUF file's own tensors); `pack_model` then lays every projection and the LM head out as prepacked, fused matmuls
-(models/linear.py) and says which of the model's pieces run on verispec's kernels. The parameters keep their names
-and values.
+Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats (Q8_0, Q4_0 and Q4_1;
+a GGUF's Q5_0, Q5_1, Q4_K and Q6_K too; models/quant.py), kept quantized linear by linear (`QuantizedLinear`) where
+verispec's kernels run, with float32 activations. `quantize_linears` puts a model's projections and LM head into a
+block format (`--quantize`, or a GGUF file's own tensors); `pack_model` then lays every projection and the LM head
+out as prepacked, fused matmuls (models/linear.py) and says which of the model's pieces run on verispec's kernels.
+The parameters keep their names and values.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
-from verispec.models.quant import BLOCK, FORMATS, QuantizedLinear, QuantizedWeight, check_format
+from verispec.models.quant import BLOCK, KEPT, QuantizedLinear, QuantizedWeight, check_format
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
@@ -43,7 +43,7 @@ def kv_dtype_of(module: nn.Module, asked: str | torch.dtype = "auto", batched: b
     A cache holds the activations' dtype, or float16 beside float32 activations."""
     activations = module.model.norm.weight.dtype  # (a linear may be quantized)
     if asked == "auto":
-        quantized = activations == torch.float32 and bool(formats(module).keys() & FORMATS.keys())
+        quantized = activations == torch.float32 and bool(formats(module).keys() & KEPT.keys())
         return torch.float16 if quantized and not batched else activations
     dtype = parse_dtype(asked)
     if dtype != activations and (dtype, activations) != (torch.float16, torch.float32):
@@ -108,7 +108,7 @@ def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str 
     """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
     tensors, and the linears kept as blocks (by `projections`' names; "lm_head" too where the file ties it to the
     embedding, whose table is then the blocks dequantized). `dtype="auto"` keeps the file's own formats where they
-    run (`keep`, and verispec's kernels on one thread): Q8_0, Q4_0 and Q4_1 tensors as blocks, with float32
+    run (`keep`, and verispec's kernels on one thread): the tensors in `quant.KEPT`'s formats as blocks, with float32
     activations; a file whose float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts
     every weight to it, blocks dequantized (exact in float32)."""
     blocks = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}

@@ -5,7 +5,10 @@ A `QuantizedWeight` is a linear's weight (N, K) as N rows of K / 32 blocks, each
 row, laid out byte for byte as ggml lays it out (and as a GGUF tensor's data is):
 - Q8_0: d (float16), then 32 int8 q: w = d * q;
 - Q4_0: d (float16), then 16 bytes, element j in byte j's low nibble and element j + 16 in its high one: w = d * (q - 8);
-- Q4_1: d (float16), m (float16), then the nibbles as Q4_0: w = d * q + m.
+- Q4_1: d (float16), m (float16), then the nibbles as Q4_0: w = d * q + m;
+- Q5_0, Q5_1: as Q4_0 and Q4_1 with a fifth bit for each element (w = d * (q - 16), d * q + m);
+- Q4_K, Q6_K (a GGUF's, not made here: the `gguf` package cannot quantize to them): super-blocks of 256 inputs,
+  each with a float16 scale (and min) over 6- or 8-bit scales of its blocks of 32 (Q4_K) or 16 inputs (Q6_K).
 Quantizing and dequantizing are the `gguf` package's (ggml's reference code in numpy), so a weight quantized here
 has the bits llama.cpp's `llama-quantize` writes. verispec's kernels read the blocks directly (models/precision.py
 packs them); elsewhere a quantized weight runs dequantized.
@@ -23,9 +26,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
 from verispec.errors import InvalidArgumentError
+from verispec.kernels.quant_pack import QUANTIZED
 
-BLOCK = 32  # inputs per block, in every format here
+BLOCK = 32  # inputs per block of the formats weights are quantized to here
 FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+KEPT = QUANTIZED  # what a QuantizedWeight holds and the kernels read: FORMATS, and a GGUF's Q5_0, Q5_1, Q4_K, Q6_K
 
 
 def check_format(name: str) -> str:
@@ -37,25 +42,31 @@ def check_format(name: str) -> str:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
-    """A weight (N, K) in `format`: `blocks` (N, K / 32 * block bytes) uint8, ggml's blocks row by row."""
+    """A weight (N, K) in `format` (one of `KEPT`): `blocks` (N, K / block inputs * block bytes) uint8, ggml's
+    blocks row by row."""
 
     format: str
     blocks: torch.Tensor
 
     def __post_init__(self) -> None:
-        check_format(self.format)
+        if self.format not in KEPT:
+            raise ValueError(f"no blocks of {self.format!r}; verispec keeps {', '.join(KEPT)}")
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % self.block_bytes:
-            raise ValueError(f"{self.format} blocks are uint8 (N, K / {BLOCK} * {self.block_bytes}); got "
-                             f"{self.blocks.dtype} {tuple(self.blocks.shape)}")
+            raise ValueError(f"{self.format} blocks are uint8 (N, K / {self.block_inputs} * {self.block_bytes}); "
+                             f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+
+    @property
+    def block_inputs(self) -> int:
+        return GGML_QUANT_SIZES[KEPT[self.format]][0]
 
     @property
     def block_bytes(self) -> int:
-        return GGML_QUANT_SIZES[FORMATS[self.format]][1]
+        return GGML_QUANT_SIZES[KEPT[self.format]][1]
 
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K): outputs and inputs, as the float weight's."""
-        return self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * BLOCK
+        return self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * self.block_inputs
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +85,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight (N, K) it stands for, in float32 (exact: every format's values are float32 numbers), then cast."""
-        values = dequantize(self.blocks.numpy(), FORMATS[self.format])
+        values = dequantize(self.blocks.numpy(), KEPT[self.format])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
