@@ -70,7 +70,7 @@ def gguf_config(vocab: int, **overrides) -> ModelConfig:
     return ModelConfig(**(base | overrides))
 
 
-def _blocks(shape: tuple[int, ...], qtype: GGML, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(shape: tuple[int, ...], qtype: GGML, rng: np.random.Generator) -> np.ndarray:
     """Random blocks of a format gguf cannot quantize to, with small float16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
@@ -135,7 +135,7 @@ def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *,
         if qtype == GGML.F32:
             writer.add_tensor(gguf_name, weight)
         elif qtype in SCALES:
-            writer.add_tensor(gguf_name, _blocks(weight.shape, qtype, rng), raw_dtype=qtype)
+            writer.add_tensor(gguf_name, random_blocks(weight.shape, qtype, rng), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -3,9 +3,10 @@ kept quantized (`load_model(quantize=)`, models/precision.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, quantize
+from gguf import quantize
 
 from verispec import kernels
 from verispec.bench.bandwidth import weight_bytes
@@ -14,6 +15,8 @@ from verispec.models.native import load_model
 from verispec.models.quant import FORMATS, KEPT, QuantizedLinear, QuantizedWeight
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
+
+from tests.gguf_files import random_blocks
 
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
                                    reason=f"verispec's kernels do not run here: {kernels.reason()}")
@@ -35,15 +38,11 @@ def ggml_math(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def random_weight(fmt: str, N: int, K: int, generator: torch.Generator) -> QuantizedWeight:
     """A weight quantized from random floats, or for a format gguf cannot quantize to (the K-quants), random blocks
-    with small float16 super-block scales."""
-    if fmt in FORMATS or fmt in ("q5_0", "q5_1"):
-        return QuantizedWeight(fmt, torch.from_numpy(quantize(torch.randn(N, K, generator=generator).numpy(), KEPT[fmt])))
-    inputs, size = GGML_QUANT_SIZES[KEPT[fmt]]
-    blocks = torch.randint(0, 256, (N, K // inputs, size), dtype=torch.uint8, generator=generator)
-    scales = (torch.rand(N, K // inputs, generator=generator) * 0.01 + 0.005).half().view(torch.uint8).view(N, -1, 2)
-    for offset in {"q4_k": (0, 2), "q6_k": (208,)}[fmt]:  # D (and M): where ggml's block_q4_K / block_q6_K keep them
-        blocks[..., offset:offset + 2] = scales
-    return QuantizedWeight(fmt, blocks.view(N, -1))
+    with small float16 super-block scales (as the test GGUFs hold them)."""
+    if fmt in ("q4_k", "q6_k"):
+        rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=generator)))
+        return QuantizedWeight(fmt, torch.from_numpy(random_blocks((N, K), KEPT[fmt], rng)))
+    return QuantizedWeight(fmt, torch.from_numpy(quantize(torch.randn(N, K, generator=generator).numpy(), KEPT[fmt])))
 
 
 @needs_kernels

@@ -12,7 +12,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 QUANT_COLS = 16  # output columns per packed block (quant.cpp QCOLS)
-BLOCK = 32  # inputs per packed block (quant.cpp QK)
 SUPER = 8  # packed blocks per K-quant super-block of 256 inputs (quant.cpp SUPER)
 # Each format the matmul reads, as ggml's type: its blocks' inputs and bytes (gguf.GGML_QUANT_SIZES)
 QUANTIZED = {"q8_0": GGML.Q8_0, "q4_0": GGML.Q4_0, "q4_1": GGML.Q4_1, "q5_0": GGML.Q5_0, "q5_1": GGML.Q5_1,
