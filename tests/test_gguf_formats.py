@@ -29,9 +29,9 @@ def one_thread(single_thread: None) -> None:
 
 @pytest.fixture(scope="module")
 def quantized_file(tmp_path_factory) -> str:
-    """q in Q4_0, k in Q4_1, v in Q5_0, o in Q5_1 (one fused matmul of mixed formats), the rest Q8_0 but two F16, a
-    Q6_K and a Q4_K matrix, the LM head tied to a Q8_0 embedding."""
-    types = by_name({"q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1, "v_proj": GGML.Q5_0, "o_proj": GGML.Q5_1,
+    """q in Q4_0, k in Q4_1, v in Q5_0, o in Q5_1 (one fused matmul of mixed formats) but a Q5_K one, the rest Q8_0
+    but two F16, a Q6_K and a Q4_K matrix, the LM head tied to a Q8_0 embedding."""
+    types = by_name({"layers.1.self_attn.o": GGML.Q5_K, "q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1, "v_proj": GGML.Q5_0, "o_proj": GGML.Q5_1,
                      "layers.1.mlp.up": GGML.F16, "layers.0.mlp.down": GGML.Q6_K, "layers.1.mlp.down": GGML.Q4_K},
                     GGML.Q8_0)
     config = gguf_config(len(bpe_vocab()[0]), tie_word_embeddings=True)
@@ -49,9 +49,10 @@ def test_auto_keeps_the_files_block_formats_and_stays_the_files_model(quantized_
     assert kept.dtype == torch.float32 and kept.module.own_kernels
     assert (layer.self_attn.q_proj.quantized.format, layer.self_attn.k_proj.quantized.format) == ("q4_0", "q4_1")
     assert layer.mlp.gate_proj.quantized.format == "q8_0" and kept.module.lm_head.quantized.format == "q8_0"
-    assert formats(kept.module) == {"q4_0": 2, "q4_1": 2, "q5_0": 2, "q5_1": 2, "q6_k": 1, "q4_k": 1, "q8_0": 4,
-                                    "float32": 1}  # F16 as floats
+    assert formats(kept.module) == {"q4_0": 2, "q4_1": 2, "q5_0": 2, "q5_1": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1,
+                                    "q8_0": 4, "float32": 1}  # F16 as floats
     assert layer.self_attn.o.kernel.kernel == "linear_q5_1"
+    assert kept.module.model.layers[1].self_attn.o.kernel.kernel == "linear_q5_k"
     assert kept.module.model.layers[1].mlp.down.kernel.kernel == "linear_q4_k"
     assert layer.mlp.down.kernel.kernel == "linear_q6_k"
     assert torch.equal(kept.module.model.embed_tokens.weight, plain.module.model.embed_tokens.weight)

@@ -241,7 +241,7 @@ def test_cli_generate_with_selfquant(pair_dirs, tmp_path, capsys) -> None:
         assert main(base + extra) == 0
         out, err = capsys.readouterr()
         assert err == "" and ("--compare" not in extra or "identical to autoregressive: yes" in out)
-    for extra, message in ((["--format", "q5_0"], "argument --format: invalid choice: 'q5_0'"),
+    for extra, message in ((["--format", "q6_k"], "argument --format: invalid choice: 'q6_k'"),
                            (["--head-format", "f16"], "argument --head-format: invalid choice: 'f16'"),
                            (["--skip", str(tmp_path / "none.json")], "no such layer-skip plan"),
                            (["--skip", "3"], "cannot skip layer 3"), (["--skip", "0,1,2"], "cannot skip all 3"),

@@ -9,7 +9,8 @@
 //   Q4_0: w = dw * (qw - 8)           y += dw * d * (sum(qw * q) - 8 * sum(q))
 //   Q5_0: w = dw * (qw - 16)          y += dw * d * (sum(qw * q) - 16 * sum(q))
 //   Q4_1, Q5_1: w = dw * qw + mw      y += dw * d * sum(qw * q) + mw * d * sum(q)
-//   Q4_K: as Q4_1 with dw = D * sc, mw = -M * m: D, M the super-block's (256 inputs), sc, m the block's 6-bit ones
+//   Q4_K, Q5_K: as Q4_1, Q5_1 with dw = D * sc, mw = -M * m: D, M the super-block's (256 inputs), sc, m the
+//     block's 6-bit ones
 //   Q6_K: w = D * sc * (qw - 32), sc by 16 inputs: each half of the block as Q5_0, with its own sc and sum(q)
 // (D * sc and M * m are exact in float32: a float16 times a 6- or 8-bit integer.)
 // The weight is packed (kernels/quant_pack.py) in blocks of 16 output columns, and within a column block by blocks
@@ -26,19 +27,21 @@
 #include "simd.h"
 
 #ifdef VS_KERNELS
-enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K };
+enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 static const int QCOLS = 16;  // output columns per weight block: one 16-lane accumulator per row
 static const int QK = 32;     // inputs per block
 // Bytes of weight asked into the L2 cache ahead of their use. The weight is read once, front to back; without this,
 // one thread's stream of it ran well below the memory's rate, more so for several rows.
 static const long FETCH_AHEAD = 16384;
-constexpr bool k_quant(Format F) { return F == Q4_K || F == Q6_K; }
-constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K; }
+constexpr bool k_quant(Format F) { return F == Q4_K || F == Q5_K || F == Q6_K; }
+constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K; }
+constexpr bool five_bit(Format F) { return F == Q5_0 || F == Q5_1 || F == Q5_K; }
+constexpr bool k_min(Format F) { return F == Q4_K || F == Q5_K; }  // dw = D * sc, mw = M * m
 constexpr long head_bytes(Format F) { return F == Q4_1 || F == Q5_1 ? 64 : 32; }  // per block, before the quants
-constexpr long high_bytes(Format F) { return F == Q5_0 || F == Q5_1 ? 64 : F == Q6_K ? 128 : 0; }
+constexpr long high_bytes(Format F) { return five_bit(F) ? 64 : F == Q6_K ? 128 : 0; }
 constexpr long block_bytes(Format F) { return head_bytes(F) + (F == Q8_0 ? 512 : 256) + high_bytes(F); }
 constexpr int SUPER = 8;  // blocks per K-quant super-block
-constexpr long super_bytes(Format F) { return F == Q4_K ? 64 : F == Q6_K ? 32 : 0; }  // its header: D (and M)
+constexpr long super_bytes(Format F) { return k_min(F) ? 64 : F == Q6_K ? 32 : 0; }  // its header: D (and M)
 constexpr int32_t offset(Format F) { return F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0; }  // qw - offset
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
@@ -104,7 +107,7 @@ static inline void group(const uint8_t* w, int g, __m512i& lo, __m512i& hi) {
   const __m512i v = _mm512_loadu_si512(w + 64 * g), low = _mm512_set1_epi8(0x0f);
   lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   const uint8_t* h = w + 256;  // the higher bits
-  if (F == Q5_0 || F == Q5_1) {
+  if (five_bit(F)) {
     uint64_t bl, bh;
     memcpy(&bl, h + 16 * g, 8), memcpy(&bh, h + 16 * g + 8, 8);
     lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bl, _mm512_set1_epi8(0x10)));
@@ -176,7 +179,7 @@ static inline void half_dot(const uint8_t* w, const int8_t* q, int c, __m256i* t
   for (int g = 0; g < 4; g++) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
     __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if (F == Q5_0 || F == Q5_1) {
+    if (five_bit(F)) {
       lo = _mm256_or_si256(lo, bits_to_bytes(h + 16 * g + 4 * c));
       hi = _mm256_or_si256(hi, bits_to_bytes(h + 16 * g + 8 + 4 * c));
     } else if (F == Q6_K) {
@@ -227,7 +230,7 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w, const float*
   for (long b = 0; b < nb; b++, w += block_bytes(F)) {
     if (k_quant(F) && b % SUPER == 0) {  // a super-block's header
       D = halves(w);
-      if (F == Q4_K) M = halves(w + 32);
+      if (k_min(F)) M = halves(w + 32);
       w += super_bytes(F);
     }
     for (long line = 0; line < block_bytes(F); line += 64)
@@ -237,8 +240,8 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w, const float*
     ivec isum[2][MR];
     dots<F, MR>(w + head_bytes(F), q, isum);
     // The block's scales: dw (and mw, or for Q6_K the second half's dw)
-    const vf dw = F == Q4_K ? vmul(D, bytes<uint8_t>(w)) : F == Q6_K ? vmul(D, bytes<int8_t>(w)) : halves(w);
-    const vf mw = F == Q4_K ? vmul(M, bytes<uint8_t>(w + 16)) : F == Q6_K ? vmul(D, bytes<int8_t>(w + 16))
+    const vf dw = k_min(F) ? vmul(D, bytes<uint8_t>(w)) : F == Q6_K ? vmul(D, bytes<int8_t>(w)) : halves(w);
+    const vf mw = k_min(F) ? vmul(M, bytes<uint8_t>(w + 16)) : F == Q6_K ? vmul(D, bytes<int8_t>(w + 16))
                   : has_min(F) ? halves(w + 32) : vzero();
     for (int m = 0; m < MR; m++) {
       const long i = (m0 + m) * nb + b;
@@ -251,7 +254,7 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w, const float*
       const int32_t k = F == Q8_0 ? Q8_OFFSET : offset(F);
       const ivec s = k ? minus(isum[0][m], k * (r.sum[2 * i] + r.sum[2 * i + 1])) : isum[0][m];
       acc[m] = vfmadd(as_float(s), vmul(dw, d), acc[m]);
-      if (F == Q4_K) acc[m] = vfnmadd(mw, vset1(r.ds[i]), acc[m]);
+      if (k_min(F)) acc[m] = vfnmadd(mw, vset1(r.ds[i]), acc[m]);
       else if (has_min(F)) acc[m] = vfmadd(mw, vset1(r.ds[i]), acc[m]);
     }
   }
@@ -291,5 +294,6 @@ extern "C" int vs_linear_q4_1(const int64_t* a) { return qlinear<Q4_1>(a); }
 extern "C" int vs_linear_q5_0(const int64_t* a) { return qlinear<Q5_0>(a); }
 extern "C" int vs_linear_q5_1(const int64_t* a) { return qlinear<Q5_1>(a); }
 extern "C" int vs_linear_q4_k(const int64_t* a) { return qlinear<Q4_K>(a); }
+extern "C" int vs_linear_q5_k(const int64_t* a) { return qlinear<Q5_K>(a); }
 extern "C" int vs_linear_q6_k(const int64_t* a) { return qlinear<Q6_K>(a); }
 #endif

@@ -15,7 +15,7 @@ QUANT_COLS = 16  # output columns per packed block (quant.cpp QCOLS)
 SUPER = 8  # packed blocks per K-quant super-block of 256 inputs (quant.cpp SUPER)
 # Each format the matmul reads, as ggml's type: its blocks' inputs and bytes (gguf.GGML_QUANT_SIZES)
 QUANTIZED = {"q8_0": GGML.Q8_0, "q4_0": GGML.Q4_0, "q4_1": GGML.Q4_1, "q5_0": GGML.Q5_0, "q5_1": GGML.Q5_1,
-             "q4_k": GGML.Q4_K, "q6_k": GGML.Q6_K}
+             "q4_k": GGML.Q4_K, "q5_k": GGML.Q5_K, "q6_k": GGML.Q6_K}
 
 
 def inputs_per_block(format: str) -> int:
@@ -57,13 +57,17 @@ def parts(format: str, blocks: np.ndarray) -> Parts:
     if format in ("q5_0", "q5_1"):
         qh = np.unpackbits(b[..., -20:-16], axis=-1, bitorder="little")  # (N, nb, 32): input j's bit 4
         return Parts([b[..., 0:2], *([b[..., 2:4]] if format == "q5_1" else [])], b[..., -16:], qh)
-    if format == "q4_k":
+    if format in ("q4_k", "q5_k"):
         s = b[..., 4:16]  # 8 six-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)
         sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
         m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-        qs = b[..., 16:].reshape(N, -1, 4, 1, 32)  # 64 inputs per 32 bytes: low nibbles, then high ones
+        qs = b[..., -128:].reshape(N, -1, 4, 1, 32)  # 64 inputs per 32 bytes: low nibbles, then high ones
         values = np.concatenate([qs & 0xF, qs >> 4], -2).reshape(N, -1, 32)  # (N, blocks of 32, 32)
-        return Parts([sc.reshape(N, -1, 1), m.reshape(N, -1, 1)], _nibbles(values),
+        high = None
+        if format == "q5_k":  # byte l of qh holds bit 4 of input l of each block of 32, block j in bit j
+            qh = b[..., 16:48].reshape(N, -1, 1, 32)
+            high = ((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1).reshape(N, -1, 32)
+        return Parts([sc.reshape(N, -1, 1), m.reshape(N, -1, 1)], _nibbles(values), high,
                      header=(b[..., 0:2], b[..., 2:4]))
     if format == "q6_k":
         ql, qh = b[..., 0:128].reshape(N, -1, 2, 2, 1, 32), b[..., 128:192].reshape(N, -1, 2, 1, 1, 32)
@@ -94,7 +98,7 @@ def _high(format: str, high: np.ndarray) -> np.ndarray:
     ones' laid out as the group's bytes (column, then input)."""
     cb, n = high.shape[0] // QUANT_COLS, high.shape[1]
     h = high.reshape(cb, QUANT_COLS, n, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)  # (cb, n, group, lo/hi, column, input)
-    if format in ("q5_0", "q5_1"):
+    if format in ("q5_0", "q5_1", "q5_k"):
         return np.packbits(h.reshape(cb, n, 8, 64), axis=-1, bitorder="little").reshape(cb, n, 64)
     pairs = h.reshape(cb, n, 2, 4, 64)  # two groups' lo, hi, lo, hi fields as one byte's bits 0-1, 2-3, 4-5, 6-7
     fields = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2) | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)

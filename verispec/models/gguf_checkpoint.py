@@ -2,9 +2,9 @@
 `tokenizer.ggml.*` (models/gguf_tokenizer.py), and the weights under the Hugging Face names the native model uses
 (`checkpoint.param_shapes`), Q and K rows back in Hugging Face's order.
 
-Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K as `QuantizedWeight` (ggml's
-blocks, untouched); F32, F16 and BF16 as torch tensors of that dtype; the other block formats read here (Q2_K, Q3_K,
-Q5_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
+Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
+(ggml's blocks, untouched); F32, F16 and BF16 as torch tensors of that dtype; the other block formats read here
+(Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
 llama.cpp's converter reorders each head's rows of W_q and W_k for llama (its RoPE rotates adjacent pairs, Hugging
@@ -32,7 +32,7 @@ from verispec.tokenizer import check_tokenizer_fits
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}  # general.architecture = model_type
 KEPT = {ggml_type: name for name, ggml_type in KEPT_FORMATS.items()}  # stay blocks: QuantizedWeight
 FLOATS = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
-DEQUANTIZED = (GGML.Q2_K, GGML.Q3_K, GGML.Q5_K)
+DEQUANTIZED = (GGML.Q2_K, GGML.Q3_K)
 READ = ", ".join(t.name for t in (*FLOATS, *KEPT, *DEQUANTIZED))
 
 Weight = torch.Tensor | QuantizedWeight

@@ -154,9 +154,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
                quantize: str | None = None, kv_dtype: str | torch.dtype = "auto") -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
     (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
-    formats where they run (`precision.file_formats`: its Q8_0, Q4_0 and Q4_1 tensors as blocks on verispec's
+    formats where they run (`precision.file_formats`: its block-quantized tensors as blocks on verispec's
     kernels, with float32 activations; a BF16 file in bfloat16), and for a folder is `auto_dtype(device)`.
-    `quantize` (q8_0, q4_0 or q4_1): every projection kept in that block format and the LM head in Q8_0
+    `quantize` (q8_0, q4_0, q4_1, q5_0 or q5_1): every projection kept in that block format and the LM head in Q8_0
     (`precision.quantized_at_load`), run on verispec's kernels with float32 activations.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
     projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where

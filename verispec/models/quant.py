@@ -7,8 +7,9 @@ row, laid out byte for byte as ggml lays it out (and as a GGUF tensor's data is)
 - Q4_0: d (float16), then 16 bytes, element j in byte j's low nibble and element j + 16 in its high one: w = d * (q - 8);
 - Q4_1: d (float16), m (float16), then the nibbles as Q4_0: w = d * q + m;
 - Q5_0, Q5_1: as Q4_0 and Q4_1 with a fifth bit for each element (w = d * (q - 16), d * q + m);
-- Q4_K, Q6_K (a GGUF's, not made here: the `gguf` package cannot quantize to them): super-blocks of 256 inputs,
-  each with a float16 scale (and min) over 6- or 8-bit scales of its blocks of 32 (Q4_K) or 16 inputs (Q6_K).
+- Q4_K, Q5_K, Q6_K (a GGUF's, not made here: the `gguf` package cannot quantize to them): super-blocks of 256
+  inputs, each with a float16 scale (and min) over 6- or 8-bit scales of its blocks of 32 (Q4_K, Q5_K: the 4- or
+  5-bit quants as Q4_1's and Q5_1's) or 16 inputs (Q6_K).
 Quantizing and dequantizing are the `gguf` package's (ggml's reference code in numpy), so a weight quantized here
 has the bits llama.cpp's `llama-quantize` writes. verispec's kernels read the blocks directly (models/precision.py
 packs them); elsewhere a quantized weight runs dequantized.
@@ -29,8 +30,8 @@ from verispec.errors import InvalidArgumentError
 from verispec.kernels.quant_pack import QUANTIZED
 
 BLOCK = 32  # inputs per block of the formats weights are quantized to here
-FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
-KEPT = QUANTIZED  # what a QuantizedWeight holds and the kernels read: FORMATS, and a GGUF's Q5_0, Q5_1, Q4_K, Q6_K
+FORMATS = {name: QUANTIZED[name] for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}  # what --quantize makes
+KEPT = QUANTIZED  # what a QuantizedWeight holds and the kernels read: FORMATS, and a GGUF's Q4_K, Q5_K, Q6_K
 
 
 def check_format(name: str) -> str:
