@@ -12,6 +12,7 @@ from verispec import kernels
 from verispec.bench.bandwidth import weight_bytes
 from verispec.errors import InvalidArgumentError
 from verispec.models.native import load_model
+from verispec.models.linear import FormatRuns
 from verispec.models.quant import FORMATS, KEPT, QuantizedLinear, QuantizedWeight
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
@@ -62,6 +63,23 @@ def test_a_quantized_matmul_is_ggmls_math_and_each_row_is_its_own(fmt: str, N: i
         assert torch.equal(kernels.Matmul(weight.blocks, bias, fmt)(x[lo:hi]), y[lo:hi]), (lo, hi)
     residual = torch.randn(13, N, generator=generator)
     assert torch.equal(matmul(x, residual), residual + y)
+
+
+@needs_kernels
+def test_linears_of_several_formats_run_as_one_output_each_run_on_its_own_kernel() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weights = [random_weight(fmt, n, 256, generator) for fmt, n in (("q5_0", 32), ("q5_0", 16), ("q8_0", 20),
+                                                                   ("q4_k", 17))]
+    bias, x = torch.randn(85, generator=generator), torch.randn(9, 256, generator=generator)
+    runs = FormatRuns(weights, bias)
+    assert runs.kernel == "linear_q5_0+linear_q8_0+linear_q4_k" and runs.out_features == 85
+    y, residual = runs(x), torch.randn(9, 85, generator=generator)
+    alone = [kernels.Matmul(torch.cat([w.blocks for w in ws]), b, fmt)(x) for fmt, ws, b in
+             (("q5_0", weights[:2], bias[:48]), ("q8_0", weights[2:3], bias[48:68]), ("q4_k", weights[3:], bias[68:]))]
+    assert torch.equal(y, torch.cat(alone, -1))
+    assert torch.equal(runs(x[3:5]), y[3:5]) and torch.equal(runs(x, residual), residual + y)
+    with pytest.raises(ValueError, match="an output of"):
+        kernels.Matmul(weights[2].blocks, None, "q8_0")(x, out=torch.empty(9, 21))
 
 
 @needs_kernels

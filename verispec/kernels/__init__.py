@@ -128,8 +128,10 @@ class Matmul:
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), plus `residual` (..., N) if given, added as `residual + (x @ weight.T)` would be."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """x @ weight.T (+ bias), plus `residual` (..., N) if given, added as `residual + (x @ weight.T)` would be;
+        written into `out` if given (rows (R, N) with a unit last stride: some columns of a wider output)."""
         if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
             raise ValueError(f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
@@ -139,10 +141,17 @@ class Matmul:
             if residual.shape != shape or residual.dtype != self.dtype or residual.device.type != "cpu":
                 raise ValueError(f"a residual of {residual.dtype} {tuple(residual.shape)} for outputs {shape}")
             res = _rows(residual)
-        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        _call(self.kernel, [rows, rows.stride(0), self.packed, self.bias, y, self.out_features, rows.shape[0],
+        if out is None:
+            y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        elif out.shape != (rows.shape[0], self.out_features) or out.dtype != x.dtype or out.stride(-1) != 1 or \
+                out.device.type != "cpu":
+            raise ValueError(f"an output of {out.dtype} {tuple(out.shape)} strides {out.stride()} for "
+                             f"{rows.shape[0]} rows of {self.out_features} {x.dtype} (unit last stride)")
+        else:
+            y = out
+        _call(self.kernel, [rows, rows.stride(0), self.packed, self.bias, y, y.stride(0), rows.shape[0],
                             self.out_features, self.in_features, res, 0 if res is None else res.stride(0)])
-        return y.view(shape)
+        return y if out is not None else y.view(shape)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

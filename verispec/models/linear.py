@@ -19,6 +19,7 @@ needs.
 from __future__ import annotations
 
 from functools import partial
+from itertools import groupby
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
+from verispec.models.quant import QuantizedWeight
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -61,8 +63,9 @@ class PackedLinear(nn.Module):
     inference mode, or under autocast, it runs the linears themselves (the kernels have no backward and take no part
     in autocast).
 
-    Linears kept quantized (models/quant.py `QuantizedLinear`, all in one format) run on verispec's quantized
-    matmul, from their blocks, on float32 inputs; where the kernels do not run, on their weights dequantized.
+    Linears kept quantized (models/quant.py `QuantizedLinear`) run on verispec's quantized matmul, from their blocks,
+    on float32 inputs (linears of several formats as `FormatRuns`); where the kernels do not run, on their weights
+    dequantized.
     """
 
     def __init__(self, linears: Sequence[nn.Module], rows: int, own_kernels: bool | None = None) -> None:
@@ -74,10 +77,11 @@ class PackedLinear(nn.Module):
         formats = {None if q is None else q.format for q in blocks}
         if own_kernels is None:
             own_kernels = kernels.chosen(torch.float32)
-        if own_kernels and len(formats) == 1 and None not in formats:  # quantized, in one format
+        if own_kernels and None not in formats:  # quantized
             self.weight = self.one_row = self.packed = None
             self.bias = _fused_bias(linears, torch.float32)
-            self.kernel = kernels.Matmul(torch.cat([q.blocks for q in blocks]), self.bias, formats.pop())
+            self.kernel = kernels.Matmul(torch.cat([q.blocks for q in blocks]), self.bias, formats.pop()) \
+                if len(formats) == 1 else FormatRuns(blocks, self.bias)
             return
         weights = [linear.weight.detach() for linear in linears]
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -119,6 +123,35 @@ class PackedLinear(nn.Module):
         if not packed_here(x):
             return tuple(linear(x) for linear in self.linears)
         return self(x).split(self.sizes, -1)
+
+
+class FormatRuns:
+    """Block-quantized linears of several formats that share an input (a GGUF's q and k in Q5_0 beside its v in
+    Q8_0) as one matmul: each run of consecutive linears in one format on its own kernel, writing its columns of the
+    one output. Each row's result is still its own, and the weights are read as their blocks (fused and dequantized
+    to float32, they would be read as several times the bytes)."""
+
+    dtype = torch.float32
+
+    def __init__(self, blocks: Sequence[QuantizedWeight], bias: torch.Tensor | None) -> None:
+        self.runs: list[tuple[int, kernels.Matmul]] = []
+        start = 0
+        for format, run in groupby(blocks, key=lambda q: q.format):
+            weight = torch.cat([q.blocks for q in run])
+            n = weight.shape[0]
+            self.runs.append((start, kernels.Matmul(weight, None if bias is None else bias[start:start + n], format)))
+            start += n
+        self.out_features = start
+        self.kernel = "+".join(matmul.kernel for _, matmul in self.runs)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) (+ residual), as `kernels.Matmul` gives it."""
+        shape = (*x.shape[:-1], self.out_features)
+        y = torch.empty(x.numel() // x.shape[-1], self.out_features, dtype=x.dtype)
+        for start, matmul in self.runs:
+            columns = slice(start, start + matmul.out_features)
+            matmul(x, None if residual is None else residual[..., columns], out=y[:, columns])
+        return y.view(shape)
 
 
 def _fused_bias(linears: Sequence[nn.Module], dtype: torch.dtype, device: torch.device | str = "cpu"
