@@ -233,7 +233,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Where and how the models run."""
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                        help="auto (default): a GGUF file's own formats (Q8_0, Q4_0, Q4_1 kept as blocks where "
+                        help="auto (default): a GGUF file's own formats (its ggml blocks kept where "
                              "verispec's kernels run); else bfloat16 where verispec's kernels run, else float32")
     parser.add_argument("--quantize", choices=sorted(FORMATS),
                         help="keep the target's projections in this block format (its LM head in q8_0), on "

@@ -134,25 +134,28 @@ static inline long seen(const uint8_t* visible, long S, long* slot) {
   return n;
 }
 
-// Into the L1 cache, ahead of its use: the D values of a key or value row. The keys are read by blocks of 16 and the
-// loads of a block by parts, which the hardware's prefetchers do not follow.
+// Ahead of its use, the D values of a key or value row: into the L1 cache (T0) a few rows before it is read (the keys
+// are read by blocks of 16 and the loads of a block by parts, which the hardware's prefetchers do not follow), and
+// into the L2 cache (T1) a pass before: a group's values while its keys are read, the next group's keys while its
+// values are, so that the memory streams the cache the whole time rather than each pass starting cold.
 static const long AHEAD = 32;
-template <typename T>
+template <int HINT = _MM_HINT_T0, typename T>
 static inline void fetch(const T* row, long D) {
-  for (long b = 0; b < D * (long)sizeof(T); b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
+  for (long b = 0; b < D * (long)sizeof(T); b += 64) _mm_prefetch((const char*)row + b, (_mm_hint)HINT);
 }
 
 // out[t] += p[t][j] * v[slot[j]] over the seen slots j in order, for NH heads of one group at once: each value row is
 // loaded once for them all, and their sums (each in the one order a head alone would take) run side by side.
 template <typename T, int NV, int NH>
 static void weigh(const T* vh, const long* slot, long n, const float* const* p, long D, const vmask* m,
-                  vf (*out)[NV]) {
+                  vf (*out)[NV], const T* next) {
   vf sum[NH][NV];  // local, not out, so that they stay in registers (a vector type may alias what the loop reads)
   for (int t = 0; t < NH; t++)
     for (int i = 0; i < NV; i++) sum[t][i] = vzero();
   for (long j = 0; j < n; j++) {
     const T* vj = vh + slot[j] * D;
     if (j + AHEAD < n) fetch(vh + slot[j + AHEAD] * D, D);
+    if (next) fetch<_MM_HINT_T1>(next + slot[j] * D, D);
     vf value[NV];
     for (int i = 0; i < NV; i++) value[i] = load(vj + i * 16, m[i]);
     for (int t = 0; t < NH; t++) {
@@ -196,6 +199,7 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
         const K* key[16];
         for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
         for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
+        for (int c = 0; c < count; c++) fetch<_MM_HINT_T1>(vh + slot[j + c] * D, D);
         const vmask mk = lanes(count);
         for (long t = 0; t < G; t++) {
           const typename Query<T, K, NV>::type query(qg + t * q_head, D);
@@ -223,7 +227,7 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
         vf out[NT][NV];
         const float* p[NT];
         for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
-        weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out);
+        weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out, t0 == 0 && g + 1 < Hkv ? kh + kv_head : nullptr);
         for (int t = 0; t < NT; t++) {
           const vf inv = vset1(1.0f / totals[t0 + t]);
           T* yh = y + (r * H + g * G + t0 + t) * D;
