@@ -161,47 +161,52 @@ static inline __m256i bits_to_bytes(const uint8_t* p) {  // 32 bits as 32 bytes 
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i's own bit, i % 8
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
-// Eight columns' (half c of the 16) dot products with a row's block q: over the block, or for Q6_K, its two halves.
-template <Format F>
-static inline void half_dot(const uint8_t* w, const int8_t* q, int c, __m256i* t) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  t[0] = t[1] = _mm256_setzero_si256();
-  if (F == Q8_0) {
-    for (int g = 0; g < 8; g++) {
-      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c)), _mm256_set1_epi8(-128));
-      const __m256i a = _mm256_set1_epi32(word(q + 4 * g));  // qw * q as |qw| * (q with qw's sign)
-      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(a, v)), ones));
-    }
-    return;
-  }
-  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-  const uint8_t* h = w + 256;
-  for (int g = 0; g < 4; g++) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
-    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if (five_bit(F)) {
-      lo = _mm256_or_si256(lo, bits_to_bytes(h + 16 * g + 4 * c));
-      hi = _mm256_or_si256(hi, bits_to_bytes(h + 16 * g + 8 + 4 * c));
-    } else if (F == Q6_K) {
-      const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + 32 * c));
-      const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
-      lo = _mm256_or_si256(lo, _mm256_and_si256(l2, top)), hi = _mm256_or_si256(hi, _mm256_and_si256(h2, top));
-    }
-    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q + 4 * g)));
-    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q + 16 + 4 * g)));
-    if (F == Q6_K) {
-      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(pl, ones)), t[1] = _mm256_add_epi32(t[1], _mm256_madd_epi16(ph, ones));
-    } else {
-      t[0] = _mm256_add_epi32(t[0], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
-    }
-  }
-}
+// The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns (c): each group of a half
+// is unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
 template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
-  for (int m = 0; m < MR; m++) {
-    __m256i lo[2], hi[2];
-    half_dot<F>(w, q[m], 0, lo), half_dot<F>(w, q[m], 1, hi);
-    for (int p = 0; p < (F == Q6_K ? 2 : 1); p++) isum[p][m] = {lo[p], hi[p]};
+  constexpr int P = F == Q6_K ? 2 : 1;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const uint8_t* h = w + 256;
+  for (int c = 0; c < 2; c++) {
+    __m256i t[P][MR];
+    for (int p = 0; p < P; p++)
+      for (int m = 0; m < MR; m++) t[p][m] = _mm256_setzero_si256();
+    if (F == Q8_0) {
+      for (int g = 0; g < 8; g++) {
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c)), _mm256_set1_epi8(-128));
+        const __m256i magnitude = _mm256_abs_epi8(v);
+        for (int m = 0; m < MR; m++) {  // qw * q as |qw| * (q with qw's sign)
+          const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(word(q[m] + 4 * g)), v);
+          t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+        }
+      }
+    } else {
+      for (int g = 0; g < 4; g++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (five_bit(F)) {
+          lo = _mm256_or_si256(lo, bits_to_bytes(h + 16 * g + 4 * c));
+          hi = _mm256_or_si256(hi, bits_to_bytes(h + 16 * g + 8 + 4 * c));
+        } else if (F == Q6_K) {
+          const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + 32 * c));
+          const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(l2, top)), hi = _mm256_or_si256(hi, _mm256_and_si256(h2, top));
+        }
+        for (int m = 0; m < MR; m++) {
+          const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q[m] + 4 * g)));
+          const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q[m] + 16 + 4 * g)));
+          if (F == Q6_K) {
+            t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(pl, ones));
+            t[P - 1][m] = _mm256_add_epi32(t[P - 1][m], _mm256_madd_epi16(ph, ones));
+          } else {
+            t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+          }
+        }
+      }
+    }
+    for (int p = 0; p < P; p++)
+      for (int m = 0; m < MR; m++) (c ? isum[p][m].hi : isum[p][m].lo) = t[p][m];
   }
 }
 static inline vf as_float(ivec i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
