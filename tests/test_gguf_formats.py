@@ -13,6 +13,7 @@ from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.cli import main
 from verispec.models.native import load_model
 from verispec.models.precision import formats
+from verispec.models.quant import FORMATS
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
@@ -80,7 +81,7 @@ def test_auto_keeps_a_bfloat16_files_dtype_and_widens_float16(tmp_path) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_llama_cpp_gets_the_very_blocks_a_folder_quantized_at_load_runs(tmp_path, fmt: str) -> None:
     """The bench's export at a block format and `--quantize` make the same model: bitwise the same logits."""
     folder = random_checkpoint(tmp_path / "m", tiny_config(vocab_size=8192))

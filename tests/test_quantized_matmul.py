@@ -78,6 +78,9 @@ def test_linears_of_several_formats_run_as_one_output_each_run_on_its_own_kernel
              (("q5_0", weights[:2], bias[:48]), ("q8_0", weights[2:3], bias[48:68]), ("q4_k", weights[3:], bias[68:]))]
     assert torch.equal(y, torch.cat(alone, -1))
     assert torch.equal(runs(x[3:5]), y[3:5]) and torch.equal(runs(x, residual), residual + y)
+    assert torch.equal(runs(x.view(3, 3, 256), residual.view(3, 3, 85)), (residual + y).view(3, 3, 85))
+    with pytest.raises(ValueError, match="a residual of"):
+        runs(x, torch.randn(9, 86))
     with pytest.raises(ValueError, match="an output of"):
         kernels.Matmul(weights[2].blocks, None, "q8_0")(x, out=torch.empty(9, 21))
 

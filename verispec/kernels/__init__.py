@@ -131,7 +131,8 @@ class Matmul:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
         """x @ weight.T (+ bias), plus `residual` (..., N) if given, added as `residual + (x @ weight.T)` would be;
-        written into `out` if given (rows (R, N) with a unit last stride: some columns of a wider output)."""
+        written into `out` if given (rows (R, N) with a unit last stride: some columns of a wider output, sharing
+        no memory with x or the residual)."""
         if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
             raise ValueError(f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")

@@ -134,14 +134,15 @@ static inline long seen(const uint8_t* visible, long S, long* slot) {
   return n;
 }
 
-// Ahead of its use, the D values of a key or value row: into the L1 cache (T0) a few rows before it is read (the keys
-// are read by blocks of 16 and the loads of a block by parts, which the hardware's prefetchers do not follow), and
-// into the L2 cache (T1) a pass before: a group's values while its keys are read, the next group's keys while its
+// Ahead of its use, the D values of a key or value row: into the L1 cache a few rows before it is read (the keys are
+// read by blocks of 16 and the loads of a block by parts, which the hardware's prefetchers do not follow), and into
+// the L2 cache a pass before: a group's values while its keys are read, the next group's keys while its
 // values are, so that the memory streams the cache the whole time rather than each pass starting cold.
 static const long AHEAD = 32;
-template <int HINT = _MM_HINT_T0, typename T>
+enum Cache { L1 = 3, L2 = 2 };  // __builtin_prefetch's locality: prefetcht0, prefetcht1
+template <Cache INTO = L1, typename T>
 static inline void fetch(const T* row, long D) {
-  for (long b = 0; b < D * (long)sizeof(T); b += 64) _mm_prefetch((const char*)row + b, (_mm_hint)HINT);
+  for (long b = 0; b < D * (long)sizeof(T); b += 64) __builtin_prefetch((const char*)row + b, 0, INTO);
 }
 
 // out[t] += p[t][j] * v[slot[j]] over the seen slots j in order, for NH heads of one group at once: each value row is
@@ -155,7 +156,7 @@ static void weigh(const T* vh, const long* slot, long n, const float* const* p, 
   for (long j = 0; j < n; j++) {
     const T* vj = vh + slot[j] * D;
     if (j + AHEAD < n) fetch(vh + slot[j + AHEAD] * D, D);
-    if (next) fetch<_MM_HINT_T1>(next + slot[j] * D, D);
+    if (next) fetch<L2>(next + slot[j] * D, D);
     vf value[NV];
     for (int i = 0; i < NV; i++) value[i] = load(vj + i * 16, m[i]);
     for (int t = 0; t < NH; t++) {
@@ -199,7 +200,7 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
         const K* key[16];
         for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
         for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
-        for (int c = 0; c < count; c++) fetch<_MM_HINT_T1>(vh + slot[j + c] * D, D);
+        for (int c = 0; c < count; c++) fetch<L2>(vh + slot[j + c] * D, D);
         const vmask mk = lanes(count);
         for (long t = 0; t < G; t++) {
           const typename Query<T, K, NV>::type query(qg + t * q_head, D);

@@ -147,6 +147,8 @@ class FormatRuns:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias) (+ residual), as `kernels.Matmul` gives it."""
         shape = (*x.shape[:-1], self.out_features)
+        if residual is not None and residual.shape != shape:
+            raise ValueError(f"a residual of {tuple(residual.shape)} for outputs {shape}")
         y = torch.empty(x.numel() // x.shape[-1], self.out_features, dtype=x.dtype)
         for start, matmul in self.runs:
             columns = slice(start, start + matmul.out_features)
