@@ -22,7 +22,8 @@ def test_bench_formats_writes_every_format_with_its_r_of_n(tmp_path, capsys, mon
            "r(3) |" in text
     first = text.split("\n\n")[2]  # the table of steps and r(n)
     rows = [line for line in first.splitlines() if line.startswith("| ") and not line.startswith("| format")]
-    assert [row.split(" | ")[0] for row in rows] == ["| float32", "| bfloat16", "| q8_0", "| q4_0", "| q4_1"]
+    assert [row.split(" | ")[0] for row in rows] == ["| float32", "| bfloat16", "| q8_0", "| q4_0", "| q4_1",
+                                                      "| q5_0", "| q5_1"]
     assert "q4_1 x 14, q8_0 x 1 | float16 |" in text and "bfloat16 x 15 | bfloat16 |" in text
     assert capsys.readouterr().out.startswith("# Forward by weight format")
     assert "| q4_1 |" in text.split("by kernel |")[1] and "linear_q4_1 " in text and "attend_f32_f16 " in text

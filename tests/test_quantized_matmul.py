@@ -146,13 +146,14 @@ def test_a_quantized_forward_is_captured_and_replays_bitwise_as_op_by_op(tmp_pat
     model = load_model(random_checkpoint(tmp_path, tiny_config()), quantize="q4_1")
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
 
-    def decode(capture: bool) -> torch.Tensor:
+    def decode(capture: bool, cache) -> torch.Tensor:
         model.execution.capture = capture
-        cache = model.new_cache()
         model(tokens, cache)
         return torch.cat([model(torch.tensor([[t]]), cache)[0] for t in (9, 2, 6, 5)])
 
-    assert torch.equal(decode(True), decode(False))
+    cache = model.new_cache()  # alive while the program below replays into it (a capture holds it weakly)
+    assert torch.equal(decode(True, cache), decode(False, model.new_cache()))
     steps = [c for c in model.execution.captured.values() if isinstance(c, CapturedForward) and c.rows == 1]
+    assert steps[0].bound() is cache
     names = set(steps[0].program.timed(1))  # the kernels its program calls
     assert {"linear_q4_1", "linear_q8_0", "attend_f32_f16", "store_kv_f16"} <= names  # a float16 cache
