@@ -32,7 +32,8 @@ def one_thread(single_thread: None) -> None:
 def quantized_file(tmp_path_factory) -> str:
     """q in Q4_0, k in Q4_1, v in Q5_0, o in Q5_1 (one fused matmul of mixed formats) but a Q5_K one, the rest Q8_0
     but two F16, a Q6_K and a Q4_K matrix, the LM head tied to a Q8_0 embedding."""
-    types = by_name({"layers.1.self_attn.o": GGML.Q5_K, "q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1, "v_proj": GGML.Q5_0, "o_proj": GGML.Q5_1,
+    types = by_name({"layers.1.self_attn.o": GGML.Q5_K, "q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1, "v_proj": GGML.Q5_0,
+                     "o_proj": GGML.Q5_1,
                      "layers.1.mlp.up": GGML.F16, "layers.0.mlp.down": GGML.Q6_K, "layers.1.mlp.down": GGML.Q4_K},
                     GGML.Q8_0)
     config = gguf_config(len(bpe_vocab()[0]), tie_word_embeddings=True)

@@ -18,7 +18,8 @@ def test_a_weight_quantizes_to_ggmls_blocks_and_back(fmt):
     assert q.shape == (48, 96) and q.nbytes == data.nbytes
     values = q.dequantize()
     assert np.array_equal(values.numpy(), gguf.quants.dequantize(data, FORMATS[fmt]))
-    step = {"q8_0": 1 / 127, "q4_0": 1 / 7, "q4_1": 1 / 15, "q5_0": 1 / 15, "q5_1": 1 / 31}[fmt]  # a block's scale over its largest value
+    # a block's scale over its largest value
+    step = {"q8_0": 1 / 127, "q4_0": 1 / 7, "q4_1": 1 / 15, "q5_0": 1 / 15, "q5_1": 1 / 31}[fmt]
     assert (values - weight).abs().max() <= step * weight.abs().max()
     assert torch.equal(q.rows(torch.tensor([5, 0, 47])).dequantize(), values[[5, 0, 47]])
     assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16

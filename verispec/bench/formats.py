@@ -2,8 +2,8 @@
 weight-read time: the 1-token step, and r(n), the time for n tokens over the time for 1, for n = 1 .. 16 (what
 verification of a chain or tree of n - 1 drafts costs, in units of a plain step).
 
-The formats: float32 and bfloat16 (every weight in the dtype), Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the projections in the block
-format, the LM head in Q8_0, float32 activations: `load_model(quantize=)`), and a GGUF file's own formats
+The formats: float32 and bfloat16 (every weight in the dtype), Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the projections in
+the block format, the LM head in Q8_0, float32 activations: `load_model(quantize=)`), and a GGUF file's own formats
 (`dtype="auto"`), beside its default float16 key/value cache and a float32 one. All are loaded at once and timed in
 turns, round by round (medians over the rounds), after the cache holds `context` tokens; one thread.
 """

@@ -23,17 +23,16 @@ GGUF_DTYPES = ("float32", "bfloat16", "float16", *FORMATS)  # llama.cpp has no f
 TYPES = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16,
          "float16": gguf.GGMLQuantizationType.F16, **FORMATS}
 FILE_TYPES = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
-              "float16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-              "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1}
+              "float16": gguf.LlamaFileType.MOSTLY_F16,
+              **{name: gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in FORMATS}}
 GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}  # GPT-2's split regex, no prefix space
 
 
 def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     """Write `checkpoint` (a Llama folder: config.json, model.safetensors, tokenizer.json) to `out` with its matrices
-    in `dtype` and its norms in float32, as llama.cpp's converter does. Returns `out`. A block format (q8_0, q4_0,
-    q4_1, q5_0, q5_1) writes the blocks verispec's `load_model(quantize=)` holds: the projections in it, the LM head in Q8_0
-    (precision.HEAD_FORMAT, as its own `output` tensor), the embedding table in float32."""
+    in `dtype` and its norms in float32, as llama.cpp's converter does. Returns `out`. A block format (one of
+    quant.FORMATS) writes the blocks verispec's `load_model(quantize=)` holds: the projections in it, the LM head in
+    Q8_0 (precision.HEAD_FORMAT, as its own `output` tensor), the embedding table in float32."""
     from safetensors.torch import load_file
 
     if dtype not in GGUF_DTYPES:

@@ -1,10 +1,11 @@
 """Where a model's weights get their format and are packed for the kernels that run them.
 
 Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats (Q8_0, Q4_0, Q4_1,
-Q5_0 and Q5_1; a GGUF's Q4_K, Q5_K and Q6_K too; models/quant.py), kept quantized linear by linear (`QuantizedLinear`) where
-verispec's kernels run, with float32 activations. `quantize_linears` puts a model's projections and LM head into a
-block format (`--quantize`, or a GGUF file's own tensors); `pack_model` then lays every projection and the LM head
-out as prepacked, fused matmuls (models/linear.py) and says which of the model's pieces run on verispec's kernels.
+Q5_0 and Q5_1; a GGUF's Q4_K, Q5_K and Q6_K too; models/quant.py), kept quantized linear by linear
+(`QuantizedLinear`) where verispec's kernels run, with float32 activations. `quantize_linears` puts a model's
+projections and LM head into a block format (`--quantize`, or a GGUF file's own tensors); `pack_model` then lays
+every projection and the LM head out as prepacked, fused matmuls (models/linear.py) and says which of the model's
+pieces run on verispec's kernels.
 The parameters keep their names and values.
 """
 
