@@ -19,9 +19,10 @@
 // takes them: groups of 4 inputs, each group the 16 columns' 4 bytes side by side. Q8_0's are qw + 128 (unsigned,
 // for vpdpbusd; AVX2 takes the sign back). The others' group bytes hold inputs 4g .. 4g + 3 in their low nibbles and
 // 16 + 4g .. 16 + 4g + 3 in their high ones, as ggml's Q4_0 bytes 4g .. 4g + 3 do; then the higher bits: Q5's bit 4
-// as one bit per group byte (8 bytes for the low nibbles' inputs, then 8 for the high ones', by group); Q6_K's bits 4
-// and 5 as two bits per group byte, a 64-byte vector for two groups (bits 0-1 the first group's low nibbles' inputs,
-// 2-3 its high ones', 4-5 and 6-7 the second group's).
+// as bit planes, a 64-byte vector whose byte i holds it for group g's byte i in bit 2g (the low nibble's input) and
+// 2g + 1 (the high one's), so that a shift and a mask take a group's bits out; Q6_K's bits 4 and 5 as two bits per
+// group byte, a 64-byte vector for two groups (bits 0-1 the first group's low nibbles' inputs, 2-3 its high ones', 4-5
+// and 6-7 the second group's).
 #include <vector>
 
 #include "simd.h"
@@ -43,6 +44,16 @@ constexpr long block_bytes(Format F) { return head_bytes(F) + (F == Q8_0 ? 512 :
 constexpr int SUPER = 8;  // blocks per K-quant super-block
 constexpr long super_bytes(Format F) { return k_min(F) ? 64 : F == Q6_K ? 32 : 0; }  // its header: D (and M)
 constexpr int32_t offset(Format F) { return F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0; }  // qw - offset
+// Q5's bit 4 of a group's bytes from its bit plane b (0..7) of v, as 0x10 or 0. The shifts are of 16-bit lanes: a
+// shift by at most 4 brings no bit of one byte to the other's bit 4.
+template <typename V>
+static inline V plane_bits(V v, int b) {
+#ifdef VS_AVX512
+  return _mm512_and_si512(b < 4 ? _mm512_slli_epi16(v, 4 - b) : _mm512_srli_epi16(v, b - 4), _mm512_set1_epi8(0x10));
+#else
+  return _mm256_and_si256(b < 4 ? _mm256_slli_epi16(v, 4 - b) : _mm256_srli_epi16(v, b - 4), _mm256_set1_epi8(0x10));
+#endif
+}
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
 static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken unsigned
@@ -108,10 +119,8 @@ static inline void group(const uint8_t* w, int g, __m512i& lo, __m512i& hi) {
   lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   const uint8_t* h = w + 256;  // the higher bits
   if (five_bit(F)) {
-    uint64_t bl, bh;
-    memcpy(&bl, h + 16 * g, 8), memcpy(&bh, h + 16 * g + 8, 8);
-    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bl, _mm512_set1_epi8(0x10)));
-    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bh, _mm512_set1_epi8(0x10)));
+    const __m512i planes = _mm512_loadu_si512(h);
+    lo = _mm512_or_si512(lo, plane_bits(planes, 2 * g)), hi = _mm512_or_si512(hi, plane_bits(planes, 2 * g + 1));
   } else if (F == Q6_K) {  // bits 4-5 from a 2-bit field: (v << s) & 0x30 in 16-bit lanes, masked within each byte
     const __m512i v2 = _mm512_loadu_si512(h + 64 * (g / 2)), top = _mm512_set1_epi8(0x30);
     const __m512i l2 = g % 2 ? v2 : _mm512_slli_epi16(v2, 4), h2 = g % 2 ? _mm512_srli_epi16(v2, 2) : _mm512_slli_epi16(v2, 2);
@@ -153,14 +162,6 @@ static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
 struct ivec {
   __m256i lo, hi;
 };
-static inline __m256i bits_to_bytes(const uint8_t* p) {  // 32 bits as 32 bytes of 0x10 (bit set) or 0
-  uint32_t x;
-  memcpy(&x, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(x), _mm256_set_epi64x(0x0303030303030303,
-      0x0202020202020202, 0x0101010101010101, 0));  // byte i holds the bits' byte i / 8
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i's own bit, i % 8
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
 // The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns (c): each group of a half
 // is unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
 template <Format F, int MR>
@@ -186,8 +187,8 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
         const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
         __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         if (five_bit(F)) {
-          lo = _mm256_or_si256(lo, bits_to_bytes(h + 16 * g + 4 * c));
-          hi = _mm256_or_si256(hi, bits_to_bytes(h + 16 * g + 8 + 4 * c));
+          const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + 32 * c));
+          lo = _mm256_or_si256(lo, plane_bits(planes, 2 * g)), hi = _mm256_or_si256(hi, plane_bits(planes, 2 * g + 1));
         } else if (F == Q6_K) {
           const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + 32 * c));
           const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);

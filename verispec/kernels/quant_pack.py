@@ -94,12 +94,14 @@ def _groups(quants: np.ndarray) -> np.ndarray:
 
 
 def _high(format: str, high: np.ndarray) -> np.ndarray:
-    """The bits above the nibbles, by (N/16, n): for each group, the bits of its low nibbles' inputs and of its high
-    ones' laid out as the group's bytes (column, then input)."""
+    """The bits above the nibbles, by (N/16, n), laid out as the group's bytes (column, then input): Q5's bit 4 as
+    bit planes, byte i holding it for byte i of each group's low nibbles (bit 2g) and high ones (bit 2g + 1), so a
+    shift and a mask take a group's bits out; Q6_K's bits 4-5 as two bits per group byte."""
     cb, n = high.shape[0] // QUANT_COLS, high.shape[1]
     h = high.reshape(cb, QUANT_COLS, n, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)  # (cb, n, group, lo/hi, column, input)
     if format in ("q5_0", "q5_1", "q5_k"):
-        return np.packbits(h.reshape(cb, n, 8, 64), axis=-1, bitorder="little").reshape(cb, n, 64)
+        planes = h.reshape(cb, n, 8, 64).transpose(0, 1, 3, 2)  # (cb, n, byte, plane 2g + lo/hi)
+        return np.packbits(planes, axis=-1, bitorder="little").reshape(cb, n, 64)
     pairs = h.reshape(cb, n, 2, 4, 64)  # two groups' lo, hi, lo, hi fields as one byte's bits 0-1, 2-3, 4-5, 6-7
     fields = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2) | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)
     return fields.astype(np.uint8).reshape(cb, n, 128)
