@@ -56,9 +56,11 @@ static inline V plane_bits(V v, int b) {
 }
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
+static const int SPLIT_ROWS = QROWS + 1;  // never: 32 registers hold both loops' values
 static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken unsigned
 #else
 static const int QROWS = 4;
+static const int SPLIT_ROWS = 4;  // blocks of this many rows and more take the integer and float loops apart (block)
 static const int Q8_OFFSET = 0;  // AVX2 takes them signed
 #endif
 
@@ -226,11 +228,34 @@ static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
 }
 #endif
 
-// MR rows (from row m0) by one block of 16 columns: every row takes the same instructions in the same order.
+// MR rows (from row m0) by one block of 16 columns: every row takes the same instructions in the same order. On
+// AVX2, for the full blocks of QROWS rows, every block's integer dot products come first (into `sums`), then their
+// float sums: apart, each loop's values fit in AVX2's 16 registers (together they spilled). The same instructions
+// per row either way, so the same bits.
 template <Format F, int MR>
-static void block(const Rows& r, long m0, long K, const uint8_t* w, const float* bias, const float* res, long ldr,
+static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float* bias, const float* res, long ldr,
                   float* y, long ldy, long cols) {
   const long nb = K / QK;
+  constexpr bool apart = SPLIT_ROWS <= MR;
+  const auto take = [&](long b, const uint8_t* w, ivec (*isum)[MR]) {  // block b's (at w) integer dot products
+    for (long line = 0; line < block_bytes(F); line += 64)
+      _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
+    const int8_t* q[MR];
+    for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
+    dots<F, MR>(w + head_bytes(F), q, isum);
+  };
+  thread_local std::vector<char> space;  // apart: the blocks' integer dot products, 64-byte aligned
+  ivec* sums = nullptr;
+  const uint8_t* w = w0;
+  if (apart) {
+    space.resize(nb * 2 * MR * sizeof(ivec) + 64);
+    sums = (ivec*)(((uintptr_t)space.data() + 63) & ~(uintptr_t)63);
+    for (long b = 0; b < nb; b++, w += block_bytes(F)) {
+      if (k_quant(F) && b % SUPER == 0) w += super_bytes(F);
+      take(b, w, (ivec(*)[MR])(sums + b * 2 * MR));
+    }
+    w = w0;
+  }
   vf acc[MR], D = vzero(), M = vzero();
   for (int m = 0; m < MR; m++) acc[m] = vzero();
   for (long b = 0; b < nb; b++, w += block_bytes(F)) {
@@ -239,12 +264,9 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w, const float*
       if (k_min(F)) M = halves(w + 32);
       w += super_bytes(F);
     }
-    for (long line = 0; line < block_bytes(F); line += 64)
-      _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
-    const int8_t* q[MR];
-    for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
-    ivec isum[2][MR];
-    dots<F, MR>(w + head_bytes(F), q, isum);
+    ivec here[2][MR];
+    if (!apart) take(b, w, here);
+    const ivec(*isum)[MR] = apart ? (const ivec(*)[MR])(sums + b * 2 * MR) : here;
     // The block's scales: dw (and mw, or for Q6_K the second half's dw)
     const vf dw = k_min(F) ? vmul(D, bytes<uint8_t>(w)) : F == Q6_K ? vmul(D, bytes<int8_t>(w)) : halves(w);
     const vf mw = k_min(F) ? vmul(M, bytes<uint8_t>(w + 16)) : F == Q6_K ? vmul(D, bytes<int8_t>(w + 16))
