@@ -32,14 +32,20 @@ def captured(kind: str) -> tuple[bytes, str]:
     return (DATA / f"{kind}.stdout").read_bytes(), (DATA / f"{kind}.stderr").read_text()
 
 
-@pytest.mark.parametrize("kind, tokens, seconds", [
-    ("plain", 15, 0.12140),  # eval time = 121.40 ms / 15 runs (the first token comes out of the prefill)
-    ("speculative", 21, 21 / 198.005),  # decoded 21 tokens ..., speed: 198.005 t/s (it overshoots 16)
-    ("lookup", 17, 17 / 123.008),
-])
-def test_captured_output_is_read(kind, tokens, seconds) -> None:
+# The captured runs' timings: decoded tokens, their seconds, and the prompt's prefill
+TIMES = {"plain": (15, 0.12140, 0.02800),  # eval time = 121.40 ms / 15 runs (the first token comes out of the
+         # prefill), prompt eval time = 28.00 ms
+         "speculative": (21, 21 / 198.005, 0.024),  # decoded 21 tokens ..., speed: 198.005 t/s (it overshoots 16),
+         # encoded 8 tokens in 0.024 seconds (not its perf print's prompt eval time, which counts verifying batches)
+         "lookup": (17, 17 / 123.008, 0.017)}
+
+
+@pytest.mark.parametrize("kind", BINARIES)
+def test_captured_output_is_read(kind) -> None:
+    tokens, seconds, prefill = TIMES[kind]
     out = parse_output(kind, *captured(kind), PROMPT)
     assert out.tokens == tokens and out.seconds == pytest.approx(seconds, rel=1e-9)
+    assert out.prefill_seconds == pytest.approx(prefill, rel=1e-9)
     assert out.text.startswith(GENERATED) and not out.text.endswith(b"\n\n")
     assert out.text == GENERATED if kind == "plain" else len(out.text) > len(GENERATED)
 
@@ -51,6 +57,14 @@ def test_output_cut_short_before_its_timing_is_none(kind) -> None:
     lines = stderr.splitlines(keepends=True)
     cut = "".join(lines[:next(i for i, line in enumerate(lines) if "threadpool init" in line) + 1])
     assert parse_output(kind, stdout[:20], cut, PROMPT) is None
+
+
+@pytest.mark.parametrize("kind, line", [("plain", "prompt eval time"), ("lookup", "encoded")])
+def test_output_without_its_prefill_timing_is_none(kind, line) -> None:
+    """A run whose prompt timing is missing cannot be charged its prefill: it is repeated like one cut short."""
+    stdout, stderr = captured(kind)
+    assert parse_output(kind, stdout, "".join(l for l in stderr.splitlines(keepends=True) if line not in l),
+                        PROMPT) is None
 
 
 def test_output_without_the_echoed_prompt_is_refused() -> None:
@@ -121,10 +135,11 @@ def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, target, tmp_path) -
     peer = LlamaCppPeer(fake_binaries(tmp_path / "bin", cut_short=2), *pair_dirs, target)
     prompt = peer.tokenizer.encode("def f(x):\n").ids
     assert peer.kinds == ["plain", "speculative", "lookup"]
-    for kind, per_token in (("plain", 0.12140 / 15), ("speculative", 1 / 198.005), ("lookup", 1 / 123.008)):
+    for kind, (tokens, seconds, prefill) in TIMES.items():
         run = peer.run(kind, prompt, 16)
         assert run.tokens == [] and run.text.startswith(GENERATED.decode())
-        assert run.seconds == pytest.approx(16 * per_token)
+        assert run.prefill_seconds == pytest.approx(prefill)
+        assert run.seconds == pytest.approx(prefill + 16 * seconds / tokens)  # its prefill, then 16 at its speed
         assert (tmp_path / "bin" / f"{BINARIES[kind]}.runs").read_text() == "3"  # two cut short, run again
     assert peer.setup.target.is_file() and peer.setup.draft.is_file()
 
@@ -161,12 +176,14 @@ def test_text_rows_count_the_baseline_and_compare_text() -> None:
     base = {"method": "autoregressive", "id": "p", "category": "code", "repeat": 0, "tokens": [1, 2, 3],
             "seconds": 3.0, "prefill_seconds": 0.0, "draft_seconds": 0.0, "verify_seconds": 0.0, "target_calls": 3,
             "proposed_by_position": [], "accepted_by_position": [], "text": None}
-    same = base | {"method": "llama.cpp plain", "tokens": [], "seconds": 1.0, "target_calls": 0, "text": "abcd"}
+    same = base | {"method": "llama.cpp plain", "tokens": [], "seconds": 1.0, "prefill_seconds": 0.25,
+                   "target_calls": 0, "text": "abcd"}
     other = same | {"method": "llama.cpp lookup", "text": "abd"}
     decode = {(1, 2, 3): "abc\ufffd"}  # its last token leaves a character unfinished
     summary = summarize([base, same, other], {}, {}, lambda ids: decode[tuple(ids)])
     assert summary["llama.cpp plain"]["all"]["tokens_per_second"] == 3.0
     assert summary["llama.cpp plain"]["all"]["speedup_total"] == 3.0
+    assert summary["llama.cpp plain"]["all"]["decode_tokens_per_second"] == 4.0  # its own prefill taken off
     assert summary["llama.cpp plain"]["all"]["exact_match"] == 1.0
     assert summary["llama.cpp lookup"]["all"]["exact_match"] == 0.0
     with pytest.raises(ValueError, match="detokenize"):
@@ -180,7 +197,9 @@ def test_bench_adds_the_rows_as_peers(pair_dirs, tmp_path) -> None:
                         BenchOptions(repeats=1, peers=False, progress=False, only=only,
                                      llama_cpp=fake_binaries(tmp_path / "bin")))
     assert set(summary) == {"autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"}
-    assert summary["llama.cpp plain"]["all"]["tokens_per_second"] == pytest.approx(15 / 0.12140)
+    plain = summary["llama.cpp plain"]["all"]
+    assert plain["tokens_per_second"] == pytest.approx(8 / (0.028 + 8 * 0.12140 / 15))  # its prefill counts too
+    assert plain["decode_tokens_per_second"] == pytest.approx(15 / 0.12140)
     assert summary["llama.cpp plain"]["all"]["exact_match"] == 0.0  # the replayed text is not the random model's
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["methods"]["llama.cpp plain"] is None

@@ -52,11 +52,12 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
                 "speedup_total": sum(b["seconds"] for b in base) / sum(x["seconds"] for x in mine),
                 "exact_match": sum(_same(x, b, detokenize) for x, b in zip(mine, base)) / len(ids),
             }
+            total, prefill = sum(x["seconds"] for x in mine), sum(x["prefill_seconds"] for x in mine)
+            if prefill:  # ours and llama.cpp's rows time their prefill apart (transformers' do not)
+                entry["decode_tokens_per_second"] = new / (total - prefill)
             if calls:  # our loop: counts and a split of its time exist
-                total = sum(x["seconds"] for x in mine)
                 split = {part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")}
                 entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())},
-                          "decode_tokens_per_second": new / (total - split["prefill"] * total),
                           "steps_by_depth": _width_histogram(proposed, calls)}  # [d]: steps that verified d drafts
             if sum(proposed):
                 entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
