@@ -10,6 +10,7 @@ import torch
 from verispec import kernels
 from verispec.bench.suite import read_suite
 from verispec.models import execution
+from verispec.models.cache import KVCache
 from verispec.models.default import default_paths
 from verispec.tokenizer import load_tokenizer
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
@@ -43,10 +44,17 @@ def shipped_torch() -> list[NativeModel]:
     return [shipped_on(False, "bfloat16"), shipped_on(False, "float32")]
 
 
-def in_chunks(model: NativeModel, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
-    """Logits (T, V) of tokens[start:] after tokens[:start], run as forwards of `sizes` tokens."""
+def prefilled(model: NativeModel, tokens: torch.Tensor, start: int) -> KVCache:
+    """A cache holding tokens[:start], prefilled once for every partition."""
     cache = model.new_cache()
     model(tokens[:, :start], cache)
+    return cache
+
+
+def in_chunks(model: NativeModel, cache: KVCache, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
+    """Logits (T, V) of tokens[start:] after the cache's first `start` (rolled back to them: the keys and values a
+    fresh prefill writes), run as forwards of `sizes` tokens."""
+    cache.truncate(start)
     out, at = [], start
     for n in sizes:
         out.append(model(tokens[:, at: at + n], cache)[0])
@@ -67,9 +75,10 @@ def code() -> torch.Tensor:
 
 def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(shipped_exact: NativeModel,
                                                                                   code: torch.Tensor) -> None:
-    alone = in_chunks(shipped_exact, code, [1] * 16, START)
+    cache = prefilled(shipped_exact, code, START)
+    alone = in_chunks(shipped_exact, cache, code, [1] * 16, START)
     for sizes in PARTITIONS:
-        assert torch.equal(in_chunks(shipped_exact, code, sizes, START), alone), sizes
+        assert torch.equal(in_chunks(shipped_exact, cache, code, sizes, START), alone), sizes
 
 
 def test_own_kernels_need_no_padding_and_pytorchs_pad_every_chunk() -> None:
@@ -83,9 +92,10 @@ def test_unpadded_the_shipped_target_is_not_exact_on_pytorchs_kernels(shipped_to
     """So the test above can fail: on PyTorch's kernels, forwards of fewer rows than a chunk's, unpadded, give some
     position other logits (in bfloat16 or in float32, by CPU)."""
     monkeypatch.setattr(execution.Execution, "row_floor", lambda self, rows: 1)
-    alone = [in_chunks(model, code, [1] * 16, START) for model in shipped_torch]
-    assert any(not torch.equal(in_chunks(model, code, sizes, START), one)
-               for model, one in zip(shipped_torch, alone) for sizes in PARTITIONS)
+    caches = [prefilled(model, code, START) for model in shipped_torch]
+    alone = [in_chunks(model, cache, code, [1] * 16, START) for model, cache in zip(shipped_torch, caches)]
+    assert any(not torch.equal(in_chunks(model, cache, code, sizes, START), one)
+               for model, cache, one in zip(shipped_torch, caches, alone) for sizes in PARTITIONS)
 
 
 @pytest.mark.parametrize("kind", ["own-kernels", "torch-packed", "plain"])
@@ -98,6 +108,7 @@ def test_an_mlp_width_off_the_vector_length_stays_exact(tmp_path, kind: str) -> 
     if kind != "plain":
         model.pack(EXACT_ROWS, own_kernels=kind == "own-kernels")
     tokens = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(0))
-    alone = in_chunks(model, tokens, [1] * 16, 20)
+    cache = prefilled(model, tokens, 20)
+    alone = in_chunks(model, cache, tokens, [1] * 16, 20)
     for sizes in PARTITIONS:
-        assert torch.equal(in_chunks(model, tokens, sizes, 20), alone), sizes
+        assert torch.equal(in_chunks(model, cache, tokens, sizes, 20), alone), sizes
