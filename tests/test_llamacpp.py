@@ -139,7 +139,8 @@ def test_a_run_reads_the_text_and_llama_cpps_time(pair_dirs, target, tmp_path) -
         run = peer.run(kind, prompt, 16)
         assert run.tokens == [] and run.text.startswith(GENERATED.decode())
         assert run.prefill_seconds == pytest.approx(prefill)
-        assert run.seconds == pytest.approx(prefill + 16 * seconds / tokens)  # its prefill, then 16 at its speed
+        decoded = 15 if kind == "plain" else 16  # completion's first token comes out of its prefill
+        assert run.seconds == pytest.approx(prefill + decoded * seconds / tokens)  # its prefill, then its speed
         assert (tmp_path / "bin" / f"{BINARIES[kind]}.runs").read_text() == "3"  # two cut short, run again
     assert peer.setup.target.is_file() and peer.setup.draft.is_file()
 
@@ -150,7 +151,7 @@ def test_a_binary_that_fails_or_never_prints_its_timing_is_an_error(pair_dirs, t
     with pytest.raises(PeerError, match="llama-completion exited with 1: .*graphs reused"):
         failing.run("plain", prompt, 16)
     cut = LlamaCppPeer(fake_binaries(tmp_path / "cut", cut_short=TRIES), *pair_dirs, target)
-    with pytest.raises(PeerError, match=f"llama-lookup ended {TRIES} times without its decode timing"):
+    with pytest.raises(PeerError, match=f"llama-lookup ended {TRIES} times without its timing"):
         cut.run("lookup", prompt, 16)
 
 
@@ -198,8 +199,8 @@ def test_bench_adds_the_rows_as_peers(pair_dirs, tmp_path) -> None:
                                      llama_cpp=fake_binaries(tmp_path / "bin")))
     assert set(summary) == {"autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"}
     plain = summary["llama.cpp plain"]["all"]
-    assert plain["tokens_per_second"] == pytest.approx(8 / (0.028 + 8 * 0.12140 / 15))  # its prefill counts too
-    assert plain["decode_tokens_per_second"] == pytest.approx(15 / 0.12140)
+    assert plain["tokens_per_second"] == pytest.approx(8 / (0.028 + 7 * 0.12140 / 15))  # its prefill counts too
+    assert plain["decode_tokens_per_second"] == pytest.approx(8 / (7 * 0.12140 / 15))
     assert summary["llama.cpp plain"]["all"]["exact_match"] == 0.0  # the replayed text is not the random model's
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["methods"]["llama.cpp plain"] is None

@@ -178,8 +178,9 @@ class LlamaCppPeer:
 
     def run(self, kind: str, prompt: list[int], max_new_tokens: int) -> Run:
         """One process over one prompt: its text (the binaries print no token ids), and llama.cpp's own times: its
-        prefill of the prompt, then its decode time per token times max_new_tokens (the speculative binaries write a
-        few tokens more, in the same time per token)."""
+        prefill of the prompt, then its decode time per token for the tokens it decodes: max_new_tokens, less
+        llama-completion's first, which comes out of the prefill (as our rows' does); the speculative binaries
+        write a few tokens more, in the same time per token."""
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)  # a chat template's markers stay text
         if self.tokenizer.encode(text).ids != list(prompt):  # llama.cpp takes text: it must read back as these ids
             raise PeerError("a prompt's text does not tokenize back to its ids; llama.cpp would see another prompt")
@@ -196,8 +197,9 @@ class LlamaCppPeer:
             if (out := parse_output(kind, done.stdout, stderr, text.encode())) is not None:
                 break
         else:
-            raise PeerError(f"{BINARIES[kind]} ended {TRIES} times without its decode timing" + _last_line(stderr))
-        decode = max_new_tokens * out.seconds / out.tokens
+            raise PeerError(f"{BINARIES[kind]} ended {TRIES} times without its timing (prefill or decode)"
+                            + _last_line(stderr))
+        decode = (max_new_tokens - (kind == "plain")) * out.seconds / out.tokens
         return Run([], out.prefill_seconds + decode, out.prefill_seconds, text=out.text.decode(errors="replace"))
 
 

@@ -29,7 +29,7 @@ class Run:
 
     tokens: list[int]
     seconds: float  # the whole generate() call, timed the same way for every method
-    prefill_seconds: float = 0.0  # the target's prompt prefill inside it (ours only)
+    prefill_seconds: float = 0.0  # the target's prompt prefill inside it (ours, and llama.cpp's as it prints it)
     draft_seconds: float = 0.0  # drafting, verifying: where our loop's time goes (ours only)
     verify_seconds: float = 0.0
     target_calls: int = 0

@@ -44,8 +44,8 @@ constexpr long block_bytes(Format F) { return head_bytes(F) + (F == Q8_0 ? 512 :
 constexpr int SUPER = 8;  // blocks per K-quant super-block
 constexpr long super_bytes(Format F) { return k_min(F) ? 64 : F == Q6_K ? 32 : 0; }  // its header: D (and M)
 constexpr int32_t offset(Format F) { return F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0; }  // qw - offset
-// Q5's bit 4 of a group's bytes from its bit plane b (0..7) of v, as 0x10 or 0. The shifts are of 16-bit lanes: a
-// shift by at most 4 brings no bit of one byte to the other's bit 4.
+// Q5's bit 4 of a group's bytes from its bit plane b (0..7) of v, as 0x10 or 0. The shifts are of 16-bit lanes: one
+// left by at most 4 or right by at most 3 brings no bit of one byte to the other's bit 4.
 template <typename V>
 static inline V plane_bits(V v, int b) {
 #ifdef VS_AVX512
@@ -237,6 +237,7 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
                   float* y, long ldy, long cols) {
   const long nb = K / QK;
   constexpr bool apart = SPLIT_ROWS <= MR;
+  constexpr int P = F == Q6_K ? 2 : 1;  // dot products per row and block (Q6_K: one per half)
   const auto take = [&](long b, const uint8_t* w, ivec (*isum)[MR]) {  // block b's (at w) integer dot products
     for (long line = 0; line < block_bytes(F); line += 64)
       _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
@@ -244,15 +245,15 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
     for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
     dots<F, MR>(w + head_bytes(F), q, isum);
   };
-  thread_local std::vector<char> space;  // apart: the blocks' integer dot products, 64-byte aligned
-  ivec* sums = nullptr;
+  ivec* sums = nullptr;  // apart: every block's integer dot products, P * MR a block
   const uint8_t* w = w0;
-  if (apart) {
-    space.resize(nb * 2 * MR * sizeof(ivec) + 64);
+  if constexpr (apart) {
+    thread_local std::vector<char> space;  // (a char buffer aligned by hand: ivec is over-aligned)
+    space.resize(nb * P * MR * sizeof(ivec) + 64);
     sums = (ivec*)(((uintptr_t)space.data() + 63) & ~(uintptr_t)63);
     for (long b = 0; b < nb; b++, w += block_bytes(F)) {
       if (k_quant(F) && b % SUPER == 0) w += super_bytes(F);
-      take(b, w, (ivec(*)[MR])(sums + b * 2 * MR));
+      take(b, w, (ivec(*)[MR])(sums + b * P * MR));
     }
     w = w0;
   }
@@ -265,8 +266,8 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
       w += super_bytes(F);
     }
     ivec here[2][MR];
-    if (!apart) take(b, w, here);
-    const ivec(*isum)[MR] = apart ? (const ivec(*)[MR])(sums + b * 2 * MR) : here;
+    if constexpr (!apart) take(b, w, here);
+    const ivec(*isum)[MR] = apart ? (const ivec(*)[MR])(sums + b * P * MR) : here;
     // The block's scales: dw (and mw, or for Q6_K the second half's dw)
     const vf dw = k_min(F) ? vmul(D, bytes<uint8_t>(w)) : F == Q6_K ? vmul(D, bytes<int8_t>(w)) : halves(w);
     const vf mw = k_min(F) ? vmul(M, bytes<uint8_t>(w + 16)) : F == Q6_K ? vmul(D, bytes<int8_t>(w + 16))
