@@ -94,6 +94,9 @@ DECODED_LINE = re.compile(r"\bdecoded\s+(\d+) tokens in\s+[\d.]+ seconds, speed:
 ENCODED_LINE = re.compile(r"\bencoded\s+\d+ tokens in\s+([\d.]+) seconds")
 # What they print on stdout after the generated text: completion a blank line, the others two.
 TRAILER = {"plain": b"\n\n", "speculative": b"\n\n\n\n", "lookup": b"\n\n\n\n"}
+# Generated tokens that come out of the prompt's prefill, outside the decode timing: completion's first (as ours);
+# the speculative binaries decode every token in their loop.
+FROM_PREFILL = {"plain": 1, "speculative": 0, "lookup": 0}
 
 
 def parse_output(kind: str, stdout: bytes, stderr: str, prompt: bytes) -> Output | None:
@@ -178,9 +181,9 @@ class LlamaCppPeer:
 
     def run(self, kind: str, prompt: list[int], max_new_tokens: int) -> Run:
         """One process over one prompt: its text (the binaries print no token ids), and llama.cpp's own times: its
-        prefill of the prompt, then its decode time per token for the tokens it decodes: max_new_tokens, less
-        llama-completion's first, which comes out of the prefill (as our rows' does); the speculative binaries
-        write a few tokens more, in the same time per token."""
+        prefill of the prompt, then its decode time per token for the tokens it decodes (max_new_tokens less those
+        from the prefill, `FROM_PREFILL`; the speculative binaries write a few tokens more, in the same time per
+        token)."""
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)  # a chat template's markers stay text
         if self.tokenizer.encode(text).ids != list(prompt):  # llama.cpp takes text: it must read back as these ids
             raise PeerError("a prompt's text does not tokenize back to its ids; llama.cpp would see another prompt")
@@ -199,7 +202,7 @@ class LlamaCppPeer:
         else:
             raise PeerError(f"{BINARIES[kind]} ended {TRIES} times without its timing (prefill or decode)"
                             + _last_line(stderr))
-        decode = (max_new_tokens - (kind == "plain")) * out.seconds / out.tokens
+        decode = (max_new_tokens - FROM_PREFILL[kind]) * out.seconds / out.tokens
         return Run([], out.prefill_seconds + decode, out.prefill_seconds, text=out.text.decode(errors="replace"))
 
 
