@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -81,3 +83,14 @@ def in_threads(work, arguments: list) -> None:
             thread.join()
     finally:
         sys.setswitchinterval(interval)
+
+
+def last_two_of_four(folder, prompt: list[int], vocab: int, reference_probs) -> np.ndarray:
+    """The exact joint (V, V) of the third and fourth new tokens sampled at temperature 1 after `prompt` from the
+    checkpoint in `folder`, by the numpy reference over every three-token prefix."""
+    prefixes = list(itertools.product(range(vocab), repeat=3))
+    probs = reference_probs(folder, np.array([prompt + list(p) for p in prefixes]))  # (V^3, len + 3, V)
+    n, joint = len(prompt), np.zeros((vocab,) * 4)
+    for row, p in enumerate(prefixes):
+        joint[p] += probs[row, n - 1, p[0]] * probs[row, n, p[1]] * probs[row, n + 1, p[2]] * probs[row, n + 2]
+    return joint.sum(axis=(0, 1))

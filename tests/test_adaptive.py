@@ -4,7 +4,6 @@ does, sampling's distribution kept)."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Sequence
 
@@ -21,7 +20,7 @@ from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.models.native import load_model
 
-from drafting import OwnSession
+from drafting import OwnSession, last_two_of_four
 from test_verify import compare, P_VALUE_MIN
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]
@@ -220,15 +219,7 @@ def test_sampling_with_auto_follows_the_target(tmp_path, reference_probs) -> Non
     config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     folder = random_checkpoint(tmp_path / "target", config, seed=1)
     target = load_model(folder)
-    # exact joint of the four new tokens from the numpy reference, then the marginal of the last two
-    prefixes = list(itertools.product(range(VOCAB), repeat=NEW - 1))
-    probs = reference_probs(folder, np.array([SAMPLE_PROMPT + list(p) for p in prefixes]))  # (V^3, len + 3, V)
-    n = len(SAMPLE_PROMPT)
-    joint = np.zeros((VOCAB,) * NEW)
-    for row, p in enumerate(prefixes):
-        chance = probs[row, n - 1, p[0]] * probs[row, n, p[1]] * probs[row, n + 1, p[2]]
-        joint[p] += chance * probs[row, n + 2]
-    last_two = joint.sum(axis=(0, 1))
+    last_two = last_two_of_four(folder, SAMPLE_PROMPT, VOCAB, reference_probs)
     drafter = AdaptiveK(Successor(2), costs=(0.3, lambda n: 1.0))
     counts, ks = np.zeros((VOCAB, VOCAB)), set()
     for seed in range(DRAWS):

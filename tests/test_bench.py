@@ -31,7 +31,7 @@ def test_report_files_and_structure(quick) -> None:
                 "transformers greedy", "transformers assisted", "transformers assisted k=4",
                 "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
                 "eagle k=6 tree_top_k=2 tree_tokens=10", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
-                "suffix", "suffix tree_tokens=8", "suffix k=4 eagle_below=3",
+                "suffix", "suffix tree_tokens=8", "suffix k=auto", "suffix k=4 eagle_below=3",
                 "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     if kernels.available(torch.float32):  # a quantized twin runs on verispec's kernels: its default, and without
         # the layers of the quick bench's layer-skip plan

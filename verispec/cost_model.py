@@ -42,6 +42,8 @@ TIMING_WINDOW = 9  # steps whose median timing is kept per width
 PROBE_FIRST, PROBE_MAX, PROBE_BUDGET = 4, 64, 0.01
 PROBE_WAIT_MAX = 128  # plain steps between probes at most, however costly they look: a probe also re-measures that cost
 
+CALIBRATION_BINS, CALIBRATION_WEIGHT, CALIBRATION_DECAY = 10, 4.0, 0.99
+
 Costs = tuple[float, Callable[[int], float]]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
 
 
@@ -67,6 +69,43 @@ def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], cho
             if predicted > speed * (1 + 1e-9):  # a tie (up to rounding) goes to the cheaper k
                 best, speed = k, predicted
     return best
+
+
+def best_prefix(chances: Sequence[float], r: Callable[[int], float], overhead: float = 0.0) -> int:
+    """How many of a proposal's tokens to verify, given each one's chance of being accepted (in the order drawn, so
+    that every prefix is a proposal): the n with the highest predicted speed (1 + sum of the first n chances) /
+    (r(n + 1) + overhead), the smaller on a tie; 0 is a plain step. Their drafting is already paid for."""
+    best, speed, expected = 0, 1.0 / (1.0 + overhead), 1.0
+    for n, chance in enumerate(chances, 1):
+        expected += chance
+        predicted = expected / (r(n + 1) + overhead)
+        if predicted > speed * (1 + 1e-9):
+            best, speed = n, predicted
+    return best
+
+
+class Calibration:
+    """A drafter's own estimate of a token's chance (`Proposal.confidence`) -> how often such tokens were accepted:
+    decayed counts in CALIBRATION_BINS bins of the estimate, each with a prior of CALIBRATION_WEIGHT tokens at the
+    estimate itself. Suffix decoding's estimates are counts in the text so far, and a continuation seen once is
+    "certain"; what the target then accepts says what such certainty is worth."""
+
+    def __init__(self, bins: int = CALIBRATION_BINS, weight: float = CALIBRATION_WEIGHT,
+                 decay: float = CALIBRATION_DECAY) -> None:
+        self.bins, self.weight, self.decay = bins, weight, decay
+        self.tried, self.hits = [0.0] * bins, [0.0] * bins
+
+    def _bin(self, estimate: float) -> int:
+        return min(max(int(estimate * self.bins), 0), self.bins - 1)
+
+    def observe(self, estimate: float, accepted: bool) -> None:
+        b = self._bin(estimate)
+        self.tried[b] = self.decay * self.tried[b] + 1
+        self.hits[b] = self.decay * self.hits[b] + accepted
+
+    def chance(self, estimate: float) -> float:
+        b = self._bin(estimate)
+        return (self.hits[b] + self.weight * estimate) / (self.tried[b] + self.weight)
 
 
 class Acceptance:

@@ -71,7 +71,8 @@ def subset(proposal: Proposal, keep: list[int]) -> Proposal:
     new_index = {old: new for new, old in enumerate(keep)} | {-1: -1}
     parents = None if proposal.parents is None else [new_index[proposal.parents[i]] for i in keep]
     q = None if proposal.q is None else proposal.q[keep]
-    return Proposal([proposal.tokens[i] for i in keep], q, parents, proposal.side)
+    confidence = None if proposal.confidence is None else [proposal.confidence[i] for i in keep]
+    return Proposal([proposal.tokens[i] for i in keep], q, parents, proposal.side, confidence)
 
 
 def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, list[int]]:

@@ -84,7 +84,7 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
                 cross: bool = False) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
-    a tree); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
+    a tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
     layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
     (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
@@ -101,7 +101,8 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
         methods += [Method("draft", k, vocab) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2} | vocab)]
         if draft_vocab:
             methods.append(Method("draft", 4, {"draft_vocab": 0}))
-    methods += [Method("ngram", 4), Method("ngram", AUTO), Method("suffix"), Method("suffix", None, SUFFIX_TREE)]
+    methods += [Method("ngram", 4), Method("ngram", AUTO), Method("suffix"), Method("suffix", None, SUFFIX_TREE),
+                Method("suffix", AUTO)]
     if layerskip:
         methods.append(Method("layerskip", 4))
     if selfquant:

@@ -14,6 +14,12 @@ reads the tokens it has not seen (the whole prompt, at first).
 Proposals that are not plain chains (token trees, lookahead's window) keep their configured size: for them `auto`
 chooses between that size and 0, priced at the median width of their recent proposals. k is chosen from past verdicts
 and timings only, never from the current step's draws, so the output's distribution is untouched.
+
+A drafter that estimates each token's chance of acceptance (`scores`: suffix decoding's counts, `Proposal.confidence`)
+drafts its most, chain or tree, and the proposal is cut where the next token costs more than it is expected to yield
+(`cost_model.best_prefix`), its estimates calibrated by what the target accepted of earlier ones
+(`cost_model.Calibration`). Its tokens are fixed by the committed text, not drawn, so the cut too is made before the
+step's draws.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import time
 from collections import deque
 from typing import Callable, Sequence
 
-from verispec.cost_model import TIMING_WINDOW, Acceptance, Costs, Probes, Timings, best_k
+from verispec.cost_model import TIMING_WINDOW, Acceptance, Calibration, Costs, Probes, Timings, best_k, best_prefix
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict
 from verispec.drafters.batch import BatchDraftSession
 from verispec.models.protocol import CausalLM
@@ -43,6 +49,7 @@ class AdaptiveK:
         self.drafter, self.fixed_costs = drafter, costs
         self.name, self.k, self.width, self.needs = drafter.name, drafter.k, drafter.width, drafter.needs
         self.batched = getattr(drafter, "batched", False)  # the engine chooses k itself and drafts with `drafter`
+        self.scores = getattr(drafter, "scores", False)  # its proposals carry `confidence`: they are cut, not chosen
         # A chain's forward grows with k; a tree's or a side branch's keeps its configured width, so it is on or off.
         self.chain = drafter.width == drafter.k and not drafter.needs.tree_masks
 
@@ -63,6 +70,7 @@ class AdaptiveSession:
 
     def __init__(self, adaptive: AdaptiveK, inner: DraftSession) -> None:
         self.inner, self.chain, self.k, self.width = inner, adaptive.chain, adaptive.k, adaptive.width
+        self.scores, self.calibration, self._proposed = adaptive.scores, Calibration(), None
         self.fixed_costs = adaptive.fixed_costs
         self.acceptance, self.timings = Acceptance(adaptive.k), Timings()
         self.chosen: list[int] = []  # k asked of the drafter at each step
@@ -83,7 +91,7 @@ class AdaptiveSession:
             return 0
         if not self.chain and not self.timings.verify and self.fixed_costs is None:
             return limit  # a tree or window drafter: measure its configured size once before judging it
-        c, r, start = (*self.fixed_costs, 0.0)[:3] if self.fixed_costs else self.timings.costs()
+        c, r, start = self._costs()
         choices = range(limit + 1) if self.chain else (0, limit)
         on = round(statistics.median(self.on_widths)) if self.on_widths else self.width  # a tree's usual size
         width = (lambda k: k) if self.chain else (lambda k: on if k else 0)
@@ -101,13 +109,28 @@ class AdaptiveSession:
         self._next_probe = int(wait) + 1  # the plain_run at which to judge (and probe) again
         return 0
 
+    def _costs(self) -> tuple[float, Callable[[int], float], float]:
+        return (*self.fixed_costs, 0.0)[:3] if self.fixed_costs else self.timings.costs()
+
+    def cut(self, proposal: Proposal) -> Proposal:
+        """A scored proposal's most paying prefix (the module's notes)."""
+        if proposal.confidence is None or not proposal.tokens:
+            return proposal
+        _, r, _ = self._costs()
+        overhead = 0.0 if self.fixed_costs else self.timings.overhead()
+        chances = [self.calibration.chance(estimate) for estimate in proposal.confidence]
+        return proposal.prefix(best_prefix(chances, r, overhead))
+
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         if self._verdict_at is not None:
             self.timings.between.append(time.perf_counter() - self._verdict_at)
-        k = self.choose(k)
-        self.chosen.append(k)
+        k = k if self.scores else self.choose(k)
         start = time.perf_counter()
         proposal = self.inner.propose(context, k)
+        if self.scores:
+            proposal = self._proposed = self.cut(proposal)
+            k = depth(proposal)
+        self.chosen.append(k)
         now = time.perf_counter()
         side = 0 if proposal.side is None else len(proposal.side.tokens)
         self._pending = (depth(proposal), now - start, 1 + len(proposal.tokens) + side, now)
@@ -125,6 +148,11 @@ class AdaptiveSession:
             if width > 1:
                 self.on_widths.append(width - 1)
             self.acceptance.observe(drafted, verdict.num_accepted)
+            if self._proposed is not None and self._proposed.confidence is not None:
+                kept = set(verdict.path)
+                for i, estimate in enumerate(self._proposed.confidence):
+                    self.calibration.observe(estimate, i in kept)
+                self._proposed = None
             if self.probes.probing:
                 plain = self.timings.verify.get(1)
                 if plain and self.fixed_costs is None:  # this probe's drafting and forward over a plain step's

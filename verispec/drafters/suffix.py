@@ -124,6 +124,7 @@ class SuffixDecoding:
         extra = Needs() if fallback is None else fallback.needs
         self.needs = Needs(tree_masks=self.tree or extra.tree_masks, hidden_states=extra.hidden_states)
         self.batched = fallback is None  # the fallback's (EAGLE's) state is one sequence's
+        self.scores = fallback is None  # every proposal carries its tokens' estimated chances (the fallback's do not)
 
     def check(self, target: CausalLM) -> None:
         if self.fallback is not None:
@@ -168,7 +169,7 @@ class SuffixSession:
             proposal = self.fallback.propose(context, 0 if own else k)  # 0: it drafts nothing but follows the text
             if not own:
                 return proposal
-        return Proposal(best.tokens, None, best.parents if self.limits.tree else None)
+        return Proposal(best.tokens, None, best.parents if self.limits.tree else None, confidence=best.probs)
 
     def accepted(self, verdict: Verdict) -> None:
         """Nothing of its own to roll back (the trees hold committed tokens only); the fallback's, if any."""

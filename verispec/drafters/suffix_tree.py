@@ -51,16 +51,21 @@ class TreeSequence:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A proposal: tokens with parents (-1: the root) in the order drawn; `score` sums their estimated probabilities
-    (the expected number accepted, if the counts were the model's own odds); `match` is the suffix's length."""
+    """A proposal: tokens with parents (-1: the root) in the order drawn, and each one's estimated probability (of
+its whole path from the root: the chance that it is accepted, if the counts were the model's own odds); `score`
+sums them (the expected number accepted); `match` is the suffix's length."""
 
     tokens: list[int]
     parents: list[int]
-    score: float = 0.0
+    probs: list[float]
     match: int = 0
 
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
 
-NOTHING = Candidate([], [])
+
+NOTHING = Candidate([], [], [])
 
 
 @dataclass(frozen=True)
@@ -197,18 +202,19 @@ class SuffixTree:
         budget = min(limits.nodes, int(limits.factor * length + 1e-9))
         tokens: list[int] = []
         parents: list[int] = []
-        score, order = 0.0, itertools.count()  # the counter breaks ties in the order the children were seen
+        probs: list[float] = []
+        order = itertools.count()  # breaks ties in the order the children were seen
         heap = self._children(position, length, 1.0, -1, 0, limits, order)
         heapq.heapify(heap)
         while heap and len(tokens) < budget:  # a chain's heap never holds more than one entry
             neg_prob, _, token, child, parent, depth = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent)
-            score -= neg_prob
+            probs.append(-neg_prob)
             if depth < limits.depth:
                 for kid in self._children(child, length + depth, -neg_prob, len(tokens) - 1, depth, limits, order):
                     heapq.heappush(heap, kid)
-        return Candidate(tokens, parents, score, length)
+        return Candidate(tokens, parents, probs, length)
 
     def _children(self, position: Position, length: int, prob: float, parent: int, depth: int, limits: Limits,
                   order) -> list:
