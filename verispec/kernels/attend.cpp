@@ -65,12 +65,24 @@ struct QueryBF16 {
   }
 };
 #else
-// Sixteen vectors -> one: lane j holds the sum of a[j]'s lanes, each summed alone by the same fixed tree.
-static inline vf sum16(const vf* a) {
-  float s[16];
-  for (int i = 0; i < 16; i++) s[i] = vsum(a[i]);
-  return load(s);
+// Eight vectors -> one: lane c holds vsum(a[c]), by the very pairs vsum adds (lanes j and j + 8, then hsum8's j and
+// j + 4, j and j + 2, 0 and 1), eight of them side by side: the same sums, so the same bits, without eight
+// horizontal sums.
+static inline __m256 sum8(const vf* a) {
+  __m256 t[4];
+  for (int i = 0; i < 4; i++) {  // t[i]: vectors 2i and 2i + 1, lanes j and j + 4 added, in the two halves
+    const __m256 x = _mm256_add_ps(a[2 * i].lo, a[2 * i].hi), y = _mm256_add_ps(a[2 * i + 1].lo, a[2 * i + 1].hi);
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  // lanes j and j + 2: vectors 0 2 | 1 3 (and 4 6 | 5 7), two lanes each
+  const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+  const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+  // lanes 0 and 1: vectors 0 2 4 6 | 1 3 5 7
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+// Sixteen vectors -> one: lane j holds the sum of a[j]'s lanes, each by vsum's fixed tree.
+static inline vf sum16(const vf* a) { return {sum8(a), sum8(a + 8)}; }
 #endif
 
 // q . k as a vector whose lanes sum to it, by FMAs over 16-lane vectors (bfloat16 and float16 widened to float32):
@@ -258,7 +270,14 @@ static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, vi
   return 0;
 }
 
+// Each type's kernels make a third of the compile: build.py compiles them as three units side by side (VS_ATTEND)
+#if !defined(VS_ATTEND) || VS_ATTEND == 0
 extern "C" int vs_attend_bf16(const int64_t* a) { return attend<bf16, bf16>(a); }
+#endif
+#if !defined(VS_ATTEND) || VS_ATTEND == 1
 extern "C" int vs_attend_f32(const int64_t* a) { return attend<float, float>(a); }
+#endif
+#if !defined(VS_ATTEND) || VS_ATTEND == 2
 extern "C" int vs_attend_f32_f16(const int64_t* a) { return attend<float, f16>(a); }  // a float16 cache
+#endif
 #endif

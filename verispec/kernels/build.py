@@ -6,8 +6,9 @@ The same sources are built for one of two instruction sets, whichever is the bes
 - `avx2`: x86-64-v3 (AVX2, FMA, F16C: Intel Haswell, AMD Zen and later), bfloat16 widened to float32.
 `VERISPEC_ISA=avx2` (or `avx512`) asks for one; `auto` (the default) takes the best. The library is compiled at first
 use with the system's C++ compiler and cached under `$VERISPEC_CACHE` (default `~/.cache/verispec`), keyed by the
-source, the compiler and the instruction set, so a one-shot CLI call pays the compile (a few seconds) only the first
-time. No compiler, a CPU without the instructions asked for, or `VERISPEC_KERNELS=0` in the environment: the kernels
+source, the compiler and the instruction set, so a one-shot CLI call pays the compile only the first time. The
+sources compile as separate units side by side, one process per core (attention's kernels, most of the compile,
+as three units: one per type of query and cache), then link into one library. No compiler, a CPU without the instructions asked for, or `VERISPEC_KERNELS=0` in the environment: the kernels
 are unavailable, `reason()` says why, and the runtime keeps PyTorch's own kernels.
 """
 
@@ -20,13 +21,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
-# Compiled together into one library (named, not globbed: a stale source left by an old install stays out)
+# Linked into one library (named, not globbed: a stale source left by an old install stays out)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear.cpp", "quant.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp")]
 HEADER = Path(__file__).with_name("simd.h")
+# Units compiled apart (a source and its defines): attend.cpp's three types, each alone (VS_ATTEND)
+UNITS = [(source, [f"-DVS_ATTEND={i}"]) if source.name == "attend.cpp" else (source, [])
+         for source in SOURCES for i in (range(3) if source.name == "attend.cpp" else [0])]
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but where the source asks
 # for one: RMSNorm and rotary round as PyTorch does
 # Each build: its compiler flags, and the /proc/cpuinfo flags a CPU needs to run it (best first)
@@ -65,6 +70,20 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
+def _compile(compiler_path: str, flags: list[str], scratch: Path, built: Path) -> str | None:
+    """Compile the units side by side and link them into `built`; None, or the first failure's last line."""
+    def run(command: list[str]) -> str | None:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no message"])[-1]
+
+    objects = [scratch / f"{i}-{source.stem}.o" for i, (source, _) in enumerate(UNITS)]
+    commands = [[compiler_path, *flags, *defines, "-c", str(source), "-o", str(obj)]
+                for (source, defines), obj in zip(UNITS, objects)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        failed = [error for error in pool.map(run, commands) if error is not None]
+    return failed[0] if failed else run([compiler_path, *flags, *map(str, objects), "-o", str(built)])
+
+
 @cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None with the reason."""
@@ -89,11 +108,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as scratch:  # compile aside, then move into place at once
                 built = Path(scratch) / library.name
-                done = subprocess.run([compiler_path, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
-                                      text=True, timeout=300)
-                if done.returncode != 0:
-                    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                    return None, f"the kernels did not compile ({compiler_path}): {last}"
+                failed = _compile(compiler_path, flags, Path(scratch), built)
+                if failed is not None:
+                    return None, f"the kernels did not compile ({compiler_path}): {failed}"
                 os.replace(built, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as error:

@@ -187,8 +187,10 @@ static inline vf load(const float* p, vmask m) {
   return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)};
 }
 static inline vf load(const bf16* p, vmask m) {  // lanes past m read as 0
-  bf16 part[16] = {0};
-  if (m.n < 16) p = (const bf16*)memcpy(part, p, 2 * m.n);
+  if (m.n < 16) {  // (the copy zeroed only here: hoisted, zeroing it cost every full load two stores)
+    bf16 part[16] = {0};
+    return load((const bf16*)memcpy(part, p, 2 * m.n), lanes(16));
+  }
   return {widen(_mm_loadu_si128((const __m128i*)p)), widen(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
 static inline void store(float* p, vf v, vmask m) {
@@ -212,8 +214,10 @@ static inline void store_halves(void* p, __m256i both, vmask m) {  // the first 
 static inline void store(bf16* p, vf v, vmask m) { store_halves(p, _mm256_set_m128i(narrow(v.hi), narrow(v.lo)), m); }
 static inline vf round_to(vf v, const bf16*) { return {widen(narrow(v.lo)), widen(narrow(v.hi))}; }
 static inline vf load(const f16* p, vmask m) {  // lanes past m read as 0
-  f16 part[16] = {};
-  if (m.n < 16) p = (const f16*)memcpy(part, p, 2 * m.n);
+  if (m.n < 16) {  // (as bfloat16's: the copy zeroed only where it is made)
+    f16 part[16] = {};
+    return load((const f16*)memcpy(part, p, 2 * m.n), lanes(16));
+  }
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
 static inline void store(f16* p, vf v, vmask m) {  // to nearest even, as torch's .half() (saturate_f16 first)
