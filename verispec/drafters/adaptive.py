@@ -73,7 +73,7 @@ class AdaptiveSession:
         self.scores, self.calibration, self._proposed = adaptive.scores, Calibration(), None
         self.fixed_costs = adaptive.fixed_costs
         self.acceptance, self.timings = Acceptance(adaptive.k), Timings()
-        self.chosen: list[int] = []  # k asked of the drafter at each step
+        self.chosen: list[int] = []  # k asked of the drafter at each step (a scored drafter's: the depth kept)
         self.probes = Probes(repeat_accepted=True)
         self._next_probe: int | None = None  # while plain decoding pays, the plain_run of the next judgement
         self.on_widths: deque[int] = deque(maxlen=TIMING_WINDOW)  # tokens a tree or window drafter put in the forward
@@ -119,7 +119,12 @@ class AdaptiveSession:
         _, r, _ = self._costs()
         overhead = 0.0 if self.fixed_costs else self.timings.overhead()
         chances = [self.calibration.chance(estimate) for estimate in proposal.confidence]
-        return proposal.prefix(best_prefix(chances, r, overhead))
+        n = best_prefix(chances, r, overhead)
+        if n:
+            self.probes.drafting()
+        elif self.probes.plain(r(2) - 1)[0]:  # a probe: the estimates learn only from tokens verified
+            n = 1
+        return proposal.prefix(n)
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         if self._verdict_at is not None:

@@ -2,7 +2,7 @@
 
 A `Method` is a family name, a draft length k (None: the family's default; "auto": chosen per step by
 `verispec.drafters.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
-window) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
+window, cut by its own estimates for a drafter that scores its tokens) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
 it needs of the target.
 """
 
@@ -301,7 +301,8 @@ def build_drafter(method: Method, resources: Resources = Resources()) -> Drafter
     family = FAMILIES[method.family]
     if method.k != AUTO:
         return family.build(method, resources)
-    # A chain may draft up to AUTO_MAX_K; a tree or a window keeps the family's default size, on or off.
+    # A chain may draft up to AUTO_MAX_K; a tree or a window keeps the family's default size, on or off (or, scored by
+    # the drafter, cut: suffix decoding's).
     tree = family.needs(method).tree_masks or not family.takes_k
     return AdaptiveK(family.build(replace(method, k=None if tree else AUTO_MAX_K), resources))
 

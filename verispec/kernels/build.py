@@ -7,9 +7,10 @@ The same sources are built for one of two instruction sets, whichever is the bes
 `VERISPEC_ISA=avx2` (or `avx512`) asks for one; `auto` (the default) takes the best. The library is compiled at first
 use with the system's C++ compiler and cached under `$VERISPEC_CACHE` (default `~/.cache/verispec`), keyed by the
 source, the compiler and the instruction set, so a one-shot CLI call pays the compile only the first time. The
-sources compile as separate units side by side, one process per core (attention's kernels, most of the compile,
-as three units: one per type of query and cache), then link into one library. No compiler, a CPU without the instructions asked for, or `VERISPEC_KERNELS=0` in the environment: the kernels
-are unavailable, `reason()` says why, and the runtime keeps PyTorch's own kernels.
+sources compile as separate units side by side, one process per core this process may run on (attention's kernels,
+most of the compile, as three units: one per type of query and cache), then link into one library. No compiler, a
+CPU without the instructions asked for, or `VERISPEC_KERNELS=0` in the environment: the kernels are unavailable,
+`reason()` says why, and the runtime keeps PyTorch's own kernels.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _compile(compiler_path: str, flags: list[str], scratch: Path, built: Path) -
     objects = [scratch / f"{i}-{source.stem}.o" for i, (source, _) in enumerate(UNITS)]
     commands = [[compiler_path, *flags, *defines, "-c", str(source), "-o", str(obj)]
                 for (source, defines), obj in zip(UNITS, objects)]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), cores))) as pool:
         failed = [error for error in pool.map(run, commands) if error is not None]
     return failed[0] if failed else run([compiler_path, *flags, *map(str, objects), "-o", str(built)])
 
