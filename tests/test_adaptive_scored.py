@@ -144,3 +144,12 @@ def test_sampling_with_the_cut_follows_the_target(tmp_path, reference_probs) -> 
     assert len(depths) > 2  # the cut did vary with the verdicts
     pvalue, tv = compare(counts.ravel(), last_two.ravel())
     assert pvalue > P_VALUE_MIN and tv < (last_two.size / DRAWS) ** 0.5, (pvalue, tv)
+
+
+def test_method_suffix_alone_is_the_cut_chain_and_a_tree_stays_fixed() -> None:
+    from verispec.cli import loading
+    from verispec.cli.parser import build_parser
+
+    parse = lambda *extra: loading.method_from(build_parser().parse_args(["generate", "x", "--method", "suffix", *extra]))
+    assert parse().k == "auto" and parse("-k", "8").k == 8
+    assert parse("--tree-tokens", "8").k is None and parse("--tree-tokens", "8", "-k", "auto").k == "auto"

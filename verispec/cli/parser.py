@@ -189,9 +189,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="; ".join(f"{name}: {family.summary}" for name, family in FAMILIES.items()))
     parser.add_argument("-k", help="tokens drafted per step, or auto: chosen per step from this generation's "
                                    "acceptance and timings, up to 8, and 0 (plain decoding) where drafting does not "
-                                   "pay (default auto for draft, ngram and selfquant chains; 4 for eagle and trees; "
-                                   "8 for suffix, whose auto cuts each proposal by its own estimates; layerskip: the k in "
-                                   "layerskip.json; lookahead drafts N - 1, set by --ngram-size, or auto: on or off)")
+                                   "pay (default auto for draft, ngram, selfquant and suffix chains, suffix's cutting "
+                                   "each proposal by its own estimates; 4 for eagle and trees but suffix's, 8 deep; "
+                                   "layerskip: the k in layerskip.json; lookahead drafts N - 1, set by --ngram-size, "
+                                   "or auto: on or off)")
     parser.add_argument("--head", help="eagle, medusa, suffix with --eagle-below: the head's folder (default: "
                                        "models/stdlib-eagle or models/stdlib-medusa for the shipped target)")
     # The methods' options, as the registry declares them. Each defaults to None here, so that only what was given
