@@ -16,7 +16,7 @@ from verispec.drafters.suffix import SuffixDecoding
 from verispec.models.default import load_default
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.tree import cut_after_eos
+from verispec.tree import cut_after_eos, subset
 
 from drafting import OwnSession, last_two_of_four
 from test_verify import compare, P_VALUE_MIN
@@ -59,9 +59,9 @@ def test_calibration_learns_what_an_estimate_is_worth() -> None:
 
 def test_prefixes_and_subsets_keep_the_estimates() -> None:
     tree = Proposal([5, 6, 7, 8], parents=[-1, 0, -1, 1], confidence=[0.8, 0.6, 0.2, 0.1])
-    cut = tree.prefix(2)
+    cut = subset(tree, [0, 1])  # a prefix, as adaptive k cuts
     assert cut.tokens == [5, 6] and cut.parents == [-1, 0] and cut.confidence == [0.8, 0.6]
-    assert tree.prefix(4) is tree and tree.prefix(0).tokens == [] and tree.prefix(0).confidence == []
+    assert subset(tree, [0, 1, 2, 3]) is tree and subset(tree, []).tokens == [] and subset(tree, []).confidence == []
     kept, index = cut_after_eos(tree, frozenset({6}))  # 8 follows the end of sequence: dropped
     assert kept.tokens == [5, 6, 7] and kept.confidence == [0.8, 0.6, 0.2] and index == [0, 1, 2]
 

@@ -4,7 +4,7 @@ loop (step.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -34,16 +34,8 @@ class Proposal:
     side: SideBranch | None = None
     # Each token's estimated chance of being accepted, its path from the last committed token with it, where the
     # drafter knows one (suffix decoding's counts): adaptive k then cuts the proposal where it stops paying. In a
-    # tree, nodes come in the order drawn, likeliest first, so every prefix is a tree.
+    # tree, nodes come in the order drawn, likeliest first, so every prefix is a tree (`tree.subset` of range(n)).
     confidence: list[float] | None = None
-
-    def prefix(self, n: int) -> Proposal:
-        """The first n tokens (a tree's parents come before their children, so its first n nodes are a tree)."""
-        if n >= len(self.tokens):
-            return self
-        return replace(self, tokens=self.tokens[:n], q=None if self.q is None else self.q[:n],
-                       parents=None if self.parents is None else self.parents[:n],
-                       confidence=None if self.confidence is None else self.confidence[:n])
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from verispec.cost_model import TIMING_WINDOW, Acceptance, Calibration, Costs, P
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict
 from verispec.drafters.batch import BatchDraftSession
 from verispec.models.protocol import CausalLM
-from verispec.tree import depth
+from verispec.tree import depth, subset
 
 AUTO_MAX_K = 8  # the most an `auto` chain drafts per step when built from a method record
 
@@ -124,7 +124,7 @@ class AdaptiveSession:
             self.probes.drafting()
         elif self.probes.plain(r(2) - 1)[0]:  # a probe: the estimates learn only from tokens verified
             n = 1
-        return proposal.prefix(n)
+        return subset(proposal, list(range(n)))  # a prefix: parents come before their children
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         if self._verdict_at is not None:
