@@ -65,6 +65,33 @@ def test_a_quantized_matmul_is_ggmls_math_and_each_row_is_its_own(fmt: str, N: i
     assert torch.equal(matmul(x, residual), residual + y)
 
 
+# Where each format's block holds its quants (ggml's layouts): the byte ranges that test_the_largest_quants_... fills
+QUANT_BYTES = {"q8_0": [(2, 34)], "q4_0": [(2, 18)], "q4_1": [(4, 20)], "q5_0": [(2, 22)], "q5_1": [(4, 24)],
+               "q4_k": [(16, 144)], "q5_k": [(16, 176)], "q6_k": [(0, 192)]}
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", sorted(KEPT))
+def test_the_largest_quants_against_the_largest_inputs_sum_without_overflow(fmt: str) -> None:
+    """Every quant at its most (all its bits set; Q8_0's at 127 and -128) against inputs that quantize to +-127 (all
+    of one sign, then alternating): the kernel's integer sums (some kept in 16 bits before widening) at their
+    largest still equal ggml's math."""
+    generator = torch.Generator().manual_seed(7)
+    weight = random_weight(fmt, 32, 512, generator)
+    blocks = weight.blocks.clone().view(32, 512 // weight.block_inputs, weight.block_bytes)
+    for start, end in QUANT_BYTES[fmt]:
+        blocks[..., start:end] = 0xFF
+    if fmt == "q8_0":
+        blocks[1::2, :, 2:34] = 0x7F  # odd rows at +127, even ones at -128
+    weight = QuantizedWeight(fmt, blocks.view(32, -1))
+    x = torch.ones(3, 512)
+    x[1] = -1
+    x[2, 1::2] = -1
+    y = kernels.Matmul(weight.blocks, None, fmt)(x)
+    reference = ggml_math(x, weight)
+    assert float((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
 @needs_kernels
 def test_linears_of_several_formats_run_as_one_output_each_run_on_its_own_kernel() -> None:
     generator = torch.Generator().manual_seed(3)

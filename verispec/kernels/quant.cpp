@@ -161,6 +161,10 @@ static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
   return _mm512_cvtepi32_ps(std::is_signed_v<T> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 #else
+// Groups whose 16-bit products (a vpmaddubsw lane: two u8 quants times s8 inputs, |.| <= 2 * 127 * the largest quant)
+// add up in 16 bits before vpmaddwd widens them, with no lane past 32767: 4-bit quants all 4 groups (8 x 2 x 127 x 15
+// = 30480), 5-bit 2 (31496), Q6_K 2 a half (32004). Integers, so the same sums either way, in fewer instructions.
+constexpr int short_groups(Format F) { return five_bit(F) || F == Q6_K ? 2 : 4; }
 struct ivec {
   __m256i lo, hi;
 };
@@ -169,12 +173,14 @@ struct ivec {
 template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;
+  constexpr int G = short_groups(F);
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
   const uint8_t* h = w + 256;
+#pragma GCC unroll 2  // whole, so that s and t are registers, not a stack array indexed by the loop's counters
   for (int c = 0; c < 2; c++) {
-    __m256i t[P][MR];
-    for (int p = 0; p < P; p++)
-      for (int m = 0; m < MR; m++) t[p][m] = _mm256_setzero_si256();
+    __m256i t[P][MR], s[P][MR];  // s: 16-bit sums of the products since the last widening to 32 bits
+    if (F == Q8_0)
+      for (int m = 0; m < MR; m++) t[0][m] = _mm256_setzero_si256();
     if (F == Q8_0) {
       for (int g = 0; g < 8; g++) {
         const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c)), _mm256_set1_epi8(-128));
@@ -185,6 +191,7 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
         }
       }
     } else {
+#pragma GCC unroll 4
       for (int g = 0; g < 4; g++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
         __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -199,11 +206,12 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
         for (int m = 0; m < MR; m++) {
           const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q[m] + 4 * g)));
           const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q[m] + 16 + 4 * g)));
-          if (F == Q6_K) {
-            t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(pl, ones));
-            t[P - 1][m] = _mm256_add_epi32(t[P - 1][m], _mm256_madd_epi16(ph, ones));
-          } else {
-            t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+          const __m256i x[2] = {F == Q6_K ? pl : _mm256_add_epi16(pl, ph), ph};
+          for (int p = 0; p < P; p++) {
+            s[p][m] = g % G ? _mm256_add_epi16(s[p][m], x[p]) : x[p];
+            if (g % G < G - 1) continue;
+            const __m256i wide = _mm256_madd_epi16(s[p][m], ones);
+            t[p][m] = g < G ? wide : _mm256_add_epi32(t[p][m], wide);  // (every t is set by the first widening)
           }
         }
       }
