@@ -168,56 +168,67 @@ constexpr int short_groups(Format F) { return five_bit(F) || F == Q6_K ? 2 : 4; 
 struct ivec {
   __m256i lo, hi;
 };
-// The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns (c): each group of a half
-// is unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
+// The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns: each group of a half is
+// unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
+// For several rows, where the sums of both halves fit in registers (2 * P * MR of them, at most 8), the halves are
+// taken together, so that a row's inputs are broadcast once for both; else one after the other (for one row, the
+// halves apart measured faster).
 template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;
   constexpr int G = short_groups(F);
+  constexpr int C = F != Q8_0 && MR > 1 && 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
   const uint8_t* h = w + 256;
 #pragma GCC unroll 2  // whole, so that s and t are registers, not a stack array indexed by the loop's counters
-  for (int c = 0; c < 2; c++) {
-    __m256i t[P][MR], s[P][MR];  // s: 16-bit sums of the products since the last widening to 32 bits
-    if (F == Q8_0)
-      for (int m = 0; m < MR; m++) t[0][m] = _mm256_setzero_si256();
+  for (int c0 = 0; c0 < 2; c0 += C) {
+    __m256i t[C][P][MR], s[C][P][MR];  // s: 16-bit sums of the products since the last widening to 32 bits
     if (F == Q8_0) {
+      for (int m = 0; m < MR; m++) t[0][0][m] = _mm256_setzero_si256();
       for (int g = 0; g < 8; g++) {
-        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c)), _mm256_set1_epi8(-128));
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c0)), _mm256_set1_epi8(-128));
         const __m256i magnitude = _mm256_abs_epi8(v);
         for (int m = 0; m < MR; m++) {  // qw * q as |qw| * (q with qw's sign)
           const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(word(q[m] + 4 * g)), v);
-          t[0][m] = _mm256_add_epi32(t[0][m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+          t[0][0][m] = _mm256_add_epi32(t[0][0][m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
         }
       }
     } else {
 #pragma GCC unroll 4
       for (int g = 0; g < 4; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * c));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if (five_bit(F)) {
-          const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + 32 * c));
-          lo = _mm256_or_si256(lo, plane_bits(planes, 2 * g)), hi = _mm256_or_si256(hi, plane_bits(planes, 2 * g + 1));
-        } else if (F == Q6_K) {
-          const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + 32 * c));
-          const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(l2, top)), hi = _mm256_or_si256(hi, _mm256_and_si256(h2, top));
+        __m256i lo[C], hi[C];
+        for (int c = 0; c < C; c++) {
+          const long at = 32 * (c0 + c);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + at));
+          lo[c] = _mm256_and_si256(v, low), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if (five_bit(F)) {
+            const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + at));
+            lo[c] = _mm256_or_si256(lo[c], plane_bits(planes, 2 * g));
+            hi[c] = _mm256_or_si256(hi[c], plane_bits(planes, 2 * g + 1));
+          } else if (F == Q6_K) {
+            const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + at));
+            const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
+            lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(l2, top)), hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(h2, top));
+          }
         }
         for (int m = 0; m < MR; m++) {
-          const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(q[m] + 4 * g)));
-          const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(q[m] + 16 + 4 * g)));
-          const __m256i x[2] = {F == Q6_K ? pl : _mm256_add_epi16(pl, ph), ph};
-          for (int p = 0; p < P; p++) {
-            s[p][m] = g % G ? _mm256_add_epi16(s[p][m], x[p]) : x[p];
-            if (g % G < G - 1) continue;
-            const __m256i wide = _mm256_madd_epi16(s[p][m], ones);
-            t[p][m] = g < G ? wide : _mm256_add_epi32(t[p][m], wide);  // (every t is set by the first widening)
+          const __m256i ql = _mm256_set1_epi32(word(q[m] + 4 * g)), qh = _mm256_set1_epi32(word(q[m] + 16 + 4 * g));
+          for (int c = 0; c < C; c++) {
+            const __m256i pl = _mm256_maddubs_epi16(lo[c], ql), ph = _mm256_maddubs_epi16(hi[c], qh);
+            const __m256i x[2] = {F == Q6_K ? pl : _mm256_add_epi16(pl, ph), ph};
+            for (int p = 0; p < P; p++) {
+              s[c][p][m] = g % G ? _mm256_add_epi16(s[c][p][m], x[p]) : x[p];
+              if (g % G < G - 1) continue;
+              const __m256i wide = _mm256_madd_epi16(s[c][p][m], ones);
+              t[c][p][m] = g < G ? wide : _mm256_add_epi32(t[c][p][m], wide);  // (every t is set by the first widening)
+            }
           }
         }
       }
     }
-    for (int p = 0; p < P; p++)
-      for (int m = 0; m < MR; m++) (c ? isum[p][m].hi : isum[p][m].lo) = t[p][m];
+    for (int c = 0; c < C; c++)
+      for (int p = 0; p < P; p++)
+        for (int m = 0; m < MR; m++) (c0 + c ? isum[p][m].hi : isum[p][m].lo) = t[c][p][m];
   }
 }
 static inline vf as_float(ivec i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
