@@ -11,8 +11,10 @@ import torch
 from verispec import kernels
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench, run_quick
 from verispec.bench.metrics import per_prompt, summarize
+from verispec.bench.report import INSTRUCTIONS, cpu_line
 from verispec.cli import main
 from verispec.drafters.medusa import TREE_TOKENS
+from verispec.kernels.build import cpu_flags
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,11 @@ def test_report_files_and_structure(quick) -> None:
     assert methods["lookahead window=5 ngram=4 candidates=5"]["k"] is None and methods["transformers greedy"] is None
     assert methods["draft (unrelated) k=auto"] == {"family": "draft", "k": "auto", "options": {}, "unrelated": True}
     assert all(set(by_category) == {"all", "code", "docstring", "repetition"} for by_category in summary.values())
-    assert {"cpu", "cores", "torch", "transformers", "torch_threads"} <= results["info"]["machine"].keys()
+    machine = results["info"]["machine"]
+    assert {"cpu", "instructions", "cores", "torch", "transformers", "torch_threads"} <= machine.keys()
+    assert machine["instructions"] == [name for name in INSTRUCTIONS if name in cpu_flags()]
     report = (out / "report.md").read_text()
+    assert f"Machine: {cpu_line(machine)}, {machine['cores']} cores" in report
     assert "## Goals" in report and "## Where the time goes" in report and "| draft k=4 |" in report and "## repetition" in report
     assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())  # peers decode the same tokens
@@ -54,6 +59,15 @@ def test_report_files_and_structure(quick) -> None:
     assert check["exact_match"] == 1.0 and check["prompts"] == 6
     assert "exact match 100% (goal 100%)" in report
     assert "- draft (unrelated) k=auto against autoregressive:" in report
+
+
+def test_a_reports_machine_line_names_the_cpus_instruction_sets() -> None:
+    """A VM's CPU name may not say its generation: the line names the instruction sets that decide the kernels."""
+    assert cpu_line({"cpu": "Intel(R) Xeon(R) Processor", "instructions": ["avx2", "avx512f", "amx_int8"]}) == \
+        "Intel(R) Xeon(R) Processor (avx2, avx512f, amx_int8)"
+    none = cpu_line({"cpu": "QEMU Virtual CPU", "instructions": []})
+    assert none == f"QEMU Virtual CPU (none of {', '.join(INSTRUCTIONS)})"
+    assert cpu_line({"cpu": "AMD EPYC"}) == "AMD EPYC"  # a results.json written before the instructions were recorded
 
 
 def test_auto_stops_drafting_on_the_unrelated_pair(quick) -> None:

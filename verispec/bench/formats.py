@@ -17,7 +17,7 @@ import torch
 
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
-from verispec.bench.report import machine
+from verispec.bench.report import cpu_line, machine
 from verispec.models.captured import CapturedForward
 from verispec.models.gguf_file import is_gguf
 from verispec.models.native import NativeModel, load_model
@@ -84,7 +84,9 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
         kernel_s = {name: by_kernel(model, context) for name, model in models.items()}
         where = machine()
     lines = [f"# Forward by weight format: {target.name}", "",
-             f"Command: `{command}`  ", f"Machine: {where}, verispec's kernels: {kernels.reason()}, one thread  ",
+             f"Command: `{command}`  ",
+             f"Machine: {cpu_line(where)}, {where['cores']} cores; torch {where['torch']}, Python {where['python']}; "
+             f"verispec's kernels: {kernels.reason()}, one thread  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread, the median of the rounds; the floor under a "
              f"1-token step is its weights' bytes over it). After {context} cached tokens; medians of {rounds} rounds "
              f"in turns. Step / read is the median over the rounds of the step over the read time measured just "

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
-from verispec.bench.report import machine
+from verispec.bench.report import cpu_line, machine
 from verispec.kernels.capture import Program
 from verispec.models import llama
 from verispec.models.native import NativeModel, load_model
@@ -194,7 +194,7 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
     m = machine()
     names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {p.kind}" for p in profiles]
     lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
-             f"Target: {target_dir.name}; machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
+             f"Target: {target_dir.name}; machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} torch thread(s), "
              f"torch {m['torch']}.  ",
              f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, one thread; the "
              "median over the rounds below).\n",

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.costs import NO_PRICE
+from verispec.kernels.build import cpu_flags
 
 LLAMA_CPP_NOTE = (
     " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
@@ -20,15 +21,29 @@ LLAMA_CPP_NOTE = (
     "their text with our autoregressive output's.")
 
 
+# The instruction sets that decide which kernels run (kernels/build.py) and how fast: a VM's CPU name often does not
+# say which generation it is ("Intel(R) Xeon(R) Processor"), its /proc/cpuinfo flags do
+INSTRUCTIONS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+
+
 def machine() -> dict:
+    """The CPU (its name and the instruction sets of INSTRUCTIONS it has), cores, threads and library versions."""
     import transformers
 
     cpu = platform.processor()
     if Path("/proc/cpuinfo").exists():
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    flags = cpu_flags()
+    return {"cpu": cpu, "instructions": [name for name in INSTRUCTIONS if name in flags], "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def cpu_line(m: dict) -> str:
+    """The CPU as a report's Machine line names it: "AMD EPYC (avx2, avx512f, ...)"."""
+    return f"{m['cpu']} ({', '.join(m['instructions']) or 'none of ' + ', '.join(INSTRUCTIONS)})" \
+        if "instructions" in m else m["cpu"]
 
 
 def floor_line(timing: dict) -> str:
@@ -181,7 +196,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     drafts = {label: v for label, v in timing["c"].items() if _family(info, label) == "draft"}
     c_draft = next(iter(drafts.values()), None)  # the first draft row's; others that differ (a draft vocabulary) below
     md = ["# verispec bench\n", f"Command: `{info['command']}`  ",
-          f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
+          f"Machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
           + (f"{c_draft:.3f}" if c_draft is not None else "-")
