@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from verispec import kernels
+from verispec.kernels import build as build_module
 from verispec.kernels.build import ISAS, chosen_isa, compiler, cpu_flags
 
 TESTS = Path(__file__).parent
@@ -25,13 +26,34 @@ SKIP = "not built_once and not (row_counts and torch) and not unpadded"
 
 def test_verispec_isa_asks_for_a_build_and_names_a_bad_one(monkeypatch) -> None:
     monkeypatch.setenv("VERISPEC_ISA", "bogus")
-    assert chosen_isa() == (None, "VERISPEC_ISA=bogus is not one of auto, avx512, avx2")
+    assert chosen_isa() == (None, "VERISPEC_ISA=bogus is not one of auto, avx512, avx2vnni, avx2")
     for isa, (_, needs) in ISAS.items():
         monkeypatch.setenv("VERISPEC_ISA", isa)
         if needs <= cpu_flags():
             assert chosen_isa() == (isa, f"the {isa} build")
         else:
             assert chosen_isa()[1].startswith(f"this CPU cannot run the {isa} build (it lacks ")
+
+
+def test_a_build_that_does_not_compile_gives_way_to_the_next_this_cpu_runs(monkeypatch) -> None:
+    """A compiler too old for the best build's instructions (AVX-VNNI needs GCC 11): the next build runs, and the
+    reason says why; asked for by VERISPEC_ISA, the build that failed is the answer."""
+    runs = [isa for isa, (_, needs) in ISAS.items() if needs <= cpu_flags()]
+    if len(runs) < 2 or compiler() is None:
+        pytest.skip("this CPU runs one build, or there is no compiler")
+    tried = []
+
+    def build(compiler_path: str, isa: str):
+        tried.append(isa)
+        return (None, f"the {isa} build did not compile") if isa == runs[0] else ("loaded", "")
+
+    monkeypatch.setattr(build_module, "_build", build)
+    monkeypatch.setenv("VERISPEC_ISA", "auto")
+    assert build_module._load.__wrapped__() == ("loaded", f"the {runs[1]} build (the {runs[0]} build did not compile)",
+                                                runs[1])
+    assert tried == runs[:2]
+    monkeypatch.setenv("VERISPEC_ISA", runs[0])
+    assert build_module._load.__wrapped__() == (None, f"the {runs[0]} build did not compile", None)
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C++ compiler: no build of the kernels to test")

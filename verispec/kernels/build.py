@@ -1,10 +1,12 @@
 """Building verispec's CPU kernels (kernels/*.cpp) for this machine, once, and loading them with ctypes.
 
-The same sources are built for one of two instruction sets, whichever is the best this CPU has:
+The same sources are built for one of three instruction sets, whichever is the best this CPU has:
 - `avx512`: AVX-512 (F, BW, VL, DQ) with bfloat16 dot products and VNNI (AMD Zen 4 and later, Intel Sapphire
   Rapids and later);
+- `avx2vnni`: `avx2` with AVX-VNNI (Intel Alder Lake and later): the quantized matmul's int8 dot products on 256 bits;
 - `avx2`: x86-64-v3 (AVX2, FMA, F16C: Intel Haswell, AMD Zen and later), bfloat16 widened to float32.
-`VERISPEC_ISA=avx2` (or `avx512`) asks for one; `auto` (the default) takes the best. The library is compiled at first
+`VERISPEC_ISA=avx2` (or `avx2vnni`, `avx512`) asks for one; `auto` (the default) takes the best, or where that does
+not compile (an older compiler), the next. The library is compiled at first
 use with the system's C++ compiler and cached under `$VERISPEC_CACHE` (default `~/.cache/verispec`), keyed by the
 source, the compiler and the instruction set, so a one-shot CLI call pays the compile only the first time. The
 sources compile as separate units side by side, one process per core this process may run on (attention's kernels,
@@ -39,6 +41,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fus
 ISAS = {
     "avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
                {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
+    "avx2vnni": (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}),
 }
 
@@ -53,7 +56,8 @@ def cpu_flags() -> set[str]:
 
 
 def chosen_isa() -> tuple[str | None, str]:
-    """The build to use here (None where none runs), and why."""
+    """The build to use here (None where none runs), and why: the best this CPU runs, or the one VERISPEC_ISA asks
+    for."""
     asked = os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
     if asked != "auto" and asked not in ISAS:
         return None, f"VERISPEC_ISA={asked} is not one of auto, {', '.join(ISAS)}"
@@ -87,18 +91,34 @@ def _compile(compiler_path: str, flags: list[str], scratch: Path, built: Path) -
 
 
 @cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded library, or None with the reason."""
+def _load() -> tuple[ctypes.CDLL | None, str, str | None]:
+    """The loaded library, or None with the reason, and the build loaded. Where the best build does not compile (a
+    compiler too old for its instructions) and none was asked for, the next one this CPU runs is tried."""
     if os.environ.get("VERISPEC_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None, "disabled by VERISPEC_KERNELS"
+        return None, "disabled by VERISPEC_KERNELS", None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"no kernels for {platform.machine()}"
+        return None, f"no kernels for {platform.machine()}", None
     isa, why = chosen_isa()
     if isa is None:
-        return None, why
+        return None, why, None
     compiler_path = compiler()
     if compiler_path is None:
-        return None, "no C++ compiler found (set CXX)"
+        return None, "no C++ compiler found (set CXX)", None
+    asked = os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
+    names = list(ISAS)
+    flags = cpu_flags()
+    builds = [isa] if asked != "auto" else [name for name in names[names.index(isa):] if ISAS[name][1] <= flags]
+    failures = []
+    for build in builds:
+        lib, failed = _build(compiler_path, build)
+        if lib is not None:
+            return lib, f"the {build} build" + (f" ({failures[0]})" if failures else ""), build
+        failures.append(failed)
+    return None, failures[0], None
+
+
+def _build(compiler_path: str, isa: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library for one build, compiled here unless cached, or None and why."""
     flags = [*FLAGS, *ISAS[isa][0]]
     try:
         version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -112,7 +132,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 built = Path(scratch) / library.name
                 failed = _compile(compiler_path, flags, Path(scratch), built)
                 if failed is not None:
-                    return None, f"the kernels did not compile ({compiler_path}): {failed}"
+                    return None, f"the {isa} build did not compile ({compiler_path}): {failed}"
                 os.replace(built, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as error:
@@ -120,7 +140,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not lib.vs_available():
         return None, f"{compiler_path} does not target the {isa} build's instructions (too old?)"
     _declare(lib)
-    return lib, why
+    return lib, ""
 
 
 KERNELS = ("linear_bf16", "linear_f32", "linear_q8_0", "linear_q4_0", "linear_q4_1", "linear_q5_0",
@@ -150,5 +170,5 @@ def reason() -> str:
 
 
 def isa() -> str | None:
-    """The instruction set the loaded kernels were built for ("avx512" or "avx2"), None where none runs."""
-    return chosen_isa()[0] if library() is not None else None
+    """The build the loaded kernels are ("avx512", "avx2vnni" or "avx2"), None where none runs."""
+    return _load()[2]

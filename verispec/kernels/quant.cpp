@@ -61,7 +61,11 @@ static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken uns
 #else
 static const int QROWS = 4;
 static const int SPLIT_ROWS = 4;  // blocks of this many rows and more take the integer and float loops apart (block)
+#ifdef VS_AVX_VNNI
+static const int Q8_OFFSET = 128;  // taken unsigned, as on AVX-512
+#else
 static const int Q8_OFFSET = 0;  // AVX2 takes them signed
+#endif
 #endif
 
 struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs
@@ -161,13 +165,70 @@ static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
   return _mm512_cvtepi32_ps(std::is_signed_v<T> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 #else
+struct ivec {
+  __m256i lo, hi;
+};
+#ifdef VS_AVX_VNNI
+// The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns, as AVX-512's (vpdpbusd: four
+// unsigned quants times four signed inputs, summed into a 32-bit lane), each group of a half unpacked once for all the
+// rows; both halves at once where their sums fit in registers (2 * P * MR of them, at most 8). Over the block
+// (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
+template <Format F, int MR>
+static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+  constexpr int P = F == Q6_K ? 2 : 1;
+  constexpr int C = 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const uint8_t* h = w + 256;
+#pragma GCC unroll 2
+  for (int c0 = 0; c0 < 2; c0 += C) {
+    __m256i t[C][P][MR];
+    for (int c = 0; c < C; c++)
+      for (int p = 0; p < P; p++)
+        for (int m = 0; m < MR; m++) t[c][p][m] = _mm256_setzero_si256();
+    if (F == Q8_0) {
+      for (int g = 0; g < 8; g++)
+        for (int c = 0; c < C; c++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + 32 * (c0 + c)));
+          for (int m = 0; m < MR; m++)
+            t[c][0][m] = _mm256_dpbusd_avx_epi32(t[c][0][m], v, _mm256_set1_epi32(word(q[m] + 4 * g)));
+        }
+    } else {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; g++) {
+        __m256i lo[C], hi[C];
+        for (int c = 0; c < C; c++) {
+          const long at = 32 * (c0 + c);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + at));
+          lo[c] = _mm256_and_si256(v, low), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if (five_bit(F)) {
+            const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + at));
+            lo[c] = _mm256_or_si256(lo[c], plane_bits(planes, 2 * g));
+            hi[c] = _mm256_or_si256(hi[c], plane_bits(planes, 2 * g + 1));
+          } else if (F == Q6_K) {
+            const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + at));
+            const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
+            lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(l2, top)), hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(h2, top));
+          }
+        }
+        for (int m = 0; m < MR; m++) {
+          const __m256i ql = _mm256_set1_epi32(word(q[m] + 4 * g)), qh = _mm256_set1_epi32(word(q[m] + 16 + 4 * g));
+          for (int c = 0; c < C; c++) {
+            t[c][0][m] = _mm256_dpbusd_avx_epi32(t[c][0][m], lo[c], ql);
+            t[c][P - 1][m] = _mm256_dpbusd_avx_epi32(t[c][P - 1][m], hi[c], qh);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; c++)
+      for (int p = 0; p < P; p++)
+        for (int m = 0; m < MR; m++) (c0 + c ? isum[p][m].hi : isum[p][m].lo) = t[c][p][m];
+  }
+}
+#else
 // Groups whose 16-bit products (a vpmaddubsw lane: two u8 quants times s8 inputs, |.| <= 2 * 127 * the largest quant)
 // add up in 16 bits before vpmaddwd widens them, with no lane past 32767: 4-bit quants all 4 groups (8 x 2 x 127 x 15
 // = 30480), 5-bit 2 (31496), Q6_K 2 a half (32004). Integers, so the same sums either way, in fewer instructions.
 constexpr int short_groups(Format F) { return five_bit(F) || F == Q6_K ? 2 : 4; }
-struct ivec {
-  __m256i lo, hi;
-};
 // The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns: each group of a half is
 // unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
 // For several rows, where the sums of both halves fit in registers (2 * P * MR of them, at most 8), the halves are
@@ -231,6 +292,7 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
         for (int m = 0; m < MR; m++) (c0 + c ? isum[p][m].hi : isum[p][m].lo) = t[c][p][m];
   }
 }
+#endif  // VS_AVX_VNNI
 static inline vf as_float(ivec i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
 static inline ivec minus(ivec i, int32_t k) {
   const __m256i v = _mm256_set1_epi32(k);

@@ -8,7 +8,8 @@
 //
 // The library is built once per instruction set (kernels/build.py), from the same sources:
 // - VS_AVX512: AVX-512 (F, BW, VL, DQ) with bfloat16 dot products and VNNI (Zen 4, Sapphire Rapids and later);
-// - VS_AVX2: x86-64-v3 (AVX2, FMA, F16C): `vf` is two 8-lane halves, bfloat16 is widened to float32.
+// - VS_AVX2: x86-64-v3 (AVX2, FMA, F16C): `vf` is two 8-lane halves, bfloat16 is widened to float32; with AVX-VNNI
+//   (VS_AVX_VNNI: Intel Alder Lake and later) the quantized matmul's int8 dot products take vpdpbusd on 256 bits.
 // The kernels are written once against `vf` (16 float lanes) and `vmask` (the first n lanes); what only one set
 // does fast (the matmuls' inner loops, the attention's score reduction) has a version for each.
 #pragma once
@@ -97,7 +98,12 @@ static inline vf round_to(vf v, const bf16*) {  // to bfloat16 and back, as stor
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VS_KERNELS 1
 #define VS_AVX2 1
+#ifdef __AVXVNNI__
+#define VS_AVX_VNNI 1  // AVX-VNNI: the int8 dot product of 4 bytes on 256 bits (vpdpbusd, VEX)
+static const char VS_ISA[] = "avx2vnni";
+#else
 static const char VS_ISA[] = "avx2";
+#endif
 
 struct vf {
   __m256 lo, hi;  // lanes 0-7, 8-15
