@@ -168,6 +168,23 @@ static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
 struct ivec {
   __m256i lo, hi;
 };
+// Group g's quants of 8 columns (the half at byte `at` of the group's 64) as unsigned bytes: the inputs of the low
+// nibbles (lo), of the high ones (hi), with Q5's and Q6_K's higher bits.
+template <Format F>
+static inline void half_group(const uint8_t* w, int g, long at, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const uint8_t* h = w + 256;
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + at));
+  lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if (five_bit(F)) {
+    const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + at));
+    lo = _mm256_or_si256(lo, plane_bits(planes, 2 * g)), hi = _mm256_or_si256(hi, plane_bits(planes, 2 * g + 1));
+  } else if (F == Q6_K) {
+    const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + at));
+    const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(l2, top)), hi = _mm256_or_si256(hi, _mm256_and_si256(h2, top));
+  }
+}
 #ifdef VS_AVX_VNNI
 // The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns, as AVX-512's (vpdpbusd: four
 // unsigned quants times four signed inputs, summed into a 32-bit lane), each group of a half unpacked once for all the
@@ -177,8 +194,6 @@ template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;
   constexpr int C = 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
-  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-  const uint8_t* h = w + 256;
 #pragma GCC unroll 2
   for (int c0 = 0; c0 < 2; c0 += C) {
     __m256i t[C][P][MR];
@@ -196,20 +211,7 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
 #pragma GCC unroll 4
       for (int g = 0; g < 4; g++) {
         __m256i lo[C], hi[C];
-        for (int c = 0; c < C; c++) {
-          const long at = 32 * (c0 + c);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + at));
-          lo[c] = _mm256_and_si256(v, low), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if (five_bit(F)) {
-            const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + at));
-            lo[c] = _mm256_or_si256(lo[c], plane_bits(planes, 2 * g));
-            hi[c] = _mm256_or_si256(hi[c], plane_bits(planes, 2 * g + 1));
-          } else if (F == Q6_K) {
-            const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + at));
-            const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
-            lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(l2, top)), hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(h2, top));
-          }
-        }
+        for (int c = 0; c < C; c++) half_group<F>(w, g, 32 * (c0 + c), lo[c], hi[c]);
         for (int m = 0; m < MR; m++) {
           const __m256i ql = _mm256_set1_epi32(word(q[m] + 4 * g)), qh = _mm256_set1_epi32(word(q[m] + 16 + 4 * g));
           for (int c = 0; c < C; c++) {
@@ -239,8 +241,7 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
   constexpr int P = F == Q6_K ? 2 : 1;
   constexpr int G = short_groups(F);
   constexpr int C = F != Q8_0 && MR > 1 && 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-  const uint8_t* h = w + 256;
+  const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 2  // whole, so that s and t are registers, not a stack array indexed by the loop's counters
   for (int c0 = 0; c0 < 2; c0 += C) {
     __m256i t[C][P][MR], s[C][P][MR];  // s: 16-bit sums of the products since the last widening to 32 bits
@@ -258,20 +259,7 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
 #pragma GCC unroll 4
       for (int g = 0; g < 4; g++) {
         __m256i lo[C], hi[C];
-        for (int c = 0; c < C; c++) {
-          const long at = 32 * (c0 + c);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * g + at));
-          lo[c] = _mm256_and_si256(v, low), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if (five_bit(F)) {
-            const __m256i planes = _mm256_loadu_si256((const __m256i*)(h + at));
-            lo[c] = _mm256_or_si256(lo[c], plane_bits(planes, 2 * g));
-            hi[c] = _mm256_or_si256(hi[c], plane_bits(planes, 2 * g + 1));
-          } else if (F == Q6_K) {
-            const __m256i v2 = _mm256_loadu_si256((const __m256i*)(h + 64 * (g / 2) + at));
-            const __m256i l2 = g % 2 ? v2 : _mm256_slli_epi16(v2, 4), h2 = g % 2 ? _mm256_srli_epi16(v2, 2) : _mm256_slli_epi16(v2, 2);
-            lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(l2, top)), hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(h2, top));
-          }
-        }
+        for (int c = 0; c < C; c++) half_group<F>(w, g, 32 * (c0 + c), lo[c], hi[c]);
         for (int m = 0; m < MR; m++) {
           const __m256i ql = _mm256_set1_epi32(word(q[m] + 4 * g)), qh = _mm256_set1_epi32(word(q[m] + 16 + 4 * g));
           for (int c = 0; c < C; c++) {
