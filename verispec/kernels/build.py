@@ -55,10 +55,15 @@ def cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
+def _asked() -> str:
+    """The build VERISPEC_ISA asks for ("auto" where none)."""
+    return os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
+
+
 def chosen_isa() -> tuple[str | None, str]:
     """The build to use here (None where none runs), and why: the best this CPU runs, or the one VERISPEC_ISA asks
     for."""
-    asked = os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
+    asked = _asked()
     if asked != "auto" and asked not in ISAS:
         return None, f"VERISPEC_ISA={asked} is not one of auto, {', '.join(ISAS)}"
     flags = cpu_flags()
@@ -104,10 +109,8 @@ def _load() -> tuple[ctypes.CDLL | None, str, str | None]:
     compiler_path = compiler()
     if compiler_path is None:
         return None, "no C++ compiler found (set CXX)", None
-    asked = os.environ.get("VERISPEC_ISA", "auto").strip().lower() or "auto"
-    names = list(ISAS)
-    flags = cpu_flags()
-    builds = [isa] if asked != "auto" else [name for name in names[names.index(isa):] if ISAS[name][1] <= flags]
+    # asked for, that build; else every build this CPU runs, best first (chosen_isa's is the first)
+    builds = [isa] if _asked() != "auto" else [name for name, (_, needs) in ISAS.items() if needs <= cpu_flags()]
     failures = []
     for build in builds:
         lib, failed = _build(compiler_path, build)
