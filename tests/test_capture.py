@@ -155,6 +155,16 @@ def test_a_forward_past_eager_rows_is_captured_when_its_shape_comes_again(pair_d
     assert [type(capture) for capture in model.execution.captured.values()] == [CapturedForward]
 
 
+def test_a_prefill_past_eager_rows_is_never_captured(pair_dirs: tuple[Path, Path]) -> None:
+    """A prompt's forward (its last row's logits only) past EAGER_ROWS runs op by op however often its shape comes,
+    so that a prompt asked again does not take the decoding shapes' room."""
+    model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
+    prompt = torch.randint(0, 256, (1, captured.EAGER_ROWS + 1))
+    logits = [model(prompt, model.new_cache(), logits_to_keep=1) for _ in range(3)]
+    assert not model.execution.captured
+    assert torch.equal(logits[0], logits[2]) and logits[0].shape[1] == 1
+
+
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     cache = model.new_cache()

@@ -22,7 +22,6 @@ from typing import Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from verispec.kernels.build import library
 
@@ -108,7 +107,18 @@ def note(name: str, words: Sequence[int], args: Sequence[object]) -> None:
 
 
 def _storages(tree: object) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    """The storages of the tensors in nested tuples, lists and dicts (an op's arguments or outputs): by hand, as
+    pytree's general walk made most of a capture's cost (an op's outputs and arguments are checked at every op)."""
+    found, left = set(), [tree]
+    while left:
+        item = left.pop()
+        if isinstance(item, torch.Tensor):
+            found.add(item.untyped_storage().data_ptr())
+        elif isinstance(item, (tuple, list)):
+            left.extend(item)
+        elif isinstance(item, dict):
+            left.extend(item.values())
+    return found
 
 
 class _ViewsOnly(TorchDispatchMode):
@@ -123,6 +133,9 @@ class _ViewsOnly(TorchDispatchMode):
         if not func.is_view:
             raise NotCapturable(f"{func} computes outside verispec's kernels")
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and \
+                out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+            return out  # the usual view, of its first argument
         if not _storages(out) <= _storages((args, kwargs)):
             raise NotCapturable(f"{func} copied its input here")
         return out

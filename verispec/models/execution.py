@@ -155,7 +155,7 @@ class Execution:
             return _result(*self.module(tokens, cache, layout, options), options)
         logits, states = replay(self.captured, self._key(tokens.shape[1], options, cache), cache,
                                 lambda t, p, rows: self.module(t, cache, rows, replace(options, positions=p)),
-                                (tokens, options.positions), layout)
+                                (tokens, options.positions), layout, prefill=options.logits_from > 0)
         return _result(logits, states, options)
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, options: ForwardOptions) -> Result:
