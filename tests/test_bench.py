@@ -14,6 +14,8 @@ from verispec.bench.metrics import per_prompt, summarize
 from verispec.bench.report import INSTRUCTIONS, cpu_line
 from verispec.cli import main
 from verispec.drafters.medusa import TREE_TOKENS
+from verispec.drafters.registry import AUTO, Method, method_named
+from verispec.errors import InvalidArgumentError
 from verispec.kernels.build import cpu_flags
 
 
@@ -175,14 +177,39 @@ def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
     assert "(bfloat16)" in (tmp_path / "report.md").read_text()
 
 
-def test_methods_filter_needs_the_baseline_and_known_names(tmp_path, pair_dirs, capsys) -> None:
+def test_methods_filter_needs_the_baseline_and_methods_it_can_run(tmp_path, pair_dirs, capsys) -> None:
     target_dir, draft_dir = pair_dirs
     args = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--no-peers", "--out", str(tmp_path)]
     assert main([*args, "--methods", "draft k=4"]) == 2
-    assert main([*args, "--methods", "autoregressive,draft k=5"]) == 2
+    assert main([*args, "--methods", "autoregressive,draft k=five"]) == 2
+    assert main([*args, "--methods", "autoregressive,ngram window=3"]) == 2
+    assert main([*args, "--methods", "autoregressive,beam k=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "autoregressive" in err[0] and "unknown: draft k=5" in err[1]
+    assert len(err) == 4 and "autoregressive" in err[0]
+    assert "'k=five' is not k=N" in err[1] and "ngram takes no option window" in err[2]
+    assert "unknown method 'beam'" in err[3]
     assert not (tmp_path / "report.md").exists()
+
+
+def test_methods_beyond_the_default_rows_run_by_their_labels(tmp_path, pair_dirs) -> None:
+    """Any method and options, written as a row's label is ("suffix k=auto min_prob=0.5", in any order), gets its
+    row, named as the registry names it."""
+    target_dir, draft_dir = pair_dirs
+    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
+                        BenchOptions(repeats=1, peers=False, progress=False,
+                                     only=["autoregressive", "draft k=5", "suffix min_prob=0.5 k=auto", "ngram k=4"]))
+    assert set(summary) == {"autoregressive", "draft k=5", "suffix k=auto min_prob=0.5", "ngram k=4"}
+    assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
+
+
+def test_a_method_label_names_its_record() -> None:
+    assert method_named("suffix k=auto min_prob=0.3 spec_factor=2") == Method("suffix", AUTO, {"min_prob": 0.3,
+                                                                                               "spec_factor": 2.0})
+    assert method_named("selfquant skip=3,4 format=q4_0").options == {"skip": [3, 4], "format": "q4_0"}
+    assert method_named("draft k=4 branch=2").label == "draft k=4 branch=2"
+    for bad in ("draft k=", "draft k=-1", "suffix min_prob", "suffix min_prob=high", ""):
+        with pytest.raises(InvalidArgumentError):
+            method_named(bad)
 
 
 def test_exact_mode_rows_match_autoregressive_in_bfloat16(tmp_path, pair_dirs) -> None:

@@ -24,7 +24,7 @@ from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
 from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
-from verispec.drafters.registry import Method, Resources, build_drafter
+from verispec.drafters.registry import Method, Resources, build_drafter, method_named
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
@@ -167,11 +167,18 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         print(f"note: {note}", flush=True)
     labels = [m.label for m in methods]
     if only is not None:
-        unknown = sorted(set(only) - set(labels))
-        if unknown or "autoregressive" not in only:
-            raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\" and methods from: "
-                                       f"{', '.join(labels)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-        methods = [m for m in methods if m.label in only]
+        if "autoregressive" not in only:
+            raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\"; the default rows here: "
+                                       f"{', '.join(labels)}")
+        wanted = set()
+        for label in only:  # any other method too, by its label: "suffix min_prob=0.3"
+            method = None if label in labels else method_named(label)
+            if method is not None and method.label not in labels:
+                methods.append(ours(target, method, replace(resources, head_dir=medusa)
+                                    if method.family == "medusa" else resources))
+                labels.append(method.label)
+            wanted.add(label if method is None else method.label)
+        methods = [m for m in methods if m.label in wanted]
     suite, questions = _turns(target, target_dir, suite, options.max_new_tokens)
     times = timing(target, draft, methods, skip)
     if options.progress:

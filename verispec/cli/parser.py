@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "random draft of the draft's shape and tokenizer (--quick always does)")
     bench.add_argument("--per-category", type=int,
                        help="only the first N prompts (Spec-Bench: questions) of each category of the suite")
-    bench.add_argument("--methods", help="comma-separated method names to run (default: all); must include "
-                                         "autoregressive, the baseline")
+    bench.add_argument("--methods", help="comma-separated rows to run, by their labels (default: all); must include "
+                                         "autoregressive, the baseline; any other method as a label too, e.g. "
+                                         "\"suffix k=auto min_prob=0.3\"")
     bench.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's binaries (llama-completion, "
                        "llama-speculative-simple, llama-lookup), which add its rows as peers (default: "
                        "$VERISPEC_LLAMA_CPP; neither: no llama.cpp rows); see docs/bench/llama-cpp.md")

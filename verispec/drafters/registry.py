@@ -295,6 +295,29 @@ def check_method(method: Method) -> Needs:
     return family.needs(method)
 
 
+def method_named(label: str) -> Method:
+    """The method a label names, as `Method.label` writes it ("suffix k=auto min_prob=0.3"), checked."""
+    family, *parts = label.split() or [""]
+    k, options = None, {}
+    for part in parts:
+        name, _, text = part.partition("=")
+        try:
+            if not text or name != "k" and name not in OPTIONS:
+                raise ValueError
+            if name == "k":
+                k = text if text == AUTO else int(text)
+            elif name == "skip" and not text.endswith(".json"):  # else a plan's file
+                options[name] = [int(layer) for layer in text.split(",")]
+            else:
+                options[name] = OPTIONS[name].type(text)
+        except ValueError:
+            raise InvalidArgumentError(f"method {label!r}: {part!r} is not k=N, k={AUTO} or an option's name=value "
+                                       f"(options: {', '.join(OPTIONS)})") from None
+    method = Method(family, k, options)
+    check_method(method)
+    return method
+
+
 def build_drafter(method: Method, resources: Resources = Resources()) -> Drafter | None:
     """The drafter for `method` (None for autoregressive decoding)."""
     check_method(method)
