@@ -117,6 +117,27 @@ struct QueryFMA {
   }
 };
 
+#ifdef VS_AVX512
+// dots[h][c] = q[h] . key c for NT heads and a whole block of 16 keys of a float16 cache, each key widened once for
+// all the heads rather than once a head (the widening takes as many vector uops as the dot product): each sum in
+// the order of QueryFMA's, so the same bits.
+template <int NV, int NT>
+static inline void widened_once(const float* const* q, const vmask* m, const f16* const* key, vf (*dots)[16]) {
+  vf part[NT][NV];
+  for (int h = 0; h < NT; h++)
+    for (int i = 0; i < NV; i++) part[h][i] = load(q[h] + i * 16, m[i]);
+  for (int c = 0; c < 16; c++) {
+    vf k[NV];
+    for (int i = 0; i < NV; i++) k[i] = load(key[c] + i * 16, m[i]);
+    for (int h = 0; h < NT; h++) {
+      vf acc = vmul(part[h][0], k[0]);
+      for (int i = 1; i < NV; i++) acc = vfmadd(part[h][i], k[i], acc);
+      dots[h][c] = acc;
+    }
+  }
+}
+#endif
+
 template <typename T, typename K, int NV> struct Query;  // a query of T over keys of K
 #ifdef VS_AVX512
 template <int NV> struct Query<bf16, bf16, NV> { typedef QueryBF16<NV> type; };
@@ -214,13 +235,32 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
         for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
         for (int c = 0; c < count; c++) fetch<L2>(vh + slot[j + c] * D, D);
         const vmask mk = lanes(count);
+        const auto keep = [&](long t, const vf* dots) {  // head t's scores of the block, and its running maximum
+          const vf scores = vmul(sum16(dots), scale);
+          store(score.data() + t * stride + j, scores, mk);
+          store(top.data() + t * 16, vmax_in(mk, load(top.data() + t * 16), scores), lanes(16));
+        };
+#ifdef VS_AVX512
+        if constexpr (std::is_same_v<K, f16> && NV <= 8) {
+          if (count == 16) {  // the group's heads NQ at a time: their query parts and a key in registers
+            constexpr int NQ = NV <= 4 ? 4 : 2;
+            in_row_blocks<NQ>(G, [&](auto heads, long t0) {
+              constexpr int NT = decltype(heads)::value;
+              const float* q[NT];
+              for (int h = 0; h < NT; h++) q[h] = qg + (t0 + h) * q_head;
+              vf dots[NT][16];
+              widened_once<NV, NT>(q, vmasks, key, dots);
+              for (int h = 0; h < NT; h++) keep(t0 + h, dots[h]);
+            });
+            continue;
+          }
+        }
+#endif
         for (long t = 0; t < G; t++) {
           const typename Query<T, K, NV>::type query(qg + t * q_head, D);
           vf dots[16];
           query.dots(key, count, dots);
-          const vf scores = vmul(sum16(dots), scale);
-          store(score.data() + t * stride + j, scores, mk);
-          store(top.data() + t * 16, vmax_in(mk, load(top.data() + t * 16), scores), lanes(16));
+          keep(t, dots);
         }
       }
       for (long t = 0; t < G; t++) {
