@@ -156,6 +156,25 @@ def test_the_batched_engine_drafts_with_the_twin(targets) -> None:
         assert sum(r.stats.accepted for r in batch) > 0
 
 
+@needs_kernels
+def test_the_server_drafts_with_the_twin(targets, pair_dirs) -> None:
+    """`verispec serve --method selfquant`: a greedy completion is the target's own, drafted by the twin."""
+    import openai
+
+    from verispec.serve.app import serving_app
+    from verispec.serve.server import ServerThread
+
+    target = targets["float32"]
+    drafter = build_drafter(Method("selfquant", 3, {"skip": [2]}), Resources(target=target))
+    expected = generate(target, "def parse(line):", max_new_tokens=N, ignore_eos=True)
+    with ServerThread(serving_app(target, drafter, pair_dirs[0], name="twin", adaptive=False)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="twin", prompt="def parse(line):", max_tokens=N, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == expected.text
+    assert reply.model_extra["verispec"]["drafted_tokens"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sampling keeps the target distribution: two new tokens over a vocabulary of 6, against exact probabilities
 

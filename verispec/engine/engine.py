@@ -48,8 +48,9 @@ class Engine:
                                        "runtime (not the transformers adapter, nor exact mode)")
         if drafter is not None:
             if not getattr(drafter, "batched", False):  # undeclared means not batched
-                raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts with a "
-                                           "native draft model's chains and with prompt lookup, or decodes plainly")
+                raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts chains "
+                                           "with a native draft model (selfquant's twin too), prompt lookup or suffix "
+                                           "decoding, or decodes plainly")
             check_target(drafter, target)
         self.target, self.drafter = target, drafter
         self.cache = target.new_batch_cache(self.max_batch)
