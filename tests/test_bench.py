@@ -177,6 +177,17 @@ def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
     assert "(bfloat16)" in (tmp_path / "report.md").read_text()
 
 
+def test_the_float64_check_can_be_left_out(tmp_path, pair_dirs, capsys) -> None:
+    """--float64-prompts 0 (a model whose float64 copy would not fit in memory): no check, and the report says so."""
+    target_dir, draft_dir = pair_dirs
+    run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=4),
+              BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive"], float64_prompts=0))
+    assert json.loads((tmp_path / "results.json").read_text())["info"]["float64_check"] is None
+    assert "- float64 check: not run (--float64-prompts 0)" in (tmp_path / "report.md").read_text()
+    assert main(["bench", "--target", str(target_dir), "--float64-prompts", "-1", "--out", str(tmp_path)]) == 2
+    assert "--float64-prompts must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_methods_filter_needs_the_baseline_and_methods_it_can_run(tmp_path, pair_dirs, capsys) -> None:
     target_dir, draft_dir = pair_dirs
     args = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--no-peers", "--out", str(tmp_path)]

@@ -31,7 +31,7 @@ PROMPT = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(
 
 @pytest.fixture(autouse=True)
 def one_thread(single_thread: None) -> None:
-    """The kernels run on one thread (`kernels.chosen`)."""
+    """One thread, for speed on a shared machine (tests/test_pool.py takes every count)."""
 
 
 def on_kernels(folder: Path, dtype: torch.dtype, exact: bool, capture: bool) -> NativeModel:

@@ -233,10 +233,10 @@ def test_escaped_stop_string_stops(capsys, pair_dirs) -> None:
 
 @pytest.mark.parametrize("command", [["generate", "p"], ["bench"], ["bench", "--quick"],
                                      ["search-layerskip", "--target", "t"], ["train", "target"]])
-@pytest.mark.parametrize("threads", ["0", "-1"])
-def test_threads_below_one_is_one_line(capsys, no_loading, command, threads) -> None:
+@pytest.mark.parametrize("threads", ["0", "-1", "1025"])
+def test_threads_out_of_range_is_one_line(capsys, no_loading, command, threads) -> None:
     code, out, err = run(capsys, *command, "--threads", threads)
-    _one_error_line(code, out, err, f"--threads must be >= 1, got {threads}")
+    _one_error_line(code, out, err, f"--threads must be from 1 to 1024, got {threads}")
 
 
 def test_threads_option_and_environment_set_torch(capsys, monkeypatch, pair_dirs) -> None:
@@ -245,7 +245,7 @@ def test_threads_option_and_environment_set_torch(capsys, monkeypatch, pair_dirs
     monkeypatch.setenv("VERISPEC_THREADS", "2")
     assert run(capsys, *args)[0] == 0 and torch.get_num_threads() == 2
     monkeypatch.setenv("VERISPEC_THREADS", "many")
-    _one_error_line(*run(capsys, *args), "$VERISPEC_THREADS must be an integer >= 1")
+    _one_error_line(*run(capsys, *args), "$VERISPEC_THREADS must be an integer from 1 to 1024")
 
 
 def test_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path, pair_dirs) -> None:

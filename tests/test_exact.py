@@ -54,8 +54,7 @@ def exact_on(pair_dirs: tuple[Path, Path], precision: torch.dtype | str, own_ker
     """The target in exact mode, in a float dtype or a block format (float32 activations), packed on verispec's
     kernels or PyTorch's."""
     if precision in FORMATS:
-        with torch_threads(1):  # (quantized weights run on verispec's kernels, which take one thread)
-            model = load_model(pair_dirs[0], exact=True, quantize=precision)
+        model = load_model(pair_dirs[0], exact=True, quantize=precision)
         assert model.kv_dtype == torch.float16
     elif precision == F16_CACHE:
         model = load_model(pair_dirs[0], exact=True, fast=False, kv_dtype="float16")

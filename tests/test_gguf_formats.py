@@ -15,7 +15,6 @@ from verispec.models.native import load_model
 from verispec.models.precision import formats
 from verispec.models.quant import FORMATS
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.threads import torch_threads
 from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
 
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
@@ -25,7 +24,7 @@ TOKENS = torch.tensor([[5, 17, 200, 3, 99, 64, 7]])
 
 @pytest.fixture(autouse=True)
 def one_thread(single_thread: None) -> None:
-    """Quantized weights run on verispec's kernels, on one thread."""
+    """One thread, for speed on a shared machine (tests/test_pool.py takes every count)."""
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +64,9 @@ def test_auto_keeps_the_files_block_formats_and_stays_the_files_model(quantized_
     assert not any(getattr(m, "quantized", None) for m in plain.module.modules())
 
 
-def test_where_the_kernels_do_not_run_auto_dequantizes_exactly(quantized_file: str) -> None:
-    with torch_threads(2):
+def test_where_the_kernels_do_not_run_auto_dequantizes_exactly(quantized_file: str, monkeypatch) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "available", lambda *args, **kwargs: False)  # as on a CPU without AVX2
         model = load_model(quantized_file, dtype="auto")
     assert model.dtype == torch.float32 and set(formats(model.module)) == {"float32"}
     assert torch.equal(model.module.model.layers[0].mlp.gate_proj.weight,

@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
 
 @pytest.fixture(autouse=True)
 def one_thread(single_thread: None) -> None:
-    """verispec's kernels run on one thread."""
+    """One thread, for speed on a shared machine (tests/test_pool.py takes every count)."""
 
 
 @needs_kernels

@@ -25,7 +25,7 @@ needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
 
 @pytest.fixture(autouse=True)
 def one_thread(single_thread: None) -> None:
-    """Quantized weights run on verispec's kernels, on one thread."""
+    """One thread, for speed on a shared machine (tests/test_pool.py takes every count)."""
 
 
 def ggml_math(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -163,8 +163,8 @@ def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match="multiple of 32 inputs"):
         load_model(random_checkpoint(tmp_path / "narrow", tiny_config(hidden_size=48, num_attention_heads=3,
                                                                       num_key_value_heads=1)), quantize="q8_0")
-    with torch_threads(2), pytest.raises(InvalidArgumentError, match="on one thread"):
-        load_model(folder, quantize="q8_0")
+    with torch_threads(2):  # the kernels run at any thread count
+        assert load_model(folder, quantize="q8_0").module.own_kernels
 
 
 @needs_kernels

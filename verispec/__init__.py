@@ -1,5 +1,6 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
+from verispec import openmp  # noqa: F401  (first: before torch loads OpenMP)
 from verispec.drafters import (DraftContext, DraftModel, Drafter, DraftSession, LayerSkip, Lookahead, Method, Needs,
                                PromptLookup, Proposal, Resources, SideBranch, SuffixDecoding, Verdict, build_drafter)
 from verispec.drafters.adaptive import AdaptiveK

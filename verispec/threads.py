@@ -1,60 +1,56 @@
-"""torch's intra-op thread count: the default verispec uses, and a way to set it from Python.
+"""The thread count verispec computes with: its kernels' pool (verispec/kernels/pool.cpp) and torch's intra-op threads,
+set together; the default, and a way to set it from Python (docs/threads.md).
 
-torch starts one thread per core. At batch one the forward is a chain of small ops, each ending at a barrier
-where every thread waits for the slowest; when another process holds one of the cores, the thread that shares it
-runs only in time slices and every barrier waits for its turn: on a 2-core machine with one core busy, two threads
-ran the shipped pair many times slower than one (README, "Threads", has the numbers). Leaving one core free keeps a
-single busy neighbour from stalling the barriers; on 2 cores that is one thread, which was no slower at its best
-than two at theirs.
+The kernels split each call over output columns, heads or rows, never over a sum, so every count gives the same bits.
+Their pool's threads claim work in chunks rather than each being handed a share, so a thread whose core another
+process holds delays a call only by the chunk it is running; they spin a short while between calls, then sleep.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from numbers import Integral
 from typing import Iterator
 
 import torch
 
 from verispec.errors import InvalidArgumentError
+from verispec.kernels import build, cores
+from verispec.kernels.cores import MAX_THREADS, physical_cores
 
-ENV_VAR = "VERISPEC_THREADS"
+__all__ = ["MAX_THREADS", "current_threads", "default_threads", "physical_cores", "set_threads", "torch_threads"]
 
 
 def default_threads() -> int:
-    """$VERISPEC_THREADS, else $OMP_NUM_THREADS (a choice someone made for this machine), else the cores this
-    process may run on, less one, and at least one."""
-    for name in (ENV_VAR, "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                return _checked(int(value))
-            except (ValueError, InvalidArgumentError):
-                raise InvalidArgumentError(f"${name} must be an integer >= 1, got {value!r}") from None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    """$VERISPEC_THREADS, else $OMP_NUM_THREADS (a choice someone made for this machine), else the physical cores
+    this process may run on."""
+    try:
+        return cores.default_threads()
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
+
+
+def current_threads() -> int:
+    """The count set last (`set_threads`), else the default."""
+    return build.requested_threads() or default_threads()
 
 
 def set_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op thread count for the process (None: `default_threads()`); returns the count set."""
-    threads = default_threads() if threads is None else _checked(threads)
+    """Set the process's thread count, the kernels' and torch's (None: `default_threads()`); returns the count set."""
+    try:
+        threads = default_threads() if threads is None else cores.checked(threads)
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
     torch.set_num_threads(threads)
+    build.set_pool_threads(threads)
     return threads
 
 
 @contextmanager
 def torch_threads(threads: int | None = None) -> Iterator[int]:
-    """`set_threads` for a block; the previous count is restored after it."""
-    previous = torch.get_num_threads()
+    """`set_threads` for a block; the previous counts are restored after it."""
+    previous, torch_previous = current_threads(), torch.get_num_threads()
     try:
         yield set_threads(threads)
     finally:
-        torch.set_num_threads(previous)
-
-
-def _checked(threads: int) -> int:
-    # bool is an Integral, and torch takes True as 1: refuse it with the other non-counts.
-    if isinstance(threads, bool) or not isinstance(threads, Integral) or threads < 1:
-        raise InvalidArgumentError(f"threads must be an integer >= 1, got {threads!r}")
-    return int(threads)
+        set_threads(previous)
+        torch.set_num_threads(torch_previous)

@@ -109,6 +109,7 @@ class BenchOptions:
     peers: bool = True
     progress: bool = True
     threads: int = 1
+    float64_prompts: int = 8  # the float64 check's prompts (0: not run)
     dtype: str = "float32"
     quantize: str | None = None
     exact: bool = False
@@ -191,7 +192,8 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
             "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
             "exact": exact, "notes": notes, "constrained": any("json_schema" in item for item in suite),
-            "float64_check": float64_check(target_dir, draft_dir, prompts),
+            "float64_check": float64_check(target_dir, draft_dir, prompts, options.float64_prompts)
+            if options.float64_prompts else None,
             "vocab_overlap": vocab_overlap(target, draft, records) if cross else None,
             "target": str(target_dir), "draft": str(draft_dir),
             "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,

@@ -24,6 +24,7 @@ from verispec.bench.methods import BenchMethod, Run
 from verispec.errors import CheckpointError, InvalidArgumentError, PeerError, PeerUnavailable
 from verispec.models.gguf_file import is_gguf
 from verispec.models.protocol import CausalLM
+from verispec.openmp import child_environment
 
 ENV = "VERISPEC_LLAMA_CPP"
 BINARIES = {"plain": "llama-completion", "speculative": "llama-speculative-simple", "lookup": "llama-lookup"}
@@ -191,7 +192,7 @@ class LlamaCppPeer:
         for _ in range(TRIES):
             try:
                 done = subprocess.run(command(kind, self.setup, self.prompt_file, max_new_tokens),
-                                      capture_output=True, timeout=TIMEOUT_S, check=False)
+                                      capture_output=True, timeout=TIMEOUT_S, check=False, env=child_environment())
             except subprocess.TimeoutExpired as err:
                 raise PeerError(f"{BINARIES[kind]} ran past {TIMEOUT_S} s on one prompt") from err
             stderr = done.stderr.decode(errors="replace")

@@ -50,7 +50,7 @@ def floor_line(timing: dict) -> str:
     """The target step against the time to read its weights once (the floor under a step at batch one)."""
     read = timing["weight_bytes"] / timing["read_bandwidth"]
     return (f"Weight-read time: {timing['weight_bytes'] / 1e6:.0f} MB of target weights at "
-            f"{timing['read_bandwidth'] / 1e9:.1f} GB/s read bandwidth (a timed sum over 256 MB, one thread) = "
+            f"{timing['read_bandwidth'] / 1e9:.1f} GB/s read bandwidth (a timed sum over 256 MB, at the run's threads) = "
             f"{read * 1e3:.2f} ms; the target step takes {timing['target_step_seconds'] * 1e3:.2f} ms, "
             f"{timing['target_step_seconds'] / read:.1f}x that (both medians over rounds that measure them in turns).")
 
@@ -180,7 +180,9 @@ def _tree_costs(timing: dict, info: dict) -> str:
     return trees + "".join(f"; {label}: {note}" for label, note in unpriced)
 
 
-def _float64_line(check: dict) -> str:
+def _float64_line(check: dict | None) -> str:
+    if check is None:
+        return "- float64 check: not run (--float64-prompts 0)"
     return (f"- float64 check ({check['method']} against autoregressive, every model in float64, the "
             f"{check['prompts']} shortest prompts): exact match {check['exact_match']:.0%} (goal 100%)")
 
@@ -196,7 +198,7 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
     drafts = {label: v for label, v in timing["c"].items() if _family(info, label) == "draft"}
     c_draft = next(iter(drafts.values()), None)  # the first draft row's; others that differ (a draft vocabulary) below
     md = ["# verispec bench\n", f"Command: `{info['command']}`  ",
-          f"Machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} torch thread(s); torch {m['torch']}, "
+          f"Machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} thread(s); torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}  ",
           f"Target step: {timing['target_step_seconds'] * 1e3:.2f} ms; c (draft step / target step) = "
           + (f"{c_draft:.3f}" if c_draft is not None else "-")

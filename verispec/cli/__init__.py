@@ -13,18 +13,18 @@ from verispec.cli import bench, decode, train
 from verispec.cli.parser import build_parser
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.models.native import auto_dtype
-from verispec.threads import set_threads
+from verispec.threads import MAX_THREADS, set_threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; 0 on success, 2 for bad input (one line on stderr), 130 after Ctrl-C, 1 for a bug."""
     try:
         args = build_parser().parse_args(argv)
-        if getattr(args, "threads", None) is not None and args.threads < 1:  # checked here for every command
-            raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+        if getattr(args, "threads", None) is not None and not 1 <= args.threads <= MAX_THREADS:  # for every command
+            raise InvalidArgumentError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
         args.auto_dtype = getattr(args, "dtype", None) == "auto"
         if args.auto_dtype:  # the native runtime's choice; `loading.load_target` gives transformers float32
-            set_threads(args.threads)  # first: the kernels run on one thread, so the choice depends on the count
+            set_threads(args.threads)
             if getattr(args, "backend", None) == "transformers" or getattr(args, "quantize", None):
                 args.dtype = "float32"
             else:

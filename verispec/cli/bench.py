@@ -31,6 +31,8 @@ def bench_command(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.float64_prompts < 0:
+        raise InvalidArgumentError(f"--float64-prompts must be >= 0, got {args.float64_prompts}")
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
@@ -64,7 +66,7 @@ def bench_command(args: argparse.Namespace) -> None:
                                exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
                                medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
                                unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp),
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens, float64_prompts=args.float64_prompts)
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     lsk.add_argument("--new-tokens", type=int, default=32, help="tokens each greedy run generates (default 32)")
     lsk.add_argument("--text", action="append", default=[],
                      help="a text file to measure on (repeatable); default: the corpus's validation split")
-    lsk.add_argument("--threads", type=int, default=1, help="torch threads for the search and its timings (default 1)")
+    lsk.add_argument("--threads", type=int, default=1, help="threads for the search and its timings (default 1)")
     lsk.add_argument("--out", help="write the plan to this .json file instead (needed for a GGUF target, which has no "
                                    "folder), for --skip FILE.json")
     bench = sub.add_parser("bench", help="speed, acceptance and exactness of every method, with transformers as peers")
@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="tiny random models, six short prompts, 2 repeats (seconds); other options but --out "
                             "and --threads do not apply")
-    bench.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run (default 1)")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="threads of every row, ours (verispec's kernels and torch) and llama.cpp's (-t N -tb N), "
+                            "fixed for the whole run (default 1)")
+    bench.add_argument("--float64-prompts", type=int, default=8, metavar="N",
+                       help="the float64 check's prompts, the shortest (default 8; 0: not run, as for a model whose "
+                            "float64 copy would not fit in memory)")
     bench.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
                        help="our models' and the peers' dtype (default float32; the float64 check is separate); "
                             "auto: a GGUF target's own formats, blocks kept")
@@ -158,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "shipped target)")
     trn.add_argument("--hours", type=float, default=2.0, help="training-time budget, counted across resumes")
     trn.add_argument("--batch-size", type=int, default=8)
-    trn.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core: training is "
+    trn.add_argument("--threads", type=int, help="threads (default: torch's, one per core: training is "
                                                  "compute-bound)")
     trn.add_argument("--questions", metavar="FILE", help="eagle-card for a target other than the shipped one: the "
                                                          "Spec-Bench question.jsonl its numbers are measured on")
@@ -250,5 +255,5 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="native runtime, transformers, or auto: native where it covers the architecture")
     parser.add_argument("--threads", type=int,
-                        help="torch threads (default: $VERISPEC_THREADS, else $OMP_NUM_THREADS, else the cores less "
-                             "one, at least 1: more threads than free cores stalls torch at every op)")
+                        help="threads, verispec's kernels' and torch's (default: $VERISPEC_THREADS, else "
+                             "$OMP_NUM_THREADS, else the physical cores this process may run on)")

@@ -6,7 +6,9 @@ them, and a decoding step around it, is nothing but kernel calls and can be capt
 
 Each gives a row the same bits whatever else shares the call (see simd.h), and the matmul reads its weight at
 about the memory's rate at the row counts decoding uses, faster than oneDNN's prepacked kernels (see
-docs/bench/forward-profile.md for the measurements). They run on one thread.
+docs/bench/forward-profile.md for the measurements). They run on their own pool of threads (pool.cpp), which splits
+each call over output columns, heads or rows, never over a sum, so a row's bits are the same at any thread count;
+`verispec.set_threads` sets the count.
 `available` says whether this machine has them (kernels/build.py builds them at first use). The wrappers check
 what the C code cannot (dtypes, shapes, strides) and raise ValueError: a wrong call must never read out of bounds.
 """
@@ -24,7 +26,7 @@ from verispec.kernels.build import isa, library, reason
 from verispec.kernels.quant_pack import QUANTIZED
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
-__all__ = ["available", "chosen", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
+__all__ = ["available", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
            "rotary_", "silu_mul", "gather", "store_kv", "argmax", "causal_rows", "next_token", "run", "program",
            "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED"]
 
@@ -36,12 +38,6 @@ def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether the kernels run `dtype` tensors on `device` here (built on first call)."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type  # (each step asks)
     return kind == "cpu" and dtype in _SUFFIX and library() is not None
-
-
-def chosen(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether a model loaded now takes the kernels by default: where they are available and torch runs one thread.
-    They run on one; with more, PyTorch's multi-threaded kernels read the weights with more cores."""
-    return torch.get_num_threads() == 1 and available(dtype, device)
 
 
 def _widened(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 #ifdef VS_KERNELS
@@ -201,14 +202,13 @@ static void weigh(const T* vh, const long* slot, long n, const float* const* p, 
     for (int i = 0; i < NV; i++) out[t][i] = sum[t][i];
 }
 
-// Heads that share a key head are taken together: a block of 16 keys is read from memory once, for the first of
-// them, and from the L1 cache for the rest. Each head's numbers are the same as if it were alone. Queries and
-// outputs are T, keys and values K.
+// Row r's heads t_lo .. t_hi - 1 of key head g's group (of G): a block of 16 keys is read from memory once, for the
+// first of them, and from the L1 cache for the rest.
 template <typename T, typename K, int NV, bool FULL>
-static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head, const uint8_t* visible,
-                   long S, T* y, long R, long H, long Hkv, long D_) {
+static void attend_heads(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head,
+                         const uint8_t* visible, long S, T* y, long r, long g, long t_lo, long t_hi, long H, long G,
+                         long D_, bool fetch_next) {
   const long D = FULL ? NV * 16 : D_;  // a whole number of vectors: the masks are constants
-  const long G = H / Hkv;             // query heads per key head
   constexpr int NH = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;  // heads weighed at once: their sums and a value row in registers
   const vf scale = vset1(1.0f / sqrtf((float)D));
   const long stride = S + 16;
@@ -221,74 +221,92 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
   if ((long)totals.size() < G) totals.resize(G);
   vmask vmasks[NV];
   for (int i = 0; i < NV; i++) vmasks[i] = lanes(D - i * 16);
-  for (long r = 0; r < R; r++) {
-    const long n = seen(visible + r * S, S, slot.data());
-    for (long g = 0; g < Hkv; g++) {
-      const K* kh = k + g * kv_head;
-      const K* vh = v + g * kv_head;
-      const T* qg = q + r * q_row + g * G * q_head;
-      for (long t = 0; t < G; t++) store(top.data() + t * 16, vset1(-INFINITY), lanes(16));
-      for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
-        const int count = n - j < 16 ? (int)(n - j) : 16;
-        const K* key[16];
-        for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
-        for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
-        for (int c = 0; c < count; c++) fetch<L2>(vh + slot[j + c] * D, D);
-        const vmask mk = lanes(count);
-        const auto keep = [&](long t, const vf* dots) {  // head t's scores of the block, and its running maximum
-          const vf scores = vmul(sum16(dots), scale);
-          store(score.data() + t * stride + j, scores, mk);
-          store(top.data() + t * 16, vmax_in(mk, load(top.data() + t * 16), scores), lanes(16));
-        };
+  const long n = seen(visible + r * S, S, slot.data());
+  const K* kh = k + g * kv_head;
+  const K* vh = v + g * kv_head;
+  const T* qg = q + r * q_row + g * G * q_head;
+  for (long t = t_lo; t < t_hi; t++) store(top.data() + t * 16, vset1(-INFINITY), lanes(16));
+  for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
+    const int count = n - j < 16 ? (int)(n - j) : 16;
+    const K* key[16];
+    for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
+    for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
+    for (int c = 0; c < count; c++) fetch<L2>(vh + slot[j + c] * D, D);
+    const vmask mk = lanes(count);
+    const auto keep = [&](long t, const vf* dots) {  // head t's scores of the block, and its running maximum
+      const vf scores = vmul(sum16(dots), scale);
+      store(score.data() + t * stride + j, scores, mk);
+      store(top.data() + t * 16, vmax_in(mk, load(top.data() + t * 16), scores), lanes(16));
+    };
 #ifdef VS_AVX512
-        if constexpr (std::is_same_v<K, f16> && NV <= 8) {
-          if (count == 16) {  // the group's heads NQ at a time: their query parts and a key in registers
-            constexpr int NQ = NV <= 4 ? 4 : 2;
-            in_row_blocks<NQ>(G, [&](auto heads, long t0) {
-              constexpr int NT = decltype(heads)::value;
-              const float* q[NT];
-              for (int h = 0; h < NT; h++) q[h] = qg + (t0 + h) * q_head;
-              vf dots[NT][16];
-              widened_once<NV, NT>(q, vmasks, key, dots);
-              for (int h = 0; h < NT; h++) keep(t0 + h, dots[h]);
-            });
-            continue;
-          }
-        }
+    if constexpr (std::is_same_v<K, f16> && NV <= 8) {
+      if (count == 16) {  // the group's heads NQ at a time: their query parts and a key in registers
+        constexpr int NQ = NV <= 4 ? 4 : 2;
+        in_row_blocks<NQ>(t_hi - t_lo, [&](auto heads, long t0) {
+          t0 += t_lo;
+          constexpr int NT = decltype(heads)::value;
+          const float* q[NT];
+          for (int h = 0; h < NT; h++) q[h] = qg + (t0 + h) * q_head;
+          vf dots[NT][16];
+          widened_once<NV, NT>(q, vmasks, key, dots);
+          for (int h = 0; h < NT; h++) keep(t0 + h, dots[h]);
+        });
+        continue;
+      }
+    }
 #endif
-        for (long t = 0; t < G; t++) {
-          const typename Query<T, K, NV>::type query(qg + t * q_head, D);
-          vf dots[16];
-          query.dots(key, count, dots);
-          keep(t, dots);
-        }
-      }
-      for (long t = 0; t < G; t++) {
-        float* row = score.data() + t * stride;
-        const vf most = vset1(vtop(load(top.data() + t * 16)));
-        vf total = vzero();
-        for (long j = 0; j < n; j += 16) {
-          const vmask mk = lanes(n - j);
-          const vf e = vkeep(mk, exp_ps(vsub(load(row + j, mk), most)));
-          store(row + j, e, mk);
-          total = vadd(total, e);
-        }
-        totals[t] = vsum(total);
-      }
-      in_row_blocks<NH>(G, [&](auto heads, long t0) {  // the group's heads NH at a time, then the rest at once
-        constexpr int NT = decltype(heads)::value;
-        vf out[NT][NV];
-        const float* p[NT];
-        for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
-        weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out, t0 == 0 && g + 1 < Hkv ? kh + kv_head : nullptr);
-        for (int t = 0; t < NT; t++) {
-          const vf inv = vset1(1.0f / totals[t0 + t]);
-          T* yh = y + (r * H + g * G + t0 + t) * D;
-          for (int i = 0; i < NV; i++) store(yh + i * 16, vmul(out[t][i], inv), vmasks[i]);
-        }
-      });
+    for (long t = t_lo; t < t_hi; t++) {
+      const typename Query<T, K, NV>::type query(qg + t * q_head, D);
+      vf dots[16];
+      query.dots(key, count, dots);
+      keep(t, dots);
     }
   }
+  for (long t = t_lo; t < t_hi; t++) {
+    float* row = score.data() + t * stride;
+    const vf most = vset1(vtop(load(top.data() + t * 16)));
+    vf total = vzero();
+    for (long j = 0; j < n; j += 16) {
+      const vmask mk = lanes(n - j);
+      const vf e = vkeep(mk, exp_ps(vsub(load(row + j, mk), most)));
+      store(row + j, e, mk);
+      total = vadd(total, e);
+    }
+    totals[t] = vsum(total);
+  }
+  in_row_blocks<NH>(t_hi - t_lo, [&](auto heads, long t0) {  // NH heads at a time, then the rest at once
+    t0 += t_lo;
+    constexpr int NT = decltype(heads)::value;
+    vf out[NT][NV];
+    const float* p[NT];
+    for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
+    weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out, t0 == t_lo && fetch_next ? kh + kv_head : nullptr);
+    for (int t = 0; t < NT; t++) {
+      const vf inv = vset1(1.0f / totals[t0 + t]);
+      T* yh = y + (r * H + g * G + t0 + t) * D;
+      for (int i = 0; i < NV; i++) store(yh + i * 16, vmul(out[t][i], inv), vmasks[i]);
+    }
+  });
+}
+
+// Heads that share a key head are taken together: a block of 16 keys is read from memory once, for the first of
+// them, and from the L1 cache for the rest. Each head's numbers are the same as if it were alone, so the work is
+// split on the pool by rows, key heads and parts of their groups of heads. Queries and outputs are T, keys and values K.
+template <typename T, typename K, int NV, bool FULL>
+static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head, const uint8_t* visible,
+                   long S, T* y, long R, long H, long Hkv, long D_) {
+  const long G = H / Hkv;  // query heads per key head
+  // a group's heads in parts where rows and key heads alone are too few to share among the threads
+  const long wanted = pool_threads() > 1 ? (2 * pool_threads() + R * Hkv - 1) / (R * Hkv) : 1;
+  const long parts = wanted < 1 ? 1 : wanted > G ? G : wanted, per_part = (G + parts - 1) / parts;
+  parallel(R * Hkv * parts, 1, [&](long first, long last) {
+    for (long item = first; item < last; item++) {
+      const long r = item / (Hkv * parts), g = item / parts % Hkv, part = item % parts;
+      const long t_lo = part * per_part, t_hi = t_lo + per_part < G ? t_lo + per_part : G;
+      if (t_lo < t_hi) attend_heads<T, K, NV, FULL>(q, q_row, q_head, k, v, kv_head, visible, S, y, r, g, t_lo, t_hi, H, G, D_,
+                                              g + 1 < Hkv && part + 1 == parts);
+    }
+  });
 }
 
 template <typename T, typename K>

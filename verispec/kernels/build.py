@@ -28,14 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
+from verispec.kernels import cores
+
 # Linked into one library (named, not globbed: a stale source left by an old install stays out)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.cpp", "quant.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp")]
-HEADER = Path(__file__).with_name("simd.h")
+           for name in ("linear.cpp", "quant.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp", "pool.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "pool.h")]
 # Units compiled apart (a source and its defines): attend.cpp's three types, each alone (VS_ATTEND)
 UNITS = [(source, [f"-DVS_ATTEND={i}"]) if source.name == "attend.cpp" else (source, [])
          for source in SOURCES for i in (range(3) if source.name == "attend.cpp" else [0])]
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but where the source asks
+FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but where the source asks
 # for one: RMSNorm and rotary round as PyTorch does
 # Each build: its compiler flags, and the /proc/cpuinfo flags a CPU needs to run it (best first)
 ISAS = {
@@ -44,6 +46,9 @@ ISAS = {
     "avx2vnni": (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}),
 }
+
+
+_requested: int | None = None  # the pool's count, set last (verispec.set_threads); None: the default at load
 
 
 def cpu_flags() -> set[str]:
@@ -125,7 +130,7 @@ def _build(compiler_path: str, isa: str) -> tuple[ctypes.CDLL | None, str]:
     flags = [*FLAGS, *ISAS[isa][0]]
     try:
         version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        texts = [path.read_text() for path in (*SOURCES, HEADER)]
+        texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
         key = hashlib.sha256("\0".join([*texts, version, *flags]).encode()).hexdigest()[:16]
         folder = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec") / "kernels"
         library = folder / f"{isa}-{key}.so"
@@ -143,6 +148,7 @@ def _build(compiler_path: str, isa: str) -> tuple[ctypes.CDLL | None, str]:
     if not lib.vs_available():
         return None, f"{compiler_path} does not target the {isa} build's instructions (too old?)"
     _declare(lib)
+    lib.vs_set_threads(_requested or _first_count())
     return lib, ""
 
 
@@ -160,6 +166,36 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vs_replay_timed.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.vs_replay_timed.restype = ctypes.c_long
     lib.vs_cols.argtypes, lib.vs_cols.restype = [], ctypes.c_long
+    lib.vs_set_threads.argtypes, lib.vs_set_threads.restype = [ctypes.c_long], ctypes.c_int
+    lib.vs_threads.argtypes, lib.vs_threads.restype = [], ctypes.c_long
+    lib.vs_max_threads.argtypes, lib.vs_max_threads.restype = [], ctypes.c_long
+
+
+def _first_count() -> int:
+    """The pool's count where none was set: the default, or the physical cores where the environment's is not a count
+    (verispec.threads reports that when it is asked for the default)."""
+    try:
+        return cores.default_threads()
+    except ValueError:
+        return cores.physical_cores()
+
+
+def set_pool_threads(threads: int) -> None:
+    """The kernels' thread count (`verispec.set_threads` sets it with torch's), applied now or when they load."""
+    global _requested
+    _requested = threads
+    if _load.cache_info().currsize and library() is not None:
+        library().vs_set_threads(threads)
+
+
+def requested_threads() -> int | None:
+    """The count set last, None where none was."""
+    return _requested
+
+
+def pool_threads() -> int:
+    """The thread count the loaded kernels run on (1 where none are loaded)."""
+    return library().vs_threads() if _load.cache_info().currsize and library() is not None else 1
 
 
 def library() -> ctypes.CDLL | None:

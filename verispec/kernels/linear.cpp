@@ -3,6 +3,7 @@
 // read its weights. bfloat16 weights are packed as [N/COLS][K/2][COLS][2] (at each pair of inputs, the columns' two
 // weights side by side, as AVX-512's dot-product instruction takes them), float32 ones as [N/COLS][K][COLS];
 // zero-padded. A residual is added as `residual + linear(x)` would add it: to the product rounded to the dtype.
+#include "pool.h"
 #include "simd.h"
 
 #ifdef VS_KERNELS
@@ -118,15 +119,17 @@ static int linear(const int64_t* a, long block_size) {  // a: x, ldx, w, bias, y
   const float* bias = ARG(const float*, 3);
   T* y = ARG(T*, 4);
   const long ldx = a[1], ldy = a[5], M = a[6], N = a[7], K = a[8], ldr = a[10];
-  for (long n = 0; n < N; n += COLS) {
-    const T* wb = w + n / COLS * block_size;
-    const long cols = N - n < COLS ? N - n : COLS;
-    const float* bn = bias ? bias + n : nullptr;
-    in_row_blocks<MAX_ROWS>(M, [&](auto rows, long m) {
-      block<decltype(rows)::value>(x + m * ldx, ldx, wb, bn, res ? res + m * ldr + n : nullptr, ldr, y + m * ldy + n,
-                                   ldy, K, cols);
-    });
-  }
+  parallel((N + COLS - 1) / COLS, 1, [&](long first, long last) {
+    for (long n = first * COLS; n < last * COLS && n < N; n += COLS) {
+      const T* wb = w + n / COLS * block_size;
+      const long cols = N - n < COLS ? N - n : COLS;
+      const float* bn = bias ? bias + n : nullptr;
+      in_row_blocks<MAX_ROWS>(M, [&](auto rows, long m) {
+        block<decltype(rows)::value>(x + m * ldx, ldx, wb, bn, res ? res + m * ldr + n : nullptr, ldr,
+                                     y + m * ldy + n, ldy, K, cols);
+      });
+    }
+  });
   return 0;
 }
 

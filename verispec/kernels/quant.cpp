@@ -25,6 +25,7 @@
 // and 6-7 the second group's).
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 #ifdef VS_KERNELS
@@ -91,23 +92,29 @@ static inline int32_t to_int8(vf v, int8_t* out) {  // v's 16 lanes rounded to t
 #endif
 }
 
+static void quantize_row(const float* x, long ldx, long m, long K, Rows& r) {  // row m, by blocks of 32 inputs
+  const long nb = K / QK;
+  for (long b = 0; b < nb; b++) {
+    const float* xb = x + m * ldx + b * QK;
+    const vf a0 = load(xb), a1 = load(xb + 16);
+    const float d = vtop(vmax(vabs(a0), vabs(a1))) / 127.0f, id = d ? 1.0f / d : 0.0f;
+    int8_t* q = r.q.data() + m * K + b * QK;
+    const long i = m * nb + b;
+    r.sum[2 * i] = to_int8(vmul(a0, vset1(id)), q);
+    r.sum[2 * i + 1] = to_int8(vmul(a1, vset1(id)), q + 16);
+    r.d[i] = d, r.ds[i] = d * (float)(r.sum[2 * i] + r.sum[2 * i + 1]);
+  }
+}
+
 static void quantize_rows(const float* x, long ldx, long M, long K, Rows& r) {
   const long nb = K / QK;
   r.q.resize(M * K);
   r.d.resize(M * nb);
   r.ds.resize(M * nb);
   r.sum.resize(M * nb * 2);
-  for (long m = 0; m < M; m++)
-    for (long b = 0; b < nb; b++) {
-      const float* xb = x + m * ldx + b * QK;
-      const vf a0 = load(xb), a1 = load(xb + 16);
-      const float d = vtop(vmax(vabs(a0), vabs(a1))) / 127.0f, id = d ? 1.0f / d : 0.0f;
-      int8_t* q = r.q.data() + m * K + b * QK;
-      const long i = m * nb + b;
-      r.sum[2 * i] = to_int8(vmul(a0, vset1(id)), q);
-      r.sum[2 * i + 1] = to_int8(vmul(a1, vset1(id)), q + 16);
-      r.d[i] = d, r.ds[i] = d * (float)(r.sum[2 * i] + r.sum[2 * i + 1]);
-    }
+  parallel(M, 16, [&](long first, long last) {  // each row alone; on the pool for a prefill's many
+    for (long m = first; m < last; m++) quantize_row(x, ldx, m, K, r);
+  });
 }
 
 static inline int32_t word(const int8_t* q) {  // four int8 as one lane's bytes
@@ -371,18 +378,21 @@ static int qlinear(const int64_t* a) {  // a: x, ldx, w, bias, y, ldy, M, N, K, 
   float* y = ARG(float*, 4);
   const long ldx = a[1], ldy = a[5], M = a[6], N = a[7], K = a[8], ldr = a[10];
   if (K % (k_quant(F) ? QK * SUPER : QK)) return -1;
-  thread_local Rows rows;
+  thread_local Rows mine;
+  Rows& rows = mine;  // (the caller's, also where the pool's threads read it: a thread-local named there is theirs)
   quantize_rows(x, ldx, M, K, rows);
   const long column_block = K / QK * block_bytes(F) + (k_quant(F) ? K / (QK * SUPER) * super_bytes(F) : 0);
-  for (long n = 0; n < N; n += QCOLS) {
-    const uint8_t* wb = w + n / QCOLS * column_block;
-    const long cols = N - n < QCOLS ? N - n : QCOLS;
-    const float* bn = bias ? bias + n : nullptr;
-    in_row_blocks<QROWS>(M, [&](auto block_rows, long m) {
-      block<F, decltype(block_rows)::value>(rows, m, K, wb, bn, res ? res + m * ldr + n : nullptr, ldr,
-                                            y + m * ldy + n, ldy, cols);
-    });
-  }
+  parallel((N + QCOLS - 1) / QCOLS, 4, [&](long first, long last) {  // column blocks on the pool
+    for (long n = first * QCOLS; n < last * QCOLS && n < N; n += QCOLS) {
+      const uint8_t* wb = w + n / QCOLS * column_block;
+      const long cols = N - n < QCOLS ? N - n : QCOLS;
+      const float* bn = bias ? bias + n : nullptr;
+      in_row_blocks<QROWS>(M, [&](auto block_rows, long m) {
+        block<F, decltype(block_rows)::value>(rows, m, K, wb, bn, res ? res + m * ldr + n : nullptr, ldr,
+                                              y + m * ldy + n, ldy, cols);
+      });
+    }
+  });
   return 0;
 }
 

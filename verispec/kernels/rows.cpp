@@ -1,6 +1,7 @@
 // The row-wise work around the matmuls, one call each instead of a few PyTorch ops: RMSNorm, rotary, silu(gate) * up,
 // and the copies that a forward's kernels read from and write to (token embeddings and rotary tables by index; new
 // keys and values into the cache).
+#include "pool.h"
 #include "simd.h"
 
 #ifdef VS_KERNELS
@@ -9,51 +10,57 @@
 
 template <typename T>
 static void rms_norm(const T* x, long ldx, const T* w, T* y, long ldy, long R, long D, float eps) {
-  for (long r = 0; r < R; r++) {
-    const T* xr = x + r * ldx;
-    vf sum = vzero();
-    for (long i = 0; i < D; i += 16) {
-      const vf h = load(xr + i, lanes(D - i));
-      sum = vfmadd(h, h, sum);
+  parallel(R, 16, [&](long first, long last) {
+    for (long r = first; r < last; r++) {
+      const T* xr = x + r * ldx;
+      vf sum = vzero();
+      for (long i = 0; i < D; i += 16) {
+        const vf h = load(xr + i, lanes(D - i));
+        sum = vfmadd(h, h, sum);
+      }
+      const vf scale = vset1(1.0f / sqrtf(vsum(sum) / (float)D + eps));
+      for (long i = 0; i < D; i += 16) {
+        const vmask mk = lanes(D - i);
+        const vf h = round_to(vmul(load(xr + i, mk), scale), (const T*)0);
+        store(y + r * ldy + i, vmul(load(w + i, mk), h), mk);
+      }
     }
-    const vf scale = vset1(1.0f / sqrtf(vsum(sum) / (float)D + eps));
-    for (long i = 0; i < D; i += 16) {
-      const vmask mk = lanes(D - i);
-      const vf h = round_to(vmul(load(xr + i, mk), scale), (const T*)0);
-      store(y + r * ldy + i, vmul(load(w + i, mk), h), mk);
-    }
-  }
+  });
 }
 
 template <typename T>
 static void rotary(T* x, long row, long head, long R, long H, long D, const T* cos, const T* sin) {
   const long half = D / 2;
-  for (long r = 0; r < R; r++)
-    for (long h = 0; h < H; h++) {
-      T* xh = x + r * row + h * head;
-      const T *c = cos + r * D, *s = sin + r * D;
-      for (long i = 0; i < half; i += 16) {  // both halves at once: x1' = x1 c1 - x2 s1, x2' = x2 c2 + x1 s2
-        const vmask mk = lanes(half - i);
-        const vf x1 = load(xh + i, mk), x2 = load(xh + half + i, mk);
-        const vf a1 = round_to(vmul(x1, load(c + i, mk)), (const T*)0);
-        const vf b1 = round_to(vmul(vneg(x2), load(s + i, mk)), (const T*)0);
-        const vf a2 = round_to(vmul(x2, load(c + half + i, mk)), (const T*)0);
-        const vf b2 = round_to(vmul(x1, load(s + half + i, mk)), (const T*)0);
-        store(xh + i, vadd(a1, b1), mk);
-        store(xh + half + i, vadd(a2, b2), mk);
+  parallel(R, 8, [&](long first, long last) {
+    for (long r = first; r < last; r++)
+      for (long h = 0; h < H; h++) {
+        T* xh = x + r * row + h * head;
+        const T *c = cos + r * D, *s = sin + r * D;
+        for (long i = 0; i < half; i += 16) {  // both halves at once: x1' = x1 c1 - x2 s1, x2' = x2 c2 + x1 s2
+          const vmask mk = lanes(half - i);
+          const vf x1 = load(xh + i, mk), x2 = load(xh + half + i, mk);
+          const vf a1 = round_to(vmul(x1, load(c + i, mk)), (const T*)0);
+          const vf b1 = round_to(vmul(vneg(x2), load(s + i, mk)), (const T*)0);
+          const vf a2 = round_to(vmul(x2, load(c + half + i, mk)), (const T*)0);
+          const vf b2 = round_to(vmul(x1, load(s + half + i, mk)), (const T*)0);
+          store(xh + i, vadd(a1, b1), mk);
+          store(xh + half + i, vadd(a2, b2), mk);
+        }
       }
-    }
+  });
 }
 
 template <typename T>
 static void silu_mul(const T* x, long ldx, T* y, long ldy, long R, long I) {  // x: [gate | up], I each
-  for (long r = 0; r < R; r++)
-    for (long i = 0; i < I; i += 16) {
-      const vmask mk = lanes(I - i);
-      const vf g = load(x + r * ldx + i, mk), u = load(x + r * ldx + I + i, mk);
-      const vf s = vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), g))));
-      store(y + r * ldy + i, vmul(round_to(s, (const T*)0), u), mk);
-    }
+  parallel(R, 2, [&](long first, long last) {
+    for (long r = first; r < last; r++)
+      for (long i = 0; i < I; i += 16) {
+        const vmask mk = lanes(I - i);
+        const vf g = load(x + r * ldx + i, mk), u = load(x + r * ldx + I + i, mk);
+        const vf s = vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), g))));
+        store(y + r * ldy + i, vmul(round_to(s, (const T*)0), u), mk);
+      }
+  });
 }
 
 // a: x, ldx, w, y, ldy, R, D, eps (float bits)

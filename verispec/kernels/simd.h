@@ -24,6 +24,10 @@ typedef uint16_t bf16;  // bfloat16 bits
 enum class f16 : uint16_t {};  // float16 bits (a type of its own: loads and stores convert by the type)
 
 #define ARG(T, i) ((T)a[i])  // the i-th argument as a T
+// AVX2's vf is a struct of two 256-bit halves: passed by value to a call that is not inlined, GCC 12 can leave it on a
+// stack slot it then reads as 32-byte aligned when it is not (a crash once the pool ran the kernels); always inlined,
+// it never is.
+#define VS_INLINE inline __attribute__((always_inline))
 static inline float float_arg(const int64_t* a, int i) {  // a float passed as its 32 bits
   float f;
   uint32_t bits = (uint32_t)a[i];
@@ -113,93 +117,93 @@ struct vmask {
   int n;           // the first n lanes
 };
 
-static inline vmask lanes(long n) {
+static VS_INLINE vmask lanes(long n) {
   const int k = n >= 16 ? 16 : (int)n;
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return {_mm256_cmpgt_epi32(_mm256_set1_epi32(k), index), _mm256_cmpgt_epi32(_mm256_set1_epi32(k - 8), index), k};
 }
 #define VS_2(op) \
   { op(a.lo, b.lo), op(a.hi, b.hi) }
-static inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-static inline vf vadd(vf a, vf b) { return VS_2(_mm256_add_ps); }
-static inline vf vsub(vf a, vf b) { return VS_2(_mm256_sub_ps); }
-static inline vf vmul(vf a, vf b) { return VS_2(_mm256_mul_ps); }
-static inline vf vdiv(vf a, vf b) { return VS_2(_mm256_div_ps); }
-static inline vf vmax(vf a, vf b) { return VS_2(_mm256_max_ps); }
-static inline vf vmin(vf a, vf b) { return VS_2(_mm256_min_ps); }
-static inline vf vfmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-static inline vf vfnmadd(vf a, vf b, vf c) {
+static VS_INLINE vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static VS_INLINE vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static VS_INLINE vf vadd(vf a, vf b) { return VS_2(_mm256_add_ps); }
+static VS_INLINE vf vsub(vf a, vf b) { return VS_2(_mm256_sub_ps); }
+static VS_INLINE vf vmul(vf a, vf b) { return VS_2(_mm256_mul_ps); }
+static VS_INLINE vf vdiv(vf a, vf b) { return VS_2(_mm256_div_ps); }
+static VS_INLINE vf vmax(vf a, vf b) { return VS_2(_mm256_max_ps); }
+static VS_INLINE vf vmin(vf a, vf b) { return VS_2(_mm256_min_ps); }
+static VS_INLINE vf vfmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static VS_INLINE vf vfnmadd(vf a, vf b, vf c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
 }
-static inline vf vneg(vf a) { return {_mm256_xor_ps(a.lo, _mm256_set1_ps(-0.0f)), _mm256_xor_ps(a.hi, _mm256_set1_ps(-0.0f))}; }
-static inline vf vabs(vf a) {
+static VS_INLINE vf vneg(vf a) { return {_mm256_xor_ps(a.lo, _mm256_set1_ps(-0.0f)), _mm256_xor_ps(a.hi, _mm256_set1_ps(-0.0f))}; }
+static VS_INLINE vf vabs(vf a) {
   return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.lo), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.hi)};
 }
-static inline vf vkeep(vmask m, vf a) {
+static VS_INLINE vf vkeep(vmask m, vf a) {
   return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(m.lo)), _mm256_and_ps(a.hi, _mm256_castsi256_ps(m.hi))};
 }
-static inline vf vmax_in(vmask m, vf a, vf b) {
+static VS_INLINE vf vmax_in(vmask m, vf a, vf b) {
   return {_mm256_blendv_ps(a.lo, _mm256_max_ps(a.lo, b.lo), _mm256_castsi256_ps(m.lo)),
           _mm256_blendv_ps(a.hi, _mm256_max_ps(a.hi, b.hi), _mm256_castsi256_ps(m.hi))};
 }
-static inline vf vround(vf a) {
+static VS_INLINE vf vround(vf a) {
   return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
-static inline __m256 scale2(__m256 p, __m256 n) {  // p * 2^n for integral n in [-256, 256], as two powers in range
+static VS_INLINE __m256 scale2(__m256 p, __m256 n) {  // p * 2^n for integral n in [-256, 256], as two powers in range
   const __m256i e = _mm256_cvtps_epi32(n), e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
   const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, _mm256_set1_epi32(127)), 23));
   const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, _mm256_set1_epi32(127)), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
 }
-static inline vf vscale2(vf p, vf n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
-static inline float hsum8(__m256 a) {  // lanes summed by halves, as _mm512_reduce_add_ps does on AVX-512
+static VS_INLINE vf vscale2(vf p, vf n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+static VS_INLINE float hsum8(__m256 a) {  // lanes summed by halves, as _mm512_reduce_add_ps does on AVX-512
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-static inline float hmax8(__m256 a) {
+static VS_INLINE float hmax8(__m256 a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-static inline float vsum(vf a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
-static inline float vtop(vf a) { return hmax8(_mm256_max_ps(a.lo, a.hi)); }
-static inline uint32_t bits(__m256 lo, __m256 hi) {
+static VS_INLINE float vsum(vf a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+static VS_INLINE float vtop(vf a) { return hmax8(_mm256_max_ps(a.lo, a.hi)); }
+static VS_INLINE uint32_t bits(__m256 lo, __m256 hi) {
   return (uint32_t)_mm256_movemask_ps(lo) | (uint32_t)_mm256_movemask_ps(hi) << 8;
 }
-static inline uint32_t vnan_bits(vmask m, vf a) {
+static VS_INLINE uint32_t vnan_bits(vmask m, vf a) {
   return bits(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)) & ((1u << m.n) - 1);
 }
-static inline uint32_t veq_bits(vmask m, vf a, vf b) {
+static VS_INLINE uint32_t veq_bits(vmask m, vf a, vf b) {
   return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)) & ((1u << m.n) - 1);
 }
 
-static inline __m256 widen(__m128i h) {  // 8 bfloat16 -> float32
+static VS_INLINE __m256 widen(__m128i h) {  // 8 bfloat16 -> float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-static inline __m128i narrow(__m256 v) {  // 8 float32 -> bfloat16, rounded to nearest even (NaN -> 0x7fc0, as torch)
+static VS_INLINE __m128i narrow(__m256 v) {  // 8 float32 -> bfloat16, rounded to nearest even (NaN -> 0x7fc0, as torch)
   const __m256i x = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
-static inline vf load(const float* p, vmask m) {
+static VS_INLINE vf load(const float* p, vmask m) {
   if (m.n == 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
   return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)};
 }
-static inline vf load(const bf16* p, vmask m) {  // lanes past m read as 0
+static VS_INLINE vf load(const bf16* p, vmask m) {  // lanes past m read as 0
   if (m.n < 16) {  // (the copy zeroed only here: hoisted, zeroing it cost every full load two stores)
     bf16 part[16] = {0};
     return load((const bf16*)memcpy(part, p, 2 * m.n), lanes(16));
   }
   return {widen(_mm_loadu_si128((const __m128i*)p)), widen(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
-static inline void store(float* p, vf v, vmask m) {
+static VS_INLINE void store(float* p, vf v, vmask m) {
   if (m.n == 16) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
@@ -208,7 +212,7 @@ static inline void store(float* p, vf v, vmask m) {
     _mm256_maskstore_ps(p + 8, m.hi, v.hi);
   }
 }
-static inline void store_halves(void* p, __m256i both, vmask m) {  // the first m.n of 16 two-byte lanes
+static VS_INLINE void store_halves(void* p, __m256i both, vmask m) {  // the first m.n of 16 two-byte lanes
   if (m.n == 16) {
     _mm256_storeu_si256((__m256i*)p, both);
   } else {
@@ -217,16 +221,16 @@ static inline void store_halves(void* p, __m256i both, vmask m) {  // the first 
     memcpy(p, part, 2 * m.n);
   }
 }
-static inline void store(bf16* p, vf v, vmask m) { store_halves(p, _mm256_set_m128i(narrow(v.hi), narrow(v.lo)), m); }
-static inline vf round_to(vf v, const bf16*) { return {widen(narrow(v.lo)), widen(narrow(v.hi))}; }
-static inline vf load(const f16* p, vmask m) {  // lanes past m read as 0
+static VS_INLINE void store(bf16* p, vf v, vmask m) { store_halves(p, _mm256_set_m128i(narrow(v.hi), narrow(v.lo)), m); }
+static VS_INLINE vf round_to(vf v, const bf16*) { return {widen(narrow(v.lo)), widen(narrow(v.hi))}; }
+static VS_INLINE vf load(const f16* p, vmask m) {  // lanes past m read as 0
   if (m.n < 16) {  // (as bfloat16's: the copy zeroed only where it is made)
     f16 part[16] = {};
     return load((const f16*)memcpy(part, p, 2 * m.n), lanes(16));
   }
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
-static inline void store(f16* p, vf v, vmask m) {  // to nearest even, as torch's .half() (saturate_f16 first)
+static VS_INLINE void store(f16* p, vf v, vmask m) {  // to nearest even, as torch's .half() (saturate_f16 first)
   store_halves(p, _mm256_set_m128i(_mm256_cvtps_ph(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                                    _mm256_cvtps_ph(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), m);
 }

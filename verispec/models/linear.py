@@ -7,7 +7,7 @@ slowest); the same weight reordered once, at load time, into the kernel's blocke
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
-Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, one thread), a linear uses them: they
+Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, on any thread count), a linear uses them: they
 stream the weight once for every few rows and give a row the same bits whatever else shares the call.
 Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`,
 bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN
@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
 
     `rows` is the row count (batch x tokens) the weight is laid out for: any other count works, more slowly.
     `own_kernels`: run verispec's matmul (verispec/kernels) instead, which lays the weight out for any count; by
-    default `kernels.chosen` (available, one torch thread). The fused weight is built once from the linears, whose
+    default `kernels.available`. The fused weight is built once from the linears, whose
     own weights become views of it (no second plain copy), so they keep their state-dict names and values. Holds no
     parameters: built on the model's final device and dtype, from weights that do not change afterwards. Outside
     inference mode, or under autocast, it runs the linears themselves (the kernels have no backward and take no part
@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
         blocks = [getattr(linear, "quantized", None) for linear in linears]
         formats = {None if q is None else q.format for q in blocks}
         if own_kernels is None:
-            own_kernels = kernels.chosen(torch.float32)
+            own_kernels = kernels.available(torch.float32)
         if own_kernels and None not in formats:  # quantized
             self.weight = self.one_row = self.packed = None
             self.bias = _fused_bias(linears, torch.float32)

@@ -28,9 +28,9 @@ from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokeniz
 
 def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:
     """Whether a native model of `dtype` ("auto" included) loaded now on `device` runs on verispec's own kernels
-    (`kernels.chosen`: available here, and torch on one thread)."""
+    (`kernels.available` here)."""
     try:
-        return kernels.chosen(torch.float32 if dtype == "auto" else parse_dtype(dtype), device)
+        return kernels.available(torch.float32 if dtype == "auto" else parse_dtype(dtype), device)
     except RuntimeError:  # not a device name: loading says so in its own words
         return False
 

@@ -68,9 +68,9 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
     they do not run."""
     if not weights:
         return
-    if not kernels.chosen(torch.float32):
-        raise InvalidArgumentError(f"quantized weights run on verispec's kernels, on one thread; here: "
-                                   f"{kernels.reason()}, {torch.get_num_threads()} threads")
+    if not kernels.available(torch.float32):
+        raise InvalidArgumentError(f"quantized weights run on verispec's kernels, which do not run here: "
+                                   f"{kernels.reason()}")
     linears = projections(module)
     for name, weight in weights.items():
         linear = linears[name]
@@ -109,11 +109,11 @@ def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str 
     """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
     tensors, and the linears kept as blocks (by `projections`' names; "lm_head" too where the file ties it to the
     embedding, whose table is then the blocks dequantized). `dtype="auto"` keeps the file's own formats where they
-    run (`keep`, and verispec's kernels on one thread): the tensors in `quant.KEPT`'s formats as blocks, with float32
+    run (`keep`, and verispec's kernels available): the tensors in `quant.KEPT`'s formats as blocks, with float32
     activations; a file whose float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts
     every weight to it, blocks dequantized (exact in float32)."""
     blocks = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
-    keep = keep and dtype == "auto" and bool(blocks) and kernels.chosen(torch.float32, device)
+    keep = keep and dtype == "auto" and bool(blocks) and kernels.available(torch.float32, device)
     if dtype == "auto":
         floats = {w.dtype for name, w in weights.items() if name not in blocks and w.dim() == 2}
         dtype = torch.bfloat16 if not blocks and floats == {torch.bfloat16} else torch.float32
@@ -132,12 +132,12 @@ def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str 
 
 def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> None:
     """Run a decoder block's projections as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up fused
-    (`own_kernels`: verispec's, by default `kernels.chosen`): an inference-only fast path. Its attention runs on
+    (`own_kernels`: verispec's, by default `kernels.available`): an inference-only fast path. Its attention runs on
     verispec's kernels (`own_attention`) where they take the head size."""
     attention, mlp = block.self_attn, block.mlp
     weight = block.post_attention_layernorm.weight  # the activations' dtype (a linear may be quantized)
     if own_kernels is None:
-        own_kernels = kernels.chosen(weight.dtype, weight.device)
+        own_kernels = kernels.available(weight.dtype, weight.device)
     elif own_kernels and not kernels.available(weight.dtype, weight.device):
         raise ValueError(f"verispec's kernels do not run {weight.dtype} here: {kernels.reason()}")
     attention.own_attention = own_kernels and attention.head_dim <= kernels.MAX_HEAD_DIM
@@ -153,11 +153,10 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
 def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None
                ) -> None:
     """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
-    (see `pack_block`). `own_kernels` (by default `kernels.chosen`: where this machine has them and torch runs one
-    thread): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention.
+    (see `pack_block`). `own_kernels` (by default `kernels.available`: where this machine has them): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention.
     `head`: the LM head packed already (a quantized twin's, which is its target's: models/twin.py)."""
     param = module.model.norm.weight  # the activations' dtype (the LM head may be quantized)
-    module.own_kernels = kernels.chosen(param.dtype, param.device) if own_kernels is None else own_kernels
+    module.own_kernels = kernels.available(param.dtype, param.device) if own_kernels is None else own_kernels
     for block in module.model.layers:
         pack_block(block, rows, module.own_kernels)
     module.own_attention = module.model.layers[0].self_attn.own_attention if module.model.layers else False

@@ -6,7 +6,7 @@ The twin is a `NativeModel` of the target's architecture and tokenizer whose pro
 blocks), with some of the target's blocks left out if asked. Its embedding table and norms are the target's own
 tensors, shared, not copied; its LM head is the target's requantized, or the target's very head (its module and its
 packing) where it already has the twin's head format or `head` asks for it. Like any quantized model it runs on
-verispec's kernels, on one thread, with float32 activations: the twin of a bfloat16 target reads the bfloat16 table's
+verispec's kernels, with float32 activations: the twin of a bfloat16 target reads the bfloat16 table's
 rows widened to float32 by the embedding's kernel (`kernels.gather`) and holds float32 copies of the norms only (a
 vector a block). It never holds a float copy of a weight matrix: each projection is made float32 one at a time, only
 while it is quantized (a block-quantized target's is dequantized from its blocks, not through `.weight`, which
@@ -65,9 +65,6 @@ def twin_refusal(target: CausalLM) -> str | None:
                 f"bfloat16 target on the CPU; {target.name} is {target.dtype} on {target.device}")
     if not kernels.available(torch.float32):
         return f"a quantized twin runs on verispec's kernels, which do not run here: {kernels.reason()}"
-    if not kernels.chosen(torch.float32):
-        return (f"a quantized twin runs on verispec's kernels, on one thread; torch runs {torch.get_num_threads()} "
-                f"here (--threads 1)")
     return None
 
 
