@@ -5,7 +5,8 @@ verification of a chain or tree of n - 1 drafts costs, in units of a plain step)
 The formats: float32 and bfloat16 (every weight in the dtype), Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the projections in
 the block format, the LM head in Q8_0, float32 activations: `load_model(quantize=)`), and a GGUF file's own formats
 (`dtype="auto"`), beside its default float16 key/value cache and a float32 one. All are loaded at once and timed in
-turns, round by round (medians over the rounds), after the cache holds `context` tokens; one thread.
+turns, round by round (medians over the rounds), after the cache holds `context` tokens; at one thread, and again
+at the run's thread count where that is more, each beside the read bandwidth measured at that count.
 """
 
 from __future__ import annotations
@@ -75,22 +76,36 @@ def _split(kernels_s: dict[str, float]) -> str:
     return ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in parts if seconds / total >= 0.01)
 
 
-def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context: int = 256) -> Path:
-    """Load the target in every format, time them, write formats.md into `out`."""
+def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context: int = 256, threads: int = 1
+                ) -> Path:
+    """Load the target in every format, time them at one thread and at `threads`, write formats.md into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    with torch_threads(1), torch.inference_mode():
+    with torch.inference_mode():
         models = {name: load_model(target, **options) for name, options in settings(target).items()}
-        seconds, step_over_read, bandwidth = measure(models, rounds, context)
-        kernel_s = {name: by_kernel(model, context) for name, model in models.items()}
         where = machine()
+        sections = []
+        for count in sorted({1, threads}):
+            with torch_threads(count):
+                seconds, step_over_read, bandwidth = measure(models, rounds, context)
+                kernel_s = {name: by_kernel(model, context) for name, model in models.items()}
+            sections += _section(models, count, seconds, step_over_read, bandwidth, kernel_s)
     lines = [f"# Forward by weight format: {target.name}", "",
              f"Command: `{command}`  ",
              f"Machine: {cpu_line(where)}, {where['cores']} cores; torch {where['torch']}, Python {where['python']}; "
-             f"verispec's kernels: {kernels.reason()}, one thread  ",
-             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (one thread, the median of the rounds; the floor under a "
-             f"1-token step is its weights' bytes over it). After {context} cached tokens; medians of {rounds} rounds "
-             f"in turns. Step / read is the median over the rounds of the step over the read time measured just "
-             f"before it.", "",
+             f"verispec's kernels: {kernels.reason()}  ",
+             f"After {context} cached tokens; medians of {rounds} rounds in turns, at each thread count. Step / read is "
+             f"the median over the rounds of the step over the read time (the weights' bytes over the read bandwidth "
+             f"at that thread count, measured just before it: the floor under a 1-token step).", "", *sections]
+    path = out / "formats.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _section(models: dict[str, NativeModel], threads: int, seconds: dict[str, dict[int, float]],
+             step_over_read: dict[str, float], bandwidth: float, kernel_s: dict[str, dict[str, float]]) -> list[str]:
+    """The report's lines for one thread count."""
+    lines = [f"## {threads} thread{'s' if threads > 1 else ''}", "",
+             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (the median of the rounds).", "",
              "| format | linears | cache | weights (MB) | weight-read (ms) | 1-token step (ms) | step / read | "
              + " | ".join(f"r({n})" for n in WIDTHS[1:]) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * (len(WIDTHS) - 1)]
@@ -108,6 +123,4 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
         replay = sum(kernel_s[name].values())
         lines.append(f"| {name} | {replay * 1e3:.2f} | {(seconds[name][1] - replay) * 1e3:.2f} | "
                      f"{_split(kernel_s[name]) or '(not captured: no kernels here)'} |")
-    path = out / "formats.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return lines + [""]

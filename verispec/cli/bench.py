@@ -47,7 +47,7 @@ def bench_command(args: argparse.Namespace) -> None:
         from verispec.bench.formats import run_formats
 
         command = " ".join(["verispec", *sys.argv[1:]])
-        print(run_formats(Path(args.target), out, command, rounds=args.repeats or 7).read_text())
+        print(run_formats(Path(args.target), out, command, rounds=args.repeats or 7, threads=args.threads).read_text())
         return
     if args.profile:
         from verispec.bench.profile_forward import run_profile

@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--formats", action="store_true",
                        help="instead: the target's 1-token step and r(n), n = 1 .. 16, in every weight format (float32, "
                             "bfloat16, q8_0, q4_0, q4_1, q5_0, q5_1; a GGUF's own), beside each one's weight-read time; "
-                            "writes formats.md (--target, --out and --repeats, rounds (default 7), apply; one thread)")
+                            "writes formats.md (--target, --out and --repeats, rounds (default 7), apply; at one thread and at "
+                            "--threads N)")
     bench.add_argument("--profile", action="store_true",
                        help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
                             "plain and fast kernels) against its weight-read time; writes forward-profile.md "
