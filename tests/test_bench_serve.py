@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from verispec import kernels
 from verispec.cli import main
 from verispec.models.native import load_model
 from verispec.serve.app import serving_app
@@ -33,8 +35,11 @@ def test_bench_serve_local(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: 
         assert [level["concurrency"] for level in levels] == [1, 2]
         assert all(level["tokens"] == 3 * 5 and level["throughput"] > 0 and level["ttft_p99"] >= level["ttft_p50"]
                    for level in levels)
+    if kernels.available(torch.float32):  # exact by default on the kernels: every answer its prompt's alone
+        assert all(level["identical"] == level["requests"] for levels in results.values() for level in levels)
     report = (tmp_path / "out" / "report.md").read_text()
     assert "draft k=2 vs autoregressive, output-token throughput by concurrency: 1: " in report
+    assert "identical to alone |" in report
     assert "report: " in capsys.readouterr().out
 
 

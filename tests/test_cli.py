@@ -97,9 +97,12 @@ def test_generate_defaults_to_exact_bfloat16_where_the_kernels_run(pair_dirs, ar
     assert target.exact == (here if exact == "auto" else exact)
 
 
-def test_the_server_and_transformers_never_default_to_exact_mode(pair_dirs) -> None:
-    """The server's batched engine needs ordinary forwards; transformers has no exact mode."""
-    assert not loaded_target("serve", "--target", str(pair_dirs[0]), "--threads", "1").exact
+def test_the_server_is_exact_where_the_kernels_run_and_transformers_never(pair_dirs) -> None:
+    """The server's batched engine is exact by construction on verispec's kernels, as generate is; transformers has
+    no exact mode."""
+    served = loaded_target("serve", "--target", str(pair_dirs[0]), "--threads", "1")
+    assert served.exact == kernels.available(torch.float32)
+    assert not loaded_target("serve", "--target", str(pair_dirs[0]), "--threads", "1", "--no-exact").exact
     on_transformers = loaded_target("generate", "x", "--target", str(pair_dirs[0]), "--backend", "transformers")
     assert not hasattr(on_transformers, "exact")
     assert next(on_transformers.model.parameters()).dtype == torch.float32  # auto: none of our kernels there

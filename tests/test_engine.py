@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from verispec import kernels
 from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
                       SuffixDecoding, build_drafter, generate, generate_batch, load_model)
 from verispec.engine import Engine, Request
@@ -246,11 +247,17 @@ class _Poisoned(DraftModel):
 
 
 def test_refuses_drafters_and_targets_that_do_not_batch(target, draft, pair_dirs) -> None:
-    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2), DraftModel(load_model(pair_dirs[1], exact=True))):
+    """Exact mode batches on verispec's kernels only (tests/test_engine_exact.py), a draft model's too."""
+    exact_draft = DraftModel(load_model(pair_dirs[1], exact=True))
+    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2), *(() if kernels.available(torch.float32)
+                                                                   else (exact_draft,))):
         with pytest.raises(InvalidArgumentError, match=f"drafter {drafter.name} does not batch"):
             Engine(target, drafter)
-    with pytest.raises(InvalidArgumentError, match="cannot decode a batch"):
-        Engine(load_model(pair_dirs[0], exact=True))
+    if kernels.available(torch.float32):
+        assert Engine(load_model(pair_dirs[0], exact=True), exact_draft).metrics.exact
+    else:
+        with pytest.raises(InvalidArgumentError, match="cannot decode a batch"):
+            Engine(load_model(pair_dirs[0], exact=True))
 
 
 @pytest.mark.parametrize("request_options, message", [

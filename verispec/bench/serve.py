@@ -4,9 +4,11 @@ Each level runs `requests` streamed greedy completions (EOS ignored, so every se
 tokens) through `concurrency` clients that each send their next request as soon as the last one ends. Per level:
 throughput (output tokens per second of wall time), time to first token, inter-token latency (the gap between
 streamed chunks, one per engine step, as vLLM's serving benchmark measures it; a speculative step's chunk carries
-several tokens) and time per output token after the first. The client speaks only the OpenAI API over HTTP
-(httpx), so it measures verispec's server, vLLM or SGLang alike; `measure_local` serves plain decoding and
-speculation from one loaded target in turn and measures both.
+several tokens) and time per output token after the first; and how many answers are identical to the answer that
+prompt got alone, from the first server at the first level (one client: each request alone in its batch), so that a
+greedy answer that changes with the requests beside it, or with speculation, shows. The client speaks only the
+OpenAI API over HTTP (httpx), so it measures verispec's server, vLLM or SGLang alike; `measure_local` serves plain
+decoding and speculation from one loaded target in turn and measures both.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Timing:
     chunk_gaps: list[float]
     tokens: int
     latency: float
+    prompt: str
+    text: str
 
 
 @dataclass
@@ -71,13 +75,14 @@ class Level:
     itl_p50: float
     itl_p99: float
     tpot_mean: float  # (latency - ttft) / (tokens - 1), averaged over requests
+    identical: int  # answers identical to their prompt's answer alone (the reference)
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Timing:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
-    arrivals, tokens = [], 0
+    arrivals, tokens, text = [], 0, []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -88,14 +93,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
             event = json.loads(line.removeprefix("data: "))
             if event.get("choices") and event["choices"][0].get("text"):
                 arrivals.append(time.perf_counter() - start)
+                text.append(event["choices"][0]["text"])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if not arrivals:
         raise ServerBenchError(f"{url} streamed no text for a prompt")
-    return Timing(arrivals[0], list(np.diff(arrivals)), tokens, time.perf_counter() - start)
+    return Timing(arrivals[0], list(np.diff(arrivals)), tokens, time.perf_counter() - start, prompt, "".join(text))
 
 
-async def _level(url: str, model: str, work: Workload, concurrency: int) -> Level:
+async def _level(url: str, model: str, work: Workload, concurrency: int, reference: dict[str, str]) -> Level:
+    """One level; `reference`: each prompt's answer alone (filled from this level's answers where it has none)."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for i in range(work.requests):
         queue.put_nowait(work.prompts[i % len(work.prompts)])
@@ -114,8 +121,11 @@ async def _level(url: str, model: str, work: Workload, concurrency: int) -> Leve
     gaps = [g for t in timings for g in t.chunk_gaps] or [0.0]
     tpot = [(t.latency - t.ttft) / (t.tokens - 1) for t in timings if t.tokens > 1] or [0.0]
     tokens = sum(t.tokens for t in timings)
+    for t in timings:
+        reference.setdefault(t.prompt, t.text)
     return Level(concurrency, len(timings), tokens, wall, tokens / wall, *np.percentile(ttft, [50, 99]),
-                 *np.percentile(gaps, [50, 99]), float(np.mean(tpot)))
+                 *np.percentile(gaps, [50, 99]), float(np.mean(tpot)),
+                 sum(t.text == reference[t.prompt] for t in timings))
 
 
 def served_model(url: str) -> str:
@@ -127,15 +137,18 @@ def served_model(url: str) -> str:
         raise ServerBenchError(f"{url}/v1/models: no model listed ({err})") from None
 
 
-def measure(url: str, work: Workload) -> list[Level]:
-    """Every concurrency level of `work` against the server at `url`, after one warm-up request."""
+def measure(url: str, work: Workload, reference: dict[str, str] | None = None) -> list[Level]:
+    """Every concurrency level of `work` against the server at `url`, after one warm-up request; each answer
+    compared with `reference[prompt]`, which the first level fills where it is empty (pass one dict to every server
+    measured, the first level at one client: every answer is then held against the prompt's answer alone)."""
     url = url.rstrip("/")
     model = served_model(url)
+    reference = {} if reference is None else reference
 
     async def run() -> list[Level]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
             await _one(client, url, model, work.prompts[0], min(8, work.max_tokens))
-        return [await _level(url, model, work, c) for c in work.concurrency]
+        return [await _level(url, model, work, c, reference) for c in work.concurrency]
 
     try:
         return asyncio.run(run())
@@ -144,17 +157,19 @@ def measure(url: str, work: Workload) -> list[Level]:
 
 
 def measure_local(target: CausalLM, drafter: Drafter, label: str, work: Workload, *, max_batch: int,
-                  threads: int, adaptive: bool) -> dict[str, list[Level]]:
+                  threads: int, adaptive: bool, context: int | None = None, kv_memory: int | None = None
+                  ) -> dict[str, list[Level]]:
     """Plain decoding, then `drafter`'s speculation (`adaptive`: k chosen per step), each served from `target` on
-    this machine and measured."""
+    this machine (`context` tokens a request, `kv_memory` bytes of keys and values: engine/kv_budget.py) and
+    measured."""
     from verispec.serve.app import serving_app  # the server's stack loads on demand
     from verispec.serve.server import ServerThread
 
-    results = {}
+    results, reference = {}, {}
     for name, which in (("autoregressive", None), (label, drafter)):
-        app = serving_app(target, which, max_batch=max_batch, adaptive=adaptive)
+        app = serving_app(target, which, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
         with torch_threads(threads), ServerThread(app) as server:
-            results[name] = measure(server.url, work)
+            results[name] = measure(server.url, work, reference)
     return results
 
 
@@ -173,12 +188,12 @@ def verdict(results: dict[str, list[Level]]) -> list[str]:
 
 
 def format_table(results: dict[str, list[Level]]) -> str:
-    rows = ["| server | clients | requests | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT mean (ms) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| server | clients | requests | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT mean (ms) | "
+            "identical to alone |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, levels in results.items():
         rows += [f"| {name} | {v.concurrency} | {v.requests} | {v.throughput:.1f} | {1e3 * v.ttft_p50:.0f} / "
-                 f"{1e3 * v.ttft_p99:.0f} | {1e3 * v.itl_p50:.1f} / {1e3 * v.itl_p99:.1f} | {1e3 * v.tpot_mean:.1f} |"
-                 for v in levels]
+                 f"{1e3 * v.ttft_p99:.0f} | {1e3 * v.itl_p50:.1f} / {1e3 * v.itl_p99:.1f} | {1e3 * v.tpot_mean:.1f} | "
+                 f"{v.identical}/{v.requests} |" for v in levels]
     return "\n".join(rows)
 
 
@@ -197,6 +212,7 @@ def write_report(out: Path, results: dict[str, list[Level]], work: Workload, set
         lines += verdict(results) + [""]
     lines += ["TTFT: from sending a request to its first text. ITL: the gap between streamed chunks (one per engine "
               "step; a speculative chunk carries several tokens). TPOT: a request's time per output token after the "
-              "first."]
+              "first. Identical to alone: answers whose text is the one their prompt got from the first server at "
+              f"{work.concurrency[0]} client{'s' if work.concurrency[0] > 1 else ''}."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"

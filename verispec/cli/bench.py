@@ -4,6 +4,7 @@ concurrent clients) and search-layerskip (the layers layer skip leaves out, chos
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -90,7 +91,8 @@ def bench_serve_command(args: argparse.Namespace) -> None:
         if args.target or args.draft:
             raise InvalidArgumentError("--url measures running servers; --target and --draft would be ignored")
         servers = [url.split("=", 1) if "=" in url.split("://")[0] else (url, url) for url in args.url]
-        results = {label: measure(url, work) for label, url in servers}
+        reference: dict[str, str] = {}  # each prompt's answer alone: the first server's at its first level
+        results = {label: measure(url, work, reference) for label, url in servers}
         setup = {"servers": ", ".join(f"{label} at {url}" for label, url in servers)}
     else:
         whole_number(args.max_batch, "--max-batch", 1)
@@ -102,8 +104,10 @@ def bench_serve_command(args: argparse.Namespace) -> None:
             raise InvalidArgumentError("bench-serve compares speculation with plain decoding; give it a method "
                                        "that drafts (--draft, or --method)")
         results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads,
-                                adaptive=method.k == AUTO)
-        setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch}
+                                adaptive=method.k == AUTO, context=args.max_model_len, kv_memory=args.kv_cache_memory)
+        setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch,
+                 "exact": getattr(target, "exact", False),
+                 "peak resident memory": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"}
         setup |= machine()
     report = write_report(out, results, work, setup)
     print(format_table(results))

@@ -124,7 +124,8 @@ def serve_command(args: argparse.Namespace) -> None:
     method = checked_method(args)
     target, drafter = load_models(args, method)
     app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch,
-                      adaptive=method.k == AUTO, options=options)
+                      adaptive=method.k == AUTO, options=options, context=args.max_model_len,
+                      kv_memory=args.kv_cache_memory)
     print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
           f"http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.shutdown_grace)

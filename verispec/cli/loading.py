@@ -68,11 +68,11 @@ def checked_method(args: argparse.Namespace) -> Method:
 
 
 def load_target(args: argparse.Namespace) -> CausalLM:
-    """The target, in exact mode if --exact. Without --exact or --no-exact, `generate` takes exact mode where the
-    native runtime runs the target on verispec's kernels (there it costs nothing); the server never does (its
-    batched engine needs ordinary forwards). A target that only transformers runs takes float32 where --dtype was
-    left at auto (its bfloat16 has none of those kernels)."""
-    auto_exact = args.exact is None and args.command == "generate"
+    """The target, in exact mode if --exact. Without --exact or --no-exact, `generate`, `serve` and `bench-serve` take
+    exact mode where the native runtime runs the target on verispec's kernels (there it costs next to nothing, and
+    the server's batched forwards give each request the bits it gets alone). A target that only transformers runs
+    takes float32 where --dtype was left at auto (its bfloat16 has none of those kernels)."""
+    auto_exact = args.exact is None and args.command in ("generate", "serve", "bench-serve")
     if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
         return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact), quantize=args.quantize,
                     kv_dtype=args.kv_dtype)

@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
+from verispec.engine.kv_budget import DEFAULT_CONTEXT, DEFAULT_MEMORY, byte_size
 from verispec.errors import InvalidArgumentError
 from verispec.models.auto import BACKENDS
 from verispec.models.precision import DTYPES, KV_DTYPES
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together (default 16); "
                                                                 "more requests wait for a free slot")
+    add_kv_args(srv)
     srv.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are ended "
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsv.add_argument("--max-tokens", type=int, default=128, help="tokens per completion, EOS ignored (default 128)")
     bsv.add_argument("--suite", help="prompts (jsonl with a prompt field; default data/bench/suite.jsonl)")
     bsv.add_argument("--max-batch", type=int, default=16, help="the local servers' batch (default 16)")
+    add_kv_args(bsv)
     bsv.add_argument("--out", help="folder for report.md and results.json (default: a new temporary folder)")
     add_runtime_args(bsv)
     rnd = sub.add_parser("init-random", help="write a random target/draft pair (byte tokenizer) to try the engine")
@@ -237,6 +240,17 @@ def add_grammar_args(parser: argparse.ArgumentParser) -> None:
                                                            "GBNF (.gbnf, llama.cpp's) grammar in FILE")
 
 
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """A server's key/value memory (engine/kv_budget.py)."""
+    parser.add_argument("--max-model-len", type=int,
+                        help=f"tokens a request's prompt and answer may take (default: the smaller of the model's "
+                             f"context and {DEFAULT_CONTEXT})")
+    parser.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
+                        help=f"keys and values all running requests may hold together, e.g. 2GiB or 512MiB "
+                             f"(default {DEFAULT_MEMORY // 2**30}GiB); a request waits for room, and one that could "
+                             f"never fit is refused")
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Where and how the models run."""
     parser.add_argument("--device", default="cpu")
@@ -251,8 +265,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                              "(as llama.cpp), else the activations' dtype; float16 goes with float32 activations")
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction,
                         help="batch-invariant forwards: greedy output bit-identical to plain decoding in any dtype "
-                             "(default: on for generate where the native target runs on verispec's kernels, which "
-                             "makes it free; off for the batched server)")
+                             "(default: on for generate and serve where the native target runs on verispec's "
+                             "kernels, which makes it free; the server's batches are then exact too)")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="native runtime, transformers, or auto: native where it covers the architecture")
     parser.add_argument("--threads", type=int,

@@ -23,7 +23,9 @@ class DraftModelBatch:
 
     def __init__(self, model: CausalLM, slots: int, head: VocabHead | None = None) -> None:
         self.model, self.head = model, head  # (an LM head over the draft vocabulary, if any: proposals among it only)
-        self.cache = model.new_batch_cache(slots, model.context_length)
+        # Each sequence's drafts (and their q) as alone, where the kernels run, so that sampling draws the same
+        # whatever shares the batch
+        self.cache = model.new_batch_cache(slots, model.context_length, exact=True)
         self._starts: dict[int, SequenceStart] = {}
         self._context_len: dict[int, int] = {}  # per slot: the context its last proposal followed
 

@@ -16,6 +16,7 @@ from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
 from verispec.drafters.batch import SequenceStart
 from verispec.engine.batch_step import SequenceStep, batched_step
 from verispec.engine.draft_length import DraftLength
+from verispec.engine.kv_budget import KVBudget
 from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
 from verispec.engine.request_state import RequestState
@@ -41,11 +42,13 @@ class Engine:
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, *, max_batch: int = 16,
-                 adaptive: bool = True, costs: Callable[[int], Costs] | None = None) -> None:
+                 adaptive: bool = True, costs: Callable[[int], Costs] | None = None, context: int | None = None,
+                 kv_memory: int | None = None) -> None:
         self.max_batch = whole_number(max_batch, "max_batch", 1)
         if not target.capabilities.batching:
             raise InvalidArgumentError(f"target {target.name} cannot decode a batch: the engine needs the native "
-                                       "runtime (not the transformers adapter, nor exact mode)")
+                                       "runtime (not the transformers adapter), in exact mode on verispec's kernels "
+                                       "only (--no-exact elsewhere)")
         if drafter is not None:
             if not getattr(drafter, "batched", False):  # undeclared means not batched
                 raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts chains "
@@ -53,11 +56,13 @@ class Engine:
                                            "decoding, or decodes plainly")
             check_target(drafter, target)
         self.target, self.drafter = target, drafter
-        self.cache = target.new_batch_cache(self.max_batch)
+        context, memory = KVBudget.context_for(target.context_length, context), KVBudget.memory(kv_memory)
+        self.cache = target.new_batch_cache(self.max_batch, context, memory=memory)
+        self.budget = KVBudget(context, memory // self.cache.bytes_per_position, self.cache.bytes_per_position)
         self.drafts = None if drafter is None else drafter.begin_batch(target, self.max_batch)
         self.max_k = 0 if drafter is None else drafter.k
         self.draft_length = DraftLength(self.max_k, costs) if drafter is not None and adaptive else None
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(exact=self.cache.exact, kv_budget_bytes=memory)
         self._pooled = Acceptance(max(1, self.max_k))  # every sequence's verdicts
         self._next_id = 0
         self._free = list(range(self.max_batch))  # a heap: the lowest free slot first keeps the batch contiguous
@@ -80,13 +85,16 @@ class Engine:
             raise InvalidArgumentError(f"expected a verispec.engine.Request, got {type(request).__name__}")
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams, got {type(request.sampling).__name__}")
-        prompt, _, seed, stop = generation_args(self.target, request.prompt, max_new_tokens=request.max_new_tokens,
-                                                seed=request.seed, stop=request.stop)
+        prompt, limit, seed, stop = generation_args(self.target, request.prompt,
+                                                    max_new_tokens=request.max_new_tokens, seed=request.seed,
+                                                    stop=request.stop)
+        positions = self.budget.need(len(prompt), limit, self.max_k)  # refused here if it could never fit
         grammar = bind(request.grammar, self.target, request.ignore_eos)
         generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
         sequence = RequestState(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                                None if grammar is None else grammar.start(), list(prompt), len(prompt))
+                                None if grammar is None else grammar.start(), list(prompt), len(prompt),
+                                positions=positions)
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
@@ -125,15 +133,19 @@ class Engine:
             if sequence.finish_reason is not None:
                 self._release(sequence)
         self.metrics.running, self.metrics.waiting = len(self._running), len(self._waiting)
+        self.metrics.kv_reserved_bytes = self.budget.reserved * self.budget.bytes_per_position
+        self.metrics.kv_bytes = self.cache.nbytes
         self.metrics.decode_seconds += time.perf_counter() - start
         return updates
 
     def _admit(self) -> None:
         """Give waiting requests free slots and prefill them together: each prompt but its last token."""
         joining = []
-        while self._waiting and self._free:
+        while self._waiting and self._free and self.budget.fits(self._waiting[0].positions):  # else it waits for room
             sequence = self._waiting.popleft()
             sequence.slot = heapq.heappop(self._free)
+            self.cache.open(sequence.slot, sequence.positions)
+            self.budget.take(sequence.positions)
             # Its acceptance starts from what the drafter has been getting lately, worth a few of its own tries
             # (deeper positions, as always, from the estimate before them).
             sequence.acceptance = Acceptance(max(1, self.max_k), self._pooled.rates()[0], POOLED_WEIGHT)
@@ -158,6 +170,7 @@ class Engine:
         except BaseException:  # back to the queue, as if they had not joined
             for s in joining:
                 self.cache.truncate(s.slot, 0)
+                self.budget.give(s.positions)
                 if s in drafting:
                     self.drafts.remove(s.slot)
                 del self._running[s.id]
@@ -168,7 +181,7 @@ class Engine:
     def _decode(self, live: list[RequestState]) -> None:
         """One step for the live sequences: choose k, draft, verify in one forward, commit. A sequence whose own part
         fails (its draft, its acceptance rule, its text) ends with that error; the others step as they would alone."""
-        context = self.target.context_length
+        context = self.budget.context
         limits = [min(self.max_k, s.room(context) - 1) for s in live]
         if self.draft_length is not None:
             k = self.draft_length.choose([s.acceptance.rates() for s in live], limits,
@@ -255,7 +268,7 @@ class Engine:
         """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are
         rolled back after it (what it wrote lies past their lengths, never read). None where a slot lacks room."""
         slots = [s.slot for s in live]
-        if any(self.cache.lengths[slot] + width > self.cache.max_len for slot in slots):
+        if any(self.cache.lengths[s.slot] + width > s.positions for s in live):
             return None
         lengths = [self.cache.lengths[slot] for slot in slots]
         x = torch.zeros(len(slots), width, dtype=torch.long, device=self.target.device)
@@ -269,6 +282,7 @@ class Engine:
     def _release(self, sequence: RequestState) -> None:
         del self._running[sequence.id]
         self.cache.truncate(sequence.slot, 0)
+        self.budget.give(sequence.positions)
         if self.drafts is not None:
             self.drafts.remove(sequence.slot)
         heapq.heappush(self._free, sequence.slot)

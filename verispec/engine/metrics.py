@@ -21,6 +21,10 @@ class EngineMetrics:
     last_k: int = 0  # the draft length chosen for the last step (0: plain decoding)
     last_batch: int = 0  # sequences in the last step's forward
     steps_by_k: list[int] = field(default_factory=list)  # [k]: steps that drafted k tokens per sequence
+    exact: bool = False  # each request's tokens are bitwise those it gets alone (batch-invariant forwards)
+    kv_budget_bytes: int = 0  # the keys and values the running requests may hold together (engine/kv_budget.py)
+    kv_reserved_bytes: int = 0  # what the running requests reserve of it
+    kv_bytes: int = 0  # what the cache holds now
 
     def record_step(self, k: int, batch: int) -> None:
         self.last_k, self.last_batch = k, batch

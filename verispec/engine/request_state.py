@@ -27,6 +27,7 @@ class RequestState:
     grammar: Constraint | None  # the grammar's state after the committed tokens
     tokens: list[int]  # the prompt's ids, then every committed token
     prompt_length: int
+    positions: int = 0  # the cache positions it reserves while it runs (engine/kv_budget.py)
     slot: int = -1  # its cache slot while it runs
     acceptance: Acceptance | None = None  # by draft position, which the step's k is chosen from; set when it joins
     stats: GenerationStats = field(default_factory=GenerationStats)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -20,11 +20,24 @@ class BatchKVCache:
     would leak through the attention's weighted sum.
     """
 
+    exact: ClassVar[bool] = False  # padded batches through PyTorch's attention: a row's bits depend on its batch
+
     def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.max_len, self.lengths = max_len, [0] * slots
+        self.bytes_per_position = layers * kv_heads * head_dim * 2 * dtype.itemsize
         self.k = torch.zeros(layers, slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its keys and values hold: all of them, from the start."""
+        return self.k.nbytes + self.v.nbytes
+
+    def open(self, slot: int, max_len: int) -> None:
+        """A sequence of at most `max_len` positions takes slot `slot` (its room is there already)."""
+        if not 1 <= max_len <= self.max_len:
+            raise ValueError(f"{max_len} positions is not within 1 .. {self.max_len}")
 
     def truncate(self, slot: int, length: int) -> int:
         """Roll slot `slot` back to `length` positions (O(1)); returns how many were removed. Other slots are
@@ -47,6 +60,8 @@ class BatchLayout:
     token sees its slot's cached keys and the row's real tokens up to itself; a padding token sees what the row's
     last real token sees (so no row is masked out entirely); padding is never written to the cache.
     """
+
+    on_kernels: ClassVar[bool] = False  # padded rows through PyTorch's attention
 
     def __init__(self, cache: BatchKVCache, slots: list[int], counts: list[int], width: int) -> None:
         device = cache.k.device

@@ -11,6 +11,8 @@ from verispec.errors import ContextLengthError
 
 SLOT_BLOCK = 128  # a cache without rows allocates its slots in blocks of this many: caches of nearby sizes then share
 # a layout, and with it the forwards captured for it (models/captured.py)
+FIRST_SLOTS = 1024  # what a cache without rows holds at first; it doubles as its tokens need, up to max_len (so that
+# memory follows the tokens used, not the model's context, and a cache passes through few layouts on its way)
 
 
 F16_MAX = 65504.0  # float16's largest finite value
@@ -23,31 +25,42 @@ def saturate_f16(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated to `max_len` positions.
+    """Keys and values of every layer, for up to `max_len` positions.
 
     `length` is the number of positions filled. A forward writes its new positions at
     [length, length + T) and then `advance`s; rejecting drafted tokens is `truncate`, which only
     moves `length` back: stale entries past it are never read and are overwritten later.
+    A growing cache (by default one without rows) holds FIRST_SLOTS slots at first (or its capacity's, if fewer) and
+    doubles them when a forward needs more (`reserve`), up to its capacity: its memory follows the tokens it holds.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
-                 rows: int | None = None, width: int | None = None) -> None:
+                 rows: int | None = None, width: int | None = None, grows: bool | None = None) -> None:
         self._length = ctypes.c_int64(0)  # where verispec's kernels read it when a captured forward is replayed
         self.max_len, self.rows = max_len, rows
-        # A static cache (exact mode, `rows` set) holds `rows` slots more than max_len for a forward's padding rows,
-        # and `width` (default max_len + rows) at least: the keys every row attends over, whatever the cache's use.
+        # An exact-mode cache (`rows` set) holds `rows` slots more than max_len for a forward's padding rows, and
+        # `width` (default max_len + rows) at least: the keys every row attends over on PyTorch's kernels, which read
+        # every slot (a static cache: all of them at once, zeroed). On verispec's they read only the slots a row
+        # sees, so there it grows (`grows`) as any other.
         self.width = max_len + rows if rows is not None and width is None else width
-        self.slots = -(-max_len // SLOT_BLOCK) * SLOT_BLOCK if rows is None else max(max_len + rows, self.width)
-        shape = (layers, batch, kv_heads, self.slots, head_dim)
-        if rows is None:
+        self.grows = rows is None if grows is None else grows
+        self.capacity = -(-max_len // SLOT_BLOCK) * SLOT_BLOCK if self.grows else max(max_len + rows, self.width)
+        self.slots = min(self.capacity, FIRST_SLOTS) if self.grows else self.capacity
+        self.shape = (layers, batch, kv_heads, self.slots, head_dim)
+        if self.grows:
             # Uninitialised: attention only ever reads positions below `length`, which were written first.
-            self.k = torch.empty(shape, dtype=dtype, device=device)
-            self.v = torch.empty(shape, dtype=dtype, device=device)
+            self.k = torch.empty(self.shape, dtype=dtype, device=device)
+            self.v = torch.empty(self.shape, dtype=dtype, device=device)
         else:
             # Zeros: a static cache's attention reads every slot, masked or not, and 0 * NaN would leak through.
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = torch.zeros(self.shape, dtype=dtype, device=device)
+            self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its keys and values hold now."""
+        return self.k.nbytes + self.v.nbytes
 
     @property
     def length(self) -> int:
@@ -81,9 +94,23 @@ class KVCache:
         return None
 
     def reserve(self, n: int) -> None:
-        """Check that `n` more positions fit, before any layer writes them."""
+        """Check that `n` more positions fit, and make room for them, before any layer writes them."""
         if self.length + n > self.max_len:
             raise ContextLengthError(f"KV cache holds {self.max_len} positions; {self.length} used, {n} more asked")
+        if self.length + n > self.slots and self.grows:
+            self._grow(self.length + n)
+
+    def _grow(self, need: int) -> None:
+        """Twice the slots (or what `need` takes, in blocks), up to the capacity; the filled positions copied over.
+        The keys and values are new tensors: a captured forward bound to this cache is bound again before it runs
+        (models/captured.py), and its shape is another capture's."""
+        slots = min(self.capacity, max(2 * self.slots, -(-need // SLOT_BLOCK) * SLOT_BLOCK))
+        shape = (*self.shape[:3], slots, self.shape[4])
+        for name in ("k", "v"):
+            old, new = getattr(self, name), torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+        self.slots, self.shape = slots, shape
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far (in a static
@@ -91,7 +118,7 @@ class KVCache:
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length:end] = saturate_f16(k, self.k)
         self.v[layer, :, :, self.length:end] = saturate_f16(v, self.v)
-        if self.rows is not None:  # static: every slot, for a fixed key width
+        if not self.grows:  # static: every slot, for a fixed key width
             return self.k[layer], self.v[layer]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 

@@ -63,7 +63,7 @@ class CapturedForward:
             else:
                 self.into_cache.append((self.program.word(call, argument), part, kernels.address(target) - bases[part]))
         self.words = torch.tensor([word for word, *_ in self.into_cache], dtype=torch.int64)
-        self.bound = weakref.ref(cache)
+        self.bound, self.bases = weakref.ref(cache), bases
         # Programs that run this one with calls around it (`replay_causal`, `replay_chain`), for the bound cache
         self.made: dict[Hashable, tuple] = {}
 
@@ -86,12 +86,12 @@ class CapturedForward:
 
     def bind(self, cache: KVCache) -> None:
         """Point the program's cache arguments at `cache` (its lock held); the programs made for another go."""
-        if self.bound() is cache:
-            return
         bases = _bases(cache)
+        if self.bound() is cache and bases == self.bases:  # (a cache that grew has new keys and values)
+            return
         self.program.code[self.words] = torch.tensor([bases[part] + offset for _, part, offset in self.into_cache],
                                                      dtype=torch.int64)
-        self.bound = weakref.ref(cache)
+        self.bound, self.bases = weakref.ref(cache), bases
         self.made.clear()
 
     def outputs(self) -> Outputs:

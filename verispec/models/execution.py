@@ -25,6 +25,7 @@ from verispec.models.layout import AttentionMask, Layout, VisibleSlots, as_index
 from verispec.models.linear import packed_here
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
+from verispec.models.slot_caches import SlotsLayout
 
 LONG_ROWS = 256  # exact mode's chunks on verispec's attention, where they bound only memory (see `_exact`)
 Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits, and (B, T, len(hidden), D) where asked for
@@ -75,10 +76,20 @@ class Execution:
             cache.advance(T)
         return out
 
-    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout, head: VocabHead | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (`BatchLayout`: each row's
-        offset, its real tokens and its padding); each slot advances by its row's real tokens only. `head`: over its
-        tokens only (B, T, N)."""
+    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout | SlotsLayout, head: VocabHead | None = None
+                      ) -> torch.Tensor:
+        """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (each row's offset, its real
+        tokens and its padding); each slot advances by its row's real tokens only. `head`: over its tokens only (B, T,
+        N). On verispec's kernels (`SlotsLayout`) only the real tokens run, as one sequence of rows each attending over
+        its own cache: a row's logits are then bitwise its sequence's alone; a padding row's are zeros."""
+        if rows.on_kernels:
+            self.rope = covering(self.rope, rows.slots, self.module.config, self.module.dtype)
+            logits, _ = self.module(tokens[rows.real][None], None, replace(rows, rope=self.rope),
+                                    ForwardOptions(positions=rows.positions, head=head))
+            rows.advance()
+            out = logits.new_empty(*tokens.shape, logits.shape[-1])
+            out[rows.real], out[~rows.real] = logits[0], 0
+            return out
         logits, _ = self.module(tokens, rows, AttentionMask(rows.mask), ForwardOptions(positions=rows.positions,
                                                                                         head=head))
         rows.advance()

@@ -14,7 +14,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from verispec import kernels
 from verispec.errors import ContextLengthError
+from verispec.models.cache import KVCache
 from verispec.models.config import ModelConfig
 
 TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
@@ -185,6 +187,13 @@ class VisibleSlots:
     def of(visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> VisibleSlots:
         """Rows that see the cache slots `visible` (R, slots), True where seen."""
         return VisibleSlots(visible.to(torch.uint8).contiguous(), rope)
+
+    def store_and_attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                         ) -> torch.Tensor:
+        """The rows' new keys and values k, v (R, Hkv * D) into `cache`, and their queries q (H, R, D) over the slots
+        each sees -> (R, H * D)."""
+        keys, values = cache.store(layer, k, v)
+        return kernels.attend(q, keys, values, self.visible)
 
 
 def exact_layout(on_kernels: bool, visible: torch.Tensor, width: int) -> FixedWidthKeys | VisibleSlots:

@@ -19,8 +19,10 @@ from verispec.models.config import ModelConfig
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
 from verispec.models.linear import PackedLinear, packed_here, rows_of
 from verispec.models.options import ForwardOptions, VocabHead
+from verispec.models.slot_caches import SlotsLayout
 
-Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`)
+Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`); None on
+# the kernels' batched layout (`SlotsLayout`), whose sequences each store into their own
 
 
 class RMSNorm(nn.Module):
@@ -70,14 +72,15 @@ class Attention(nn.Module):
         y = layout.attend(q, k, v)  # (B, T, H * D)
         return self.o(y, residual) if self.o is not None else residual + self.o_proj(y)
 
-    def _own(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layout: VisibleSlots,
-             residual: torch.Tensor) -> torch.Tensor:
-        """The same on verispec's kernels, one sequence (B = 1): kernel calls on views of the projections' output."""
+    def _own(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+             layout: VisibleSlots | SlotsLayout, residual: torch.Tensor) -> torch.Tensor:
+        """The same on verispec's kernels, as rows (B = 1): kernel calls on views of the projections' output, the keys
+        stored and attended by the layout (one sequence's cache, or each sequence's own)."""
         T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
         kernels.rotary_(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1), cos, sin)  # q and k, in place
-        keys, values = cache.store(self.layer, qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:])
-        y = kernels.attend(qkv[:, : H * D].view(T, H, D).transpose(0, 1), keys, values, layout.visible)  # (T, H * D)
+        y = layout.store_and_attend(cache, self.layer, qkv[:, : H * D].view(T, H, D).transpose(0, 1),
+                                    qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:])  # (T, H * D)
         return self.o(y[None], residual)
 
 
@@ -169,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         if layout is None:
             layout = AttentionMask(options.mask, causal=options.mask is None)
-        if layout.on_kernels:  # one sequence: rows of the embedding and rotary tables by verispec's kernel
+        if layout.on_kernels:  # rows (B = 1): of the embedding and rotary tables by verispec's kernel
             x = kernels.gather(self.model.embed_tokens.weight, tokens[0], self.dtype)[None]  # (1, T, D)
             cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from verispec.models.options import ForwardOptions, VocabHead
 from verispec.models.precision import (file_formats, kv_dtype_of, pack_model, parse_dtype, quantize_linears,
                                        quantized_at_load)
 from verispec.models.protocol import Capabilities
+from verispec.models.slot_caches import SlotCaches
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:
@@ -70,14 +72,18 @@ class NativeModel:
         self.exact = exact
         self.kv_dtype = kv_dtype_of(module, kv_dtype)  # its caches' (`kv_dtype_of`), and the batched engine's:
         self.batch_kv_dtype = kv_dtype_of(module, kv_dtype, batched=True)
-        # Exact mode's static caches hold one sequence: its fixed-shape attention has no rows for other sequences.
-        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True, batching=not exact,
-                                         greedy_chains=True, vocab_heads=True, twins=True)
+        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True,
+                                         batching=self._batches(), greedy_chains=True, vocab_heads=True, twins=True)
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
         self.device, self.dtype = module.model.norm.weight.device, module.dtype  # (the activations')
         self.execution = Execution(module)
+
+    def _batches(self) -> bool:
+        """Whether the batched engine can run it: exact mode batches only where the kernels attend (each sequence
+        over its own cache), not on PyTorch's static caches, whose fixed-shape attention holds one sequence."""
+        return not self.exact or self.module.own_attention
 
     def pack(self, rows: int, own_kernels: bool | None = None) -> None:
         """Pack the weights for the kernels, laid out for `rows` rows (`precision.pack_model`); the forwards'
@@ -85,21 +91,37 @@ class NativeModel:
         pack_model(self.module, rows, own_kernels)
         capture, self.execution = self.execution.capture, Execution(self.module)
         self.execution.capture = capture
+        self.capabilities = replace(self.capabilities, batching=self._batches())
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty cache for `max_len` positions (default: the context length). It grows as its tokens need, but
+        in exact mode on PyTorch's kernels, whose attention takes a fixed width of keys (a static cache)."""
         c = self.config
-        static = dict(rows=EXACT_ROWS, width=exact_width(self.context_length)) if self.exact else {}
+        static = dict(rows=EXACT_ROWS, width=exact_width(self.context_length), grows=self.module.own_attention) \
+            if self.exact else {}
         return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
                        c.dim_per_head, self.kv_dtype, self.device, **static)
 
-    def new_batch_cache(self, slots: int, max_len: int | None = None) -> BatchKVCache:
-        """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length)."""
-        c = self.config
-        return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len or self.context_length,
-                            c.dim_per_head, self.batch_kv_dtype, self.device)
+    def new_batch_cache(self, slots: int, max_len: int | None = None, exact: bool | None = None,
+                        memory: int | None = None) -> BatchKVCache | SlotCaches:
+        """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length): `exact`
+        (default: the model's mode) on verispec's kernels, each sequence's own cache, as `new_cache` makes it (memory
+        as its tokens need; a batched forward exact by construction: `SlotCaches`); else one tensor for all of them,
+        allocated at once, padded batches attending through PyTorch (`BatchKVCache`), refused where it would take
+        more than `memory` bytes."""
+        c, max_len = self.config, max_len or self.context_length
+        per_position = c.num_hidden_layers * c.num_key_value_heads * c.dim_per_head * 2
+        if (self.exact if exact is None else exact) and self.module.own_attention:
+            return SlotCaches(slots, max_len, self.new_cache, per_position * self.kv_dtype.itemsize)
+        if memory is not None and slots * max_len * per_position * self.batch_kv_dtype.itemsize > memory:
+            raise InvalidArgumentError(f"a batch cache of {slots} sequences of {max_len} positions (allocated at once "
+                                       f"outside exact mode) would take more than {memory / 2**20:.0f} MiB; lower "
+                                       f"--max-batch or --max-model-len, or raise --kv-cache-memory")
+        return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.dim_per_head,
+                            self.batch_kv_dtype, self.device)
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache, slots: Sequence[int],
+    def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache | SlotCaches, slots: Sequence[int],
                       counts: Sequence[int], head: VocabHead | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
         counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N))."""

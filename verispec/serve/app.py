@@ -45,15 +45,19 @@ class ClientGone(Exception):
 
 def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
                 name: str | None = None, max_batch: int = 16, adaptive: bool = True,
-                options: ServeOptions = ServeOptions()) -> FastAPI:
+                options: ServeOptions = ServeOptions(), context: int | None = None,
+                kv_memory: int | None = None) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
     the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences that choose each
-    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step; `options`: who may call it and
-    what it accepts."""
+    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step, `context` tokens a request and
+    `kv_memory` bytes of keys and values in all (engine/kv_budget.py); `options`: who may call it and what it
+    accepts."""
     chat = load_chat_template(target_dir) if target_dir is not None else None
-    longest_text = target.context_length * longest_token_chars(target.tokenizer)
-    model = ServedModel(name or target.name, target, chat, int(time.time()), longest_text)
-    return create_app(model, Engine(target, drafter, max_batch=max_batch, adaptive=adaptive), options)
+    engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
+    longest_text = engine.budget.context * longest_token_chars(target.tokenizer)
+    model = ServedModel(name or target.name, target, chat, int(time.time()), longest_text, engine.budget.context,
+                        engine.metrics.exact)
+    return create_app(model, engine, options)
 
 
 def create_app(model: ServedModel, engine: Engine, options: ServeOptions = ServeOptions()) -> FastAPI:
@@ -78,13 +82,13 @@ def create_app(model: ServedModel, engine: Engine, options: ServeOptions = Serve
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = await asyncio.to_thread(prepare_completion, model, body)
-        reply = Reply("completion", model.name, body.include_usage)
+        reply = Reply("completion", model.name, model.exact, body.include_usage)
         return await _respond(worker, metrics, request, prepared, reply, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         prepared = await asyncio.to_thread(prepare_chat, model, body)
-        reply = Reply("chat", model.name, body.include_usage)
+        reply = Reply("chat", model.name, model.exact, body.include_usage)
         return await _respond(worker, metrics, request, prepared, reply, body.stream)
 
     @app.get("/v1/models")

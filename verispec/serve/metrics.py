@@ -48,6 +48,13 @@ class _EngineCollector:
                                   value=m.accepted_tokens)
         rate = m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else 0.0
         yield GaugeMetricFamily("verispec_acceptance_rate", "Accepted / drafted tokens since the start", value=rate)
+        yield GaugeMetricFamily("verispec_exact", "1 where each request's tokens are bitwise those it gets alone "
+                                "(batch-invariant forwards)", value=int(m.exact))
+        yield GaugeMetricFamily("verispec_kv_cache_budget_bytes", "Keys and values the running requests may hold "
+                                "together (--kv-cache-memory)", value=m.kv_budget_bytes)
+        yield GaugeMetricFamily("verispec_kv_cache_reserved_bytes", "What the running requests reserve of the budget",
+                                value=m.kv_reserved_bytes)
+        yield GaugeMetricFamily("verispec_kv_cache_bytes", "What the key/value cache holds now", value=m.kv_bytes)
         done = self._finished
         tau = done.tokens / done.target_calls if done.target_calls else 0.0
         yield GaugeMetricFamily("verispec_mean_tokens_per_target_call", "tau: tokens per target forward a sequence "

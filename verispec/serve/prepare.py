@@ -39,6 +39,8 @@ class ServedModel:
     chat: ChatTemplate | None
     created: int  # Unix time the server loaded it, as /v1/models reports
     longest_text: int  # characters past which a text cannot fit in the context (checked before it is encoded)
+    context_length: int  # the tokens a request's prompt and answer may take (--max-model-len)
+    exact: bool  # each request's tokens are bitwise those it gets alone
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
     # The template writes the special tokens (BOS included) itself, so encoding must not add them again.
     ids = prompt_ids(model.target, model.target.tokenizer.encode(text, add_special_tokens=False).ids)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    limit = model.target.context_length - len(ids) if body.token_limit is None else body.token_limit
+    limit = model.context_length - len(ids) if body.token_limit is None else body.token_limit
     return _prepared(model, body, ids, limit, name)
 
 
@@ -85,7 +87,7 @@ def _check_length(model: ServedModel, length: int, what: str) -> None:
     """Refuse a text of `length` characters that cannot fit in the context before spending time on encoding it."""
     if length > model.longest_text:
         raise ContextLengthError(f"{what} has {length} characters: more than this model's context of "
-                                 f"{model.target.context_length} tokens can hold (at most {model.longest_text})")
+                                 f"{model.context_length} tokens can hold (at most {model.longest_text})")
 
 
 def _check_model(model: ServedModel, body: ApiRequest) -> None:
@@ -95,7 +97,7 @@ def _check_model(model: ServedModel, body: ApiRequest) -> None:
 
 def _prepared(model: ServedModel, body: ApiRequest, ids: list[int], limit: int, limit_name: str) -> Prepared:
     limit = whole_number(limit, limit_name, 1)
-    context = model.target.context_length
+    context = model.context_length
     if len(ids) + limit > context:
         raise ContextLengthError(f"this model's maximum context length is {context} tokens; the prompt has "
                                  f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)")

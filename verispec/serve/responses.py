@@ -32,10 +32,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def verispec_stats(stats: GenerationStats) -> dict:
-    """The request's speculation numbers: acceptance of drafted tokens and tau (tokens per target call)."""
+def verispec_stats(stats: GenerationStats, exact: bool) -> dict:
+    """The request's speculation numbers: acceptance of drafted tokens and tau (tokens per target call); and whether
+    its tokens are bitwise those it gets alone (`exact`)."""
     return {"acceptance_rate": stats.acceptance_rate, "tau": stats.tau, "target_calls": stats.target_calls,
-            "drafted_tokens": stats.proposed, "accepted_tokens": stats.accepted}
+            "drafted_tokens": stats.proposed, "accepted_tokens": stats.accepted, "exact": exact}
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Reply:
 
     kind: Literal["completion", "chat"]
     model: str
+    exact: bool  # its tokens are bitwise those the request gets alone
     include_usage: bool = False  # streams only: every chunk has "usage" (null but in the last one)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -61,7 +63,7 @@ class Reply:
             choice["text"] = text
         else:
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-        return self._head(False) | {"choices": [choice], "usage": counts, "verispec": verispec_stats(stats)}
+        return self._head(False) | {"choices": [choice], "usage": counts, "verispec": verispec_stats(stats, self.exact)}
 
     def role_chunk(self) -> str:
         """Chat streams open with the assistant's role and empty content, as the API's do."""
@@ -75,7 +77,7 @@ class Reply:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
-        return self._chunk(choice, {} if stats is None else {"verispec": verispec_stats(stats)})
+        return self._chunk(choice, {} if stats is None else {"verispec": verispec_stats(stats, self.exact)})
 
     def usage_chunk(self, counts: dict) -> str:
         return sse(self._head(True) | {"choices": [], "usage": counts})
