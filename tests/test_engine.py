@@ -181,11 +181,11 @@ def test_a_failed_step_leaves_every_sequence_consistent(target, draft, fail_at, 
         def __getattr__(self, name):
             return getattr(target, name)
 
-        def forward_batch(self, *args):
+        def forward_batch(self, *args, **options):
             self.calls += 1
             if self.calls == fail_at:
                 raise RuntimeError("interrupted")
-            return target.forward_batch(*args)
+            return target.forward_batch(*args, **options)
 
     engine = Engine(Failing(), DraftModel(draft, 4), adaptive=False)
     ids = [engine.add(Request(p, N, SamplingParams(), ignore_eos=True)) for p in PROMPTS]

@@ -52,8 +52,8 @@ def test_each_row_of_a_batched_forward_is_its_sequence_alone(exact_target) -> No
     sequences = [torch.randint(0, 250, (1, n + c), generator=generator) for n, c in zip(lengths, counts)]
     batch = model.new_batch_cache(len(lengths), 128)
     for slot, (n, seq) in enumerate(zip(lengths, sequences)):
-        if n:
-            model.forward_batch(seq[:, :n], batch, [slot], [n])
+        if n:  # a prefill: keys and values stored, no LM head
+            assert model.forward_batch(seq[:, :n], batch, [slot], [n], logits=False) is None
     x = torch.zeros(len(lengths), max(counts), dtype=torch.long)
     for b, (n, c, seq) in enumerate(zip(lengths, counts, sequences)):
         x[b, :c] = seq[0, n:]

@@ -34,7 +34,7 @@ class DraftModelBatch:
         prompt = start.prompt
         if 1 < len(prompt) <= self.cache.max_len:  # a prompt that fills the draft's context never gets drafts
             x = torch.tensor([prompt[:-1]], device=self.model.device)
-            self.model.forward_batch(x, self.cache, [slot], [len(prompt) - 1])
+            self.model.forward_batch(x, self.cache, [slot], [len(prompt) - 1], logits=False)
 
     def propose(self, contexts: Mapping[int, Sequence[int]], ks: Mapping[int, int]) -> dict[int, Proposal]:
         # As alone: the cache must hold context + k - 1 tokens, so k is cut where the draft's context ends.

@@ -161,7 +161,7 @@ class Engine:
                 x = torch.zeros(len(prefill), max(counts), dtype=torch.long, device=self.target.device)
                 for b, s in enumerate(prefill):
                     x[b, : counts[b]] = torch.tensor(s.tokens[:-1], device=self.target.device)
-                self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts)
+                self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts, logits=False)
             for s in joining:
                 if self.drafts is not None:
                     self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator, s.grammar))

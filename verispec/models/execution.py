@@ -76,24 +76,30 @@ class Execution:
             cache.advance(T)
         return out
 
-    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout | SlotsLayout, head: VocabHead | None = None
-                      ) -> torch.Tensor:
+    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout | SlotsLayout, head: VocabHead | None = None,
+                      logits: bool = True) -> torch.Tensor | None:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (each row's offset, its real
         tokens and its padding); each slot advances by its row's real tokens only. `head`: over its tokens only (B, T,
-        N). On verispec's kernels (`SlotsLayout`) only the real tokens run, as one sequence of rows each attending over
-        its own cache: a row's logits are then bitwise its sequence's alone; a padding row's are zeros."""
+        N); without `logits`, no LM head (None). On verispec's kernels (`SlotsLayout`) only the real tokens run, as one
+        sequence of rows each attending over its own cache: a row's logits are then bitwise its sequence's alone; a
+        padding row's are zeros."""
         if rows.on_kernels:
             self.rope = covering(self.rope, rows.slots, self.module.config, self.module.dtype)
-            logits, _ = self.module(tokens[rows.real][None], None, replace(rows, rope=self.rope),
-                                    ForwardOptions(positions=rows.positions, head=head))
+            real = tokens[rows.real][None]
+            out, _ = self.module(real, None, replace(rows, rope=self.rope),
+                                 ForwardOptions(positions=rows.positions, head=head,
+                                                logits_from=0 if logits else real.shape[1]))
             rows.advance()
-            out = logits.new_empty(*tokens.shape, logits.shape[-1])
-            out[rows.real], out[~rows.real] = logits[0], 0
-            return out
-        logits, _ = self.module(tokens, rows, AttentionMask(rows.mask), ForwardOptions(positions=rows.positions,
-                                                                                        head=head))
+            if not logits:
+                return None
+            padded = out.new_empty(*tokens.shape, out.shape[-1])
+            padded[rows.real], padded[~rows.real] = out[0], 0
+            return padded
+        out, _ = self.module(tokens, rows, AttentionMask(rows.mask),
+                             ForwardOptions(positions=rows.positions, head=head,
+                                            logits_from=0 if logits else tokens.shape[1]))
         rows.advance()
-        return logits
+        return out if logits else None
 
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int, head: VocabHead | None = None
               ) -> list[int]:

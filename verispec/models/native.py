@@ -122,10 +122,12 @@ class NativeModel:
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache | SlotCaches, slots: Sequence[int],
-                      counts: Sequence[int], head: VocabHead | None = None) -> torch.Tensor:
+                      counts: Sequence[int], head: VocabHead | None = None, logits: bool = True
+                      ) -> torch.Tensor | None:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
-        counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N))."""
-        return self.execution.forward_batch(tokens, cache.layout(slots, counts, tokens.shape[1]), head)
+        counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N)). Without `logits` (a
+        prefill), the LM head does not run and None comes back."""
+        return self.execution.forward_batch(tokens, cache.layout(slots, counts, tokens.shape[1]), head, logits)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,

@@ -20,8 +20,8 @@ class Capabilities:
     # the two ends of the model, which feature-level drafters (EAGLE, Medusa) share
     hidden_states: bool = False
     layer_subsets: bool = False  # `layers=` runs only some blocks (self-speculative layer skip)
-    # `new_batch_cache(slots, max_len)` and `forward_batch(tokens, cache, slots, counts)`: several sequences, each in
-    # its own cache slot with its own length, in one forward (the batched engine)
+    # `new_batch_cache(slots, max_len)` and `forward_batch(tokens, cache, slots, counts, logits=)`: several
+    # sequences, each in its own cache slot with its own length, in one forward (the batched engine)
     batching: bool = False
     # `greedy_chain(tokens, cache, n, among)`: n tokens of greedy decoding in one call (a draft model's chain), the
     # model's own way; a model without it is driven a forward at a time
