@@ -17,6 +17,7 @@ from verispec.engine.kv_budget import KVBudget, byte_size
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.cache import FIRST_SLOTS
+from verispec.models.default import load_default
 from verispec.models.native import load_model
 from verispec.sampling import SamplingParams
 from verispec.threads import torch_threads
@@ -103,6 +104,30 @@ def test_staggered_requests_get_the_tokens_they_get_alone(pair_dirs, method, thr
         assert engine.metrics.exact
         for request_id, i in ids.items():
             assert tokens(updates[request_id]) == alone[i], f"request {i} ({method})"
+
+
+@pytest.mark.parametrize("which", ["shipped pair", "gguf"])
+def test_staggered_requests_on_the_shipped_pair_and_a_block_format_gguf(which, k_quant_file) -> None:
+    """The same on the shipped pair (exact bfloat16, its draft model) and on a GGUF's own K-quant blocks (suffix)."""
+    if which == "shipped pair":
+        target, draft = load_default(exact=True)
+        make = lambda: DraftModel(draft, 3)  # noqa: E731
+    else:
+        target = load_model(k_quant_file, dtype="auto", exact=True)
+        make = lambda: SuffixDecoding(3)  # noqa: E731
+    limits = [30, 1, 12, 7, 20, 3, 16, 9]
+    alone = [generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens
+             for prompt, limit in zip(PROMPTS, limits)]
+    engine = Engine(target, make(), max_batch=8, adaptive=False)
+    ids, updates = {}, {}
+    for i in range(0, len(PROMPTS), 2):
+        for j in (i, i + 1):
+            ids[engine.add(Request(PROMPTS[j], limits[j], GREEDY, ignore_eos=True))] = j
+        for update in engine.step():
+            updates.setdefault(update.request_id, []).append(update)
+    for request_id, done in run(engine).items():
+        updates.setdefault(request_id, []).extend(done)
+    assert all(tokens(updates[request_id]) == alone[i] for request_id, i in ids.items())
 
 
 def test_a_seeded_sampled_request_draws_the_same_alone_and_beside_others(pair_dirs) -> None:
