@@ -176,7 +176,8 @@ def test_a_huge_context_and_batch_hold_only_what_their_tokens_need(tmp_path) -> 
     """A model whose context is a million positions, served 64 at a time: nothing is allocated for the context, and
     the caches hold what their tokens need (a cache without rows starts at FIRST_SLOTS and doubles)."""
     config = gguf_config(len(bpe_vocab()[0]), max_position_embeddings=2**20)
-    model = load_model(str(write_gguf(tmp_path / "huge.gguf", config, by_name({}, GGML.Q8_0))), dtype="auto", exact=True)
+    huge = write_gguf(tmp_path / "huge.gguf", config, by_name({}, GGML.Q8_0))
+    model = load_model(str(huge), dtype="auto", exact=True)
     engine = Engine(model, SuffixDecoding(3), max_batch=64, context=2**20, kv_memory=byte_size("64MiB"))
     assert engine.cache.nbytes == 0
     for prompt in PROMPTS:

@@ -10,8 +10,8 @@ from verispec.models.native import NativeModel
 
 
 def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
-    """Bytes per second read at torch's thread count (the bench's): the median time of a sum over a float32 tensor far larger than the
-    caches (the same memory the weights stream from)."""
+    """Bytes per second read at torch's thread count (the bench's): the median time of a sum over a float32 tensor
+    far larger than the caches (the same memory the weights stream from)."""
     data = torch.ones(megabytes * 2**20 // 4)
     data.sum()  # touch every page before timing
     times = []

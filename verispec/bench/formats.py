@@ -93,7 +93,8 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
              f"Command: `{command}`  ",
              f"Machine: {cpu_line(where)}, {where['cores']} cores; torch {where['torch']}, Python {where['python']}; "
              f"verispec's kernels: {kernels.reason()}  ",
-             f"After {context} cached tokens; medians of {rounds} rounds in turns, at each thread count. Step / read is "
+             f"After {context} cached tokens; medians of {rounds} rounds in turns, at each thread count. Step / read "
+             f"is "
              f"the median over the rounds of the step over the read time (the weights' bytes over the read bandwidth "
              f"at that thread count, measured just before it: the floor under a 1-token step).", "", *sections]
     path = out / "formats.md"
@@ -116,7 +117,8 @@ def _section(models: dict[str, NativeModel], threads: int, seconds: dict[str, di
         lines.append(f"| {name} | {kinds} | {cache} | {size / 1e6:.0f} | {size / bandwidth * 1e3:.2f} | "
                      f"{one * 1e3:.2f} | {step_over_read[name]:.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
-    lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; the "
+    lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; "
+              "the "
               "rest of the step is Python around it):", "",
               "| format | replay (ms) | step less replay (ms) | by kernel |", "|---|---|---|---|"]
     for name in models:
