@@ -152,3 +152,16 @@ def test_chat_on_a_terminal(chat_pair) -> None:
     finally:
         proc.kill()
         os.close(leader)
+
+
+def test_a_reply_runs_to_the_end_of_its_turn_unless_told(chat_pair) -> None:
+    """No max_new_tokens (the chat command's default): the reply runs to EOS or the room left in the context, not a
+    fixed count."""
+    target = load_model(chat_pair[0])
+    chat = Chat(target, load_chat_template(chat_pair[0]).render, ignore_eos=True)
+    steps = chat.say("hello")
+    for _ in steps:
+        pass
+    assert steps.stats.new_tokens > 128  # the old fixed default
+    assert len(chat._cached) == target.context_length - 1  # prompt and reply fill the context (the last token not yet
+    # in the cache)

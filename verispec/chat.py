@@ -23,7 +23,8 @@ class Chat:
     """`say(text)` streams the assistant's reply to one more user message; `reset()` starts over.
 
     `render(messages)` is the checkpoint's chat template (`verispec.serve.chat.ChatTemplate.render`): the prompt
-    text, ending where the assistant's reply begins, special tokens included. `options` are `stream`'s.
+    text, ending where the assistant's reply begins, special tokens included. `options` are `stream`'s; without
+    `max_new_tokens` a reply runs to the end of its turn (the room left in the context).
     """
 
     def __init__(self, target: CausalLM, render: Callable[[Messages], str], drafter: Drafter | None = None, *,
@@ -47,7 +48,7 @@ class Chat:
             raise InvalidArgumentError("a chat message must be a non-empty string")
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.target.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
-        budget = self.options.get("max_new_tokens", 128)
+        budget = self.options.get("max_new_tokens") or self.target.context_length  # None: to the end of the turn
         if len(ids) + 1 > self.target.context_length:
             raise InvalidArgumentError(f"the conversation has {len(ids)} tokens: no room left in the model's "
                                        f"context of {self.target.context_length}; /reset to start over")

@@ -73,7 +73,7 @@ def unescape(text: str, option: str) -> str:
 
 def check_options(args: argparse.Namespace) -> None:
     """Options outside the method record that need no model to judge: checked before seconds of loading."""
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.system is not None and args.command == "generate" and not args.chat:
         raise InvalidArgumentError("--system goes with --chat (or `verispec chat`): a plain prompt has no roles")

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     cht = sub.add_parser("chat", help="a multi-turn conversation through the checkpoint's chat template, streamed; "
                                       "the KV cache is kept across turns")
     add_model_args(cht)
-    add_decoding_args(cht, "per reply")
+    add_decoding_args(cht, None)
     add_runtime_args(cht)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, models, health, "
                                        "metrics) over the batched engine")
@@ -213,9 +213,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             help=f"{', '.join(families_taking(name))}: {option.help}")
 
 
-def add_decoding_args(parser: argparse.ArgumentParser, per: str = "") -> None:
-    """What `stream` takes, as generate and chat give it; the system message and the colours of the output."""
-    parser.add_argument("--max-new-tokens", type=int, default=128, help=f"(default 128{', ' + per if per else ''})")
+def add_decoding_args(parser: argparse.ArgumentParser, max_new_tokens: int | None = 128) -> None:
+    """What `stream` takes, as generate and chat give it (a chat's replies run to the end of their turn unless told:
+    `max_new_tokens` None); the system message and the colours of the output."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                        help="(default 128)" if max_new_tokens else "most tokens a reply (default: to the end of its "
+                                                                     "turn, the room left in the context)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default) decodes greedily, as does any value below 1e-5")
     parser.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
