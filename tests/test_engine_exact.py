@@ -23,6 +23,7 @@ from verispec.sampling import SamplingParams
 from verispec.threads import torch_threads
 
 from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
+from test_engine import run, tokens
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.float32),
                                 reason=f"verispec's kernels do not run here: {kernels.reason()}")
@@ -93,17 +94,7 @@ def test_staggered_requests_get_the_tokens_they_get_alone(pair_dirs, method, thr
             alone[i] = [t for u in run(engine).values() for t in tokens(u)]
             assert alone[i] == generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens
         engine = Engine(target, drafters(target, draft)[method], max_batch=8, adaptive=False)
-        ids, updates = {}, {}
-        for i in range(0, len(PROMPTS), 2):
-            for j in (i, i + 1):
-                ids[engine.add(Request(PROMPTS[j], limits[j], GREEDY, ignore_eos=True))] = j
-            for update in engine.step():
-                updates.setdefault(update.request_id, []).append(update)
-        for request_id, done in run(engine).items():
-            updates.setdefault(request_id, []).extend(done)
-        assert engine.metrics.exact
-        for request_id, i in ids.items():
-            assert tokens(updates[request_id]) == alone[i], f"request {i} ({method})"
+        assert staggered(engine, limits) == alone and engine.metrics.exact
 
 
 @pytest.mark.parametrize("which", ["shipped pair", "gguf"])
@@ -118,16 +109,7 @@ def test_staggered_requests_on_the_shipped_pair_and_a_block_format_gguf(which, k
     limits = [30, 1, 12, 7, 20, 3, 16, 9]
     alone = [generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens
              for prompt, limit in zip(PROMPTS, limits)]
-    engine = Engine(target, make(), max_batch=8, adaptive=False)
-    ids, updates = {}, {}
-    for i in range(0, len(PROMPTS), 2):
-        for j in (i, i + 1):
-            ids[engine.add(Request(PROMPTS[j], limits[j], GREEDY, ignore_eos=True))] = j
-        for update in engine.step():
-            updates.setdefault(update.request_id, []).append(update)
-    for request_id, done in run(engine).items():
-        updates.setdefault(request_id, []).extend(done)
-    assert all(tokens(updates[request_id]) == alone[i] for request_id, i in ids.items())
+    assert staggered(Engine(target, make(), max_batch=8, adaptive=False), limits) == dict(enumerate(alone))
 
 
 def test_a_seeded_sampled_request_draws_the_same_alone_and_beside_others(pair_dirs) -> None:
@@ -199,16 +181,17 @@ def test_byte_sizes() -> None:
     assert KVBudget.context_for(32768, None) == 8192 and KVBudget.context_for(2048, None) == 2048
 
 
-def run(engine: Engine) -> dict[int, list]:
-    updates: dict[int, list] = {}
-    while engine.has_work:
+def staggered(engine: Engine, limits: list[int]) -> dict[int, list[int]]:
+    """PROMPTS[i] with max_new_tokens limits[i], added two at a time between the engine's steps: each one's tokens."""
+    ids, updates = {}, {}
+    for i in range(0, len(PROMPTS), 2):
+        for j in (i, i + 1):
+            ids[engine.add(Request(PROMPTS[j], limits[j], GREEDY, ignore_eos=True))] = j
         for update in engine.step():
             updates.setdefault(update.request_id, []).append(update)
-    return updates
-
-
-def tokens(updates: list) -> list[int]:
-    return [t for u in updates for t in u.tokens]
+    for request_id, done in run(engine).items():
+        updates.setdefault(request_id, []).extend(done)
+    return {i: tokens(updates[request_id]) for request_id, i in ids.items()}
 
 
 @pytest.mark.parametrize("method", ["suffix", "draft"])
