@@ -53,7 +53,8 @@ EXACT_ROWS = 16  # exact mode on PyTorch's kernels: the most rows of a forward (
 class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`.
 
-    `exact`: its caches are static (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`), and a position's
+    `exact`: its caches are exact mode's (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`: static on
+    PyTorch's kernels, growing on verispec's), and a position's
     logits are bitwise the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill
     chunk): greedy speculative output is then identical to plain greedy decoding in any dtype. On verispec's own
     kernels (verispec/kernels: an AVX-512 or an AVX2 build, whichever the CPU has) that holds by construction:
