@@ -94,9 +94,9 @@ def run_formats(target: Path, out: Path, command: str, rounds: int = 7, context:
              f"Machine: {cpu_line(where)}, {where['cores']} cores; torch {where['torch']}, Python {where['python']}; "
              f"verispec's kernels: {kernels.reason()}  ",
              f"After {context} cached tokens; medians of {rounds} rounds in turns, at each thread count. Step / read "
-             f"is "
-             f"the median over the rounds of the step over the read time (the weights' bytes over the read bandwidth "
-             f"at that thread count, measured just before it: the floor under a 1-token step).", "", *sections]
+             "is the median over the rounds of the step over the read time (the weights' bytes over the read "
+             "bandwidth at that thread count, measured just before it: the floor under a 1-token step).", "",
+             *sections]
     path = out / "formats.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -118,8 +118,7 @@ def _section(models: dict[str, NativeModel], threads: int, seconds: dict[str, di
                      f"{one * 1e3:.2f} | {step_over_read[name]:.2f}x | "
                      + " | ".join(f"{seconds[name][n] / one:.2f}" for n in WIDTHS[1:]) + " |")
     lines += ["", "Where a 1-token step's replay spends its time, by kernel (timed replays of its captured forward; "
-              "the "
-              "rest of the step is Python around it):", "",
+              "the rest of the step is Python around it):", "",
               "| format | replay (ms) | step less replay (ms) | by kernel |", "|---|---|---|---|"]
     for name in models:
         replay = sum(kernel_s[name].values())

@@ -51,8 +51,7 @@ def floor_line(timing: dict) -> str:
     read = timing["weight_bytes"] / timing["read_bandwidth"]
     return (f"Weight-read time: {timing['weight_bytes'] / 1e6:.0f} MB of target weights at "
             f"{timing['read_bandwidth'] / 1e9:.1f} GB/s read bandwidth (a timed sum over 256 MB, at the run's "
-            f"threads) = "
-            f"{read * 1e3:.2f} ms; the target step takes {timing['target_step_seconds'] * 1e3:.2f} ms, "
+            f"threads) = {read * 1e3:.2f} ms; the target step takes {timing['target_step_seconds'] * 1e3:.2f} ms, "
             f"{timing['target_step_seconds'] / read:.1f}x that (both medians over rounds that measure them in turns).")
 
 

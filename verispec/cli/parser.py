@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--formats", action="store_true",
                        help="instead: the target's 1-token step and r(n), n = 1 .. 16, in every weight format (float32, "
                             "bfloat16, q8_0, q4_0, q4_1, q5_0, q5_1; a GGUF's own), beside each one's weight-read time; "
-                            "writes formats.md (--target, --out and --repeats, rounds (default 7), apply; at one thread and at "
-                            "--threads N)")
+                            "writes formats.md (--target, --out and --repeats, rounds (default 7), apply; at one "
+                            "thread and at --threads N)")
     bench.add_argument("--profile", action="store_true",
                        help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
                             "plain and fast kernels) against its weight-read time; writes forward-profile.md "
@@ -216,9 +216,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_decoding_args(parser: argparse.ArgumentParser, max_new_tokens: int | None = 128) -> None:
     """What `stream` takes, as generate and chat give it (a chat's replies run to the end of their turn unless told:
     `max_new_tokens` None); the system message and the colours of the output."""
+    to_the_end = "most tokens a reply (default: to the end of its turn, the room left in the context)"
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                        help="(default 128)" if max_new_tokens else "most tokens a reply (default: to the end of its "
-                                                                     "turn, the room left in the context)")
+                        help=f"(default {max_new_tokens})" if max_new_tokens else to_the_end)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default) decodes greedily, as does any value below 1e-5")
     parser.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verispec.errors import ContextLengthError, InvalidArgumentError
-from verispec.models.cache import SLOT_BLOCK
+from verispec.models.cache import in_blocks
 
 DEFAULT_CONTEXT = 8192  # a request's positions where the model's context is longer (--max-model-len)
 DEFAULT_MEMORY = 2 * 2**30  # bytes of keys and values for all running requests together (--kv-cache-memory)
@@ -50,7 +50,7 @@ class KVBudget:
         if prompt >= self.context:
             raise ContextLengthError(f"this server's context length is {self.context} tokens (--max-model-len); the "
                                      f"prompt has {prompt}")
-        positions = min(self.context, -(-(prompt + max_new_tokens + drafts) // SLOT_BLOCK) * SLOT_BLOCK)
+        positions = min(self.context, in_blocks(prompt + max_new_tokens + drafts))
         if positions > self.positions:
             raise InvalidArgumentError(f"this request may come to hold {positions} positions, "
                                        f"{_mib(positions * self.bytes_per_position)} of keys and values: more than "

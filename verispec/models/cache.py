@@ -18,6 +18,11 @@ FIRST_SLOTS = 1024  # what a cache without rows holds at first; it doubles as it
 F16_MAX = 65504.0  # float16's largest finite value
 
 
+def in_blocks(n: int) -> int:
+    """n positions rounded up to whole blocks of SLOT_BLOCK."""
+    return -(-n // SLOT_BLOCK) * SLOT_BLOCK
+
+
 def saturate_f16(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """x as a float16 `cache` stores it: into float16's finite range (NaN stays NaN), as verispec's store_kv_f16
     does, so that a slot never holds an infinity; x itself for a cache of another dtype."""
@@ -45,17 +50,21 @@ class KVCache:
         # sees, so there it grows (`grows`) as any other.
         self.width = max_len + rows if rows is not None and width is None else width
         self.grows = rows is None if grows is None else grows
-        self.capacity = -(-max_len // SLOT_BLOCK) * SLOT_BLOCK if self.grows else max(max_len + rows, self.width)
-        self.slots = min(self.capacity, FIRST_SLOTS) if self.grows else self.capacity
-        self.shape = (layers, batch, kv_heads, self.slots, head_dim)
+        self.capacity = in_blocks(max_len) if self.grows else max(max_len + rows, self.width)
+        shape = (layers, batch, kv_heads, min(self.capacity, FIRST_SLOTS) if self.grows else self.capacity, head_dim)
         if self.grows:
             # Uninitialised: attention only ever reads positions below `length`, which were written first.
-            self.k = torch.empty(self.shape, dtype=dtype, device=device)
-            self.v = torch.empty(self.shape, dtype=dtype, device=device)
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         else:
             # Zeros: a static cache's attention reads every slot, masked or not, and 0 * NaN would leak through.
-            self.k = torch.zeros(self.shape, dtype=dtype, device=device)
-            self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def slots(self) -> int:
+        """The positions its keys and values hold room for now."""
+        return self.k.shape[3]
 
     @property
     def nbytes(self) -> int:
@@ -104,13 +113,13 @@ class KVCache:
         """Twice the slots (or what `need` takes, in blocks), up to the capacity; the filled positions copied over.
         The keys and values are new tensors: a captured forward bound to this cache is bound again before it runs
         (models/captured.py), and its shape is another capture's."""
-        slots = min(self.capacity, max(2 * self.slots, -(-need // SLOT_BLOCK) * SLOT_BLOCK))
-        shape = (*self.shape[:3], slots, self.shape[4])
+        layers, batch, kv_heads, _, head_dim = self.k.shape
+        slots = min(self.capacity, max(2 * self.slots, in_blocks(need)))
         for name in ("k", "v"):
-            old, new = getattr(self, name), torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            old = getattr(self, name)
+            new = torch.empty(layers, batch, kv_heads, slots, head_dim, dtype=old.dtype, device=old.device)
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
-        self.slots, self.shape = slots, shape
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far (in a static
