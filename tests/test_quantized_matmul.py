@@ -163,6 +163,10 @@ def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match="multiple of 32 inputs"):
         load_model(random_checkpoint(tmp_path / "narrow", tiny_config(hidden_size=48, num_attention_heads=3,
                                                                       num_key_value_heads=1)), quantize="q8_0")
+    if not kernels.available(torch.float32):
+        with pytest.raises(InvalidArgumentError, match="kernels, which do not run here"):
+            load_model(folder, quantize="q8_0")
+        return
     with torch_threads(2):  # the kernels run at any thread count
         assert load_model(folder, quantize="q8_0").module.own_kernels
 
