@@ -20,7 +20,7 @@ TESTS = Path(__file__).parent
 # oneDNN held to AVX2 as well, as on a CPU without AVX-512), the fast path's packing, and every row count on the
 # kernels (PyTorch's row counts do not depend on the build and take minutes there)
 BUILD_TESTS = ["test_kernels.py", "test_quantized_matmul.py", "test_capture.py", "test_exact.py", "test_fast.py",
-               "test_row_counts.py", "test_kv_dtype.py", "test_pool.py"]
+               "test_row_counts.py", "test_kv_dtype.py", "test_pool.py", "test_gather_blocks.py"]
 SKIP = "not built_once and not (row_counts and torch) and not unpadded"
 
 

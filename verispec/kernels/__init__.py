@@ -20,6 +20,7 @@ import struct
 from typing import Sequence, Union
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from verispec.kernels import quant_pack
 from verispec.kernels.build import isa, library, reason
@@ -27,11 +28,14 @@ from verispec.kernels.quant_pack import QUANTIZED
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
 __all__ = ["available", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
-           "rotary_", "silu_mul", "gather", "store_kv", "argmax", "causal_rows", "next_token", "run", "program",
-           "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED"]
+           "rotary_", "silu_mul", "gather", "gather_blocks", "store_kv", "argmax", "causal_rows", "next_token", "run",
+           "program", "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED", "TABLES"]
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The formats `gather_blocks` reads a table's rows in, as ggml's types: the quantized ones the kernels keep as blocks,
+# and a GGUF's unquantized tables
+TABLES = {**QUANTIZED, "f32": GGML.F32, "f16": GGML.F16, "bf16": GGML.BF16}
 
 
 def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -232,6 +236,29 @@ def gather(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None =
         failed = _call("gather", [table, N, table.stride(0), index, R, D, y, D, table.element_size()])
     if failed:
         raise IndexError(f"an index outside the {N} rows of a table of {tuple(table.shape)}")
+    return y
+
+
+def gather_blocks(blocks: torch.Tensor, format: str, index: torch.Tensor) -> torch.Tensor:
+    """Rows of a table kept in ggml's `format` (one of `TABLES`): `blocks` (N, row bytes) uint8, each row its blocks
+    (a GGUF tensor's data, a memory map's view: only read), by int64 indices (R,) -> float32 (R, D), D the inputs a
+    row, each value with the bits `gguf.quants.dequantize` gives it; an index outside 0..N-1 raises IndexError (and
+    fails a replay) before anything is read."""
+    if format not in TABLES:
+        raise ValueError(f"gather_blocks reads tables in {', '.join(TABLES)}; not {format!r}")
+    inputs, size = GGML_QUANT_SIZES[TABLES[format]]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride(-1) != 1 or blocks.device.type != "cpu" or \
+            blocks.shape[1] % size or (len(blocks) > 1 and blocks.stride(0) < blocks.shape[1]):
+        raise ValueError(f"gather_blocks reads a CPU uint8 table (N, row bytes) of {format} blocks of {size} bytes, "
+                         f"rows apart; got {blocks.dtype} {tuple(blocks.shape)} strides {blocks.stride()}")
+    if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous() or index.device.type != "cpu":
+        raise ValueError(f"gather_blocks takes a contiguous CPU int64 index vector; got {index.dtype} "
+                         f"{tuple(index.shape)}")
+    R, (N, row) = len(index), blocks.shape
+    D = row // size * inputs
+    y = torch.empty(R, D, dtype=torch.float32, device=blocks.device)
+    if _call("gather_blocks", [blocks, N, blocks.stride(0) if N > 1 else row, index, R, D, y, D, int(TABLES[format])]):
+        raise IndexError(f"an index outside the {N} rows of a {format} table of {tuple(blocks.shape)} bytes")
     return y
 
 
