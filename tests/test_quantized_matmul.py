@@ -11,12 +11,14 @@ from gguf import quantize
 from verispec import kernels
 from verispec.bench.bandwidth import weight_bytes
 from verispec.errors import InvalidArgumentError
+from verispec.kernels.quant_pack import bytes_per_block
 from verispec.models.native import load_model
 from verispec.models.linear import FormatRuns
 from verispec.models.quant import FORMATS, KEPT, QuantizedLinear, QuantizedWeight
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 
+from tests import quant_pack_reference
 from tests.gguf_files import random_blocks
 
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
@@ -126,6 +128,31 @@ def test_pack_quantized_puts_each_blocks_scales_then_groups_of_four_inputs_by_co
     q8 = QuantizedWeight.of(torch.randn(16, 32), "q8_0")
     assert torch.equal(kernels.pack_quantized("q8_0", q8.blocks)[0, 0, 32:].view(8, 16, 4)[1, 3],
                        q8.blocks[3, 2 + 4: 2 + 8] ^ 0x80)  # int8 q stored as q + 128
+
+
+# Where each format's block holds its float16 scales (d, and m or a K-quant's M)
+SCALE_BYTES = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
+               "q6_k": [208]}
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", sorted(KEPT))
+def test_pack_quantized_is_the_numpy_reference_bitwise(fmt: str) -> None:
+    """Random blocks (any bytes are a block; the float16 scales made small and finite) packed as the numpy reference
+    (tests/quant_pack_reference.py) packs them: 16 rows, 40 (padded to 48), rows at a stride, on 1 and 2 threads."""
+    rng = np.random.default_rng(len(fmt) + sum(map(ord, fmt)))
+    size = bytes_per_block(fmt)
+    blocks = rng.integers(0, 256, (40, 3, 4, size), dtype=np.uint8)  # (rows, 3 weights side by side, blocks, bytes)
+    for offset in SCALE_BYTES[fmt]:
+        blocks[..., offset:offset + 2] = (rng.uniform(-1, 1, blocks.shape[:3]) * 1e-3).astype(np.float16)[
+            ..., None].view(np.uint8)
+    wide, plain = torch.from_numpy(blocks.reshape(40, -1)), torch.from_numpy(blocks[:, 0].reshape(40, -1))
+    cases = [plain[:16], plain, wide[:, 4 * size: 8 * size], wide[1::3, 8 * size:]]  # the last 13 rows, at 3 rows' stride
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for weight in cases:
+                packed, reference = kernels.pack_quantized(fmt, weight), quant_pack_reference.pack(fmt, weight)
+                assert packed.shape == reference.shape and torch.equal(packed, reference), (threads, weight.shape)
 
 
 def test_a_quantized_matmul_refuses_what_would_read_out_of_bounds() -> None:

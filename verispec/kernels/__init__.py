@@ -100,9 +100,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quantized(format: str, blocks: torch.Tensor) -> torch.Tensor:
-    """A weight in ggml's blocks (N, K / block inputs * block bytes), row by row, laid out as the quantized matmul
-    streams it (kernels/quant_pack.py)."""
-    return quant_pack.pack(format, blocks)
+    """A weight in ggml's blocks (N, K / block inputs * block bytes) of `format` (one of `QUANTIZED`), uint8 rows at
+    any stride (only read: a read-only memory map will do), laid out as the quantized matmul streams it
+    (kernels/pack.cpp): (N / 16 rounded up, K / block inputs, packed block bytes), rows past N padded as all-zero
+    blocks."""
+    if format not in QUANTIZED or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" or \
+            blocks.shape[1] % quant_pack.bytes_per_block(format):
+        raise ValueError(f"a quantized matmul takes CPU uint8 blocks of one of {', '.join(QUANTIZED)}; got "
+                         f"{format!r} {blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
+    if blocks.stride(1) != 1:
+        blocks = blocks.contiguous()
+    N, nb = blocks.shape[0], blocks.shape[1] // quant_pack.bytes_per_block(format)
+    packed = torch.empty(-(-N // quant_pack.QUANT_COLS), nb, quant_pack.packed_bytes(format), dtype=torch.uint8)
+    _call("pack_quantized", [blocks, N, blocks.stride(0), nb, list(QUANTIZED).index(format), packed])
+    return packed
 
 
 class Matmul:
@@ -117,13 +128,9 @@ class Matmul:
             self.kernel = _kernel("linear", weight)  # checks the dtype
             self.dtype, self.packed = weight.dtype, pack(weight)
         else:
-            if format not in QUANTIZED or weight.dtype != torch.uint8 or weight.dim() != 2 or \
-                    weight.shape[1] % quant_pack.bytes_per_block(format):
-                raise ValueError(f"a quantized matmul takes uint8 blocks of one of {', '.join(QUANTIZED)}; got "
-                                 f"{format!r} {weight.dtype} {tuple(weight.shape)}")
-            blocks = weight.shape[1] // quant_pack.bytes_per_block(format)
-            self.out_features, self.in_features = weight.shape[0], blocks * quant_pack.inputs_per_block(format)
             self.kernel, self.dtype, self.packed = f"linear_{format}", torch.float32, pack_quantized(format, weight)
+            self.out_features, self.in_features = weight.shape[0], \
+                self.packed.shape[1] * quant_pack.inputs_per_block(format)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -32,7 +32,8 @@ from verispec.kernels import cores
 
 # Linked into one library (named, not globbed: a stale source left by an old install stays out)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.cpp", "quant.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp", "pool.cpp")]
+           for name in ("linear.cpp", "quant.cpp", "pack.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp",
+                        "pool.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "pool.h")]
 # Units compiled apart (a source and its defines): attend.cpp's three types, each alone (VS_ATTEND)
 UNITS = [(source, [f"-DVS_ATTEND={i}"]) if source.name == "attend.cpp" else (source, [])
@@ -155,8 +156,8 @@ def _build(compiler_path: str, isa: str) -> tuple[ctypes.CDLL | None, str]:
 KERNELS = ("linear_bf16", "linear_f32", "linear_q8_0", "linear_q4_0", "linear_q4_1", "linear_q5_0",
            "linear_q5_1", "linear_q4_k", "linear_q5_k", "linear_q6_k", "attend_bf16", "attend_f32",
            "attend_f32_f16", "rms_norm_bf16", "rms_norm_f32", "rotary_bf16", "rotary_f32", "silu_mul_bf16",
-           "silu_mul_f32", "gather", "gather_widen", "gather_blocks", "store_kv",
-           "store_kv_f16")  # each vs_<name>(const int64_t *)
+           "silu_mul_f32", "gather", "gather_widen", "gather_blocks", "store_kv", "store_kv_f16",
+           "pack_quantized")  # each vs_<name>(const int64_t *)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -13,7 +13,7 @@
 //     block's 6-bit ones
 //   Q6_K: w = D * sc * (qw - 32), sc by 16 inputs: each half of the block as Q5_0, with its own sc and sum(q)
 // (D * sc and M * m are exact in float32: a float16 times a 6- or 8-bit integer.)
-// The weight is packed (kernels/quant_pack.py) in blocks of 16 output columns, and within a column block by blocks
+// The weight is packed (kernels/pack.cpp) in blocks of 16 output columns, and within a column block by blocks
 // of 32 inputs (a K-quant's super-block first has the 16 columns' D, then M, as float16): the 16 columns' scales (dw,
 // then mw, as float16; a K-quant's sc, then m or the second half's sc, as bytes), then the quants as the dot product
 // takes them: groups of 4 inputs, each group the 16 columns' 4 bytes side by side. Q8_0's are qw + 128 (unsigned,
