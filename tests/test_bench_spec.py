@@ -10,7 +10,7 @@ import pytest
 
 from verispec import InvalidArgumentError, generate
 from verispec.bench.harness import BenchOptions, run_bench
-from verispec.bench.spec_bench import MULTI_TURN, is_spec_bench, turn_prompts
+from verispec.bench.spec_bench import MULTI_TURN, is_spec_bench, parsed, parses_as_python, turn_prompts
 from verispec.bench.suite import read_suite
 from verispec.cli import main
 from verispec.models.native import load_model
@@ -69,7 +69,8 @@ def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat
     assert summary["suffix"][f"{MULTI_TURN} turn 2"]["prompts"] == 2 and summary["suffix"]["all"]["prompts"] == 6
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert results["info"]["spec_bench"] == {"questions": 5, "turns": 6, "max_new_tokens": N, "skipped": [9]}
+    assert results["info"]["spec_bench"] == {"questions": 5, "turns": 6, "max_new_tokens": N, "skipped": [9],
+                                             "parses": {}}
     assert len(results["records"]) == 6 * len(LABELS)
     check = results["info"]["float64_check"]  # no draft: suffix decoding against plain decoding in float64
     assert check == {"method": "suffix", "prompts": 6, "exact_match": 1.0}
@@ -78,7 +79,7 @@ def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat
     header = ("| method | writing | qa | translation | multi-turn | multi-turn turn 1 | multi-turn turn 2 | overall "
               "| tau | acceptance |")
     assert header in table and all(f"| {label} | " in table for label in LABELS)
-    assert "left out, a turn not fitting the context: 9" in report and "## multi-turn turn 2" in report
+    assert "left out, a turn not fitting the context or answered by EOS at once: 9" in report and "## multi-turn turn 2" in report
 
 
 def test_a_target_without_a_chat_template_is_refused(tmp_path, pair_dirs, capsys) -> None:
@@ -98,9 +99,39 @@ def test_a_target_without_a_chat_template_is_refused(tmp_path, pair_dirs, capsys
     (['{"question_id": 1, "category": "qa", "turns": ["q"]}', '{"question_id": 2, "turns": ["q"]}'],
      "line 2: a Spec-Bench question needs"),
     (['{"question_id": 1, "category": "qa", "turns": []}'], "line 1: a Spec-Bench question needs"),
+    (['{"question_id": 1, "category": "qa", "turns": ["q"]}'] * 2, "line 2: question_id 1 again"),
 ])
 def test_malformed_suites_are_refused(tmp_path, lines, message) -> None:
     path = tmp_path / "suite.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(InvalidArgumentError, match=message):
         is_spec_bench(read_suite(path))
+
+
+def test_a_coding_answer_is_checked_to_parse_as_python() -> None:
+    assert parses_as_python("Here it is:\n```python\ndef f(x):\n    return x + 1\n```\nDone.")
+    assert parses_as_python("```\ndef f(x):\n    return x\n```")  # a block without a language
+    assert parses_as_python("def f(x):\n    return x\n")  # no block: the whole answer
+    assert not parses_as_python("```python\ndef f(x):\n    return (x\n```")
+    assert not parses_as_python("```python\ndef f(x):\n    if x:\n")  # cut off inside its block
+    assert not parses_as_python("I cannot help with that.")
+
+
+def test_coding_questions_note_whether_their_answers_parse(tmp_path, chat_target) -> None:
+    """HumanEval's questions and the code edits of them (../shared/data's files, in Spec-Bench's format) are read
+    as any Spec-Bench suite; each answer is checked, and the report says how many parse."""
+    questions = [{"question_id": 0, "category": "humaneval", "task_id": "HumanEval/0",
+                  "turns": ["Complete the following Python function.\n\n```python\ndef f(x):\n```"]},
+                 {"question_id": 1, "category": "code-edit", "task_id": "HumanEval/0",
+                  "turns": ["Add a docstring.\n\n```python\ndef f(x):\n    return x\n```"]}]
+    suite = read_suite(write_questions(tmp_path, questions))
+    target, render = load_model(chat_target), load_chat_template(chat_target).render
+    items, _ = turn_prompts(target, render, suite, N)
+    answers = [generate(target, item["prompt_ids"], max_new_tokens=N).text for item in items]
+    assert [item["parses"] for item in items] == [parses_as_python(answer) for answer in answers]
+    assert parsed(items) == {"humaneval": [int(items[0]["parses"]), 1], "code-edit": [int(items[1]["parses"]), 1]}
+    run_bench(chat_target, None, tmp_path / "out", suite,
+              BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]))
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"parses as Python (the model's, the same for every method" in report
+    assert f"humaneval {int(items[0]['parses'])} of 1; code-edit {int(items[1]['parses'])} of 1" in report

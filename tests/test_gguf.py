@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
@@ -21,6 +22,7 @@ from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.gguf_checkpoint import read_gguf
 from verispec.models.gguf_file import GGUFFile
 from verispec.models.gguf_tokenizer import read_vocab
+from verispec.models.mapped import forget_pages
 from verispec.models.native import load_model
 from verispec.models.quant import QuantizedWeight
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
@@ -112,6 +114,42 @@ def test_the_reader_hands_over_blocks_floats_and_huggingface_rows(files) -> None
     norm = weights["model.layers.1.input_layernorm.weight"]
     assert torch.equal(norm, torch.from_numpy(hf["model.layers.1.input_layernorm.weight"].astype(np.float32)))
     assert not checkpoint.config.tie_word_embeddings and "lm_head.weight" in weights
+
+
+def test_tensors_are_views_of_the_memory_mapped_file(files) -> None:
+    """Nothing is read at opening: each tensor is a view of the file's map, and its pages, dropped once packed,
+    come back from the file when read again."""
+    file = GGUFFile(files["llama"])
+    low, high = byte_bounds(np.frombuffer(file.map.buffer, np.uint8))
+    data = file.tensors["blk.0.ffn_up.weight"].data
+    assert low <= byte_bounds(data)[0] and byte_bounds(data)[1] <= high
+    before = data.copy()
+    forget_pages(torch.from_numpy(data))
+    assert np.array_equal(data, before)
+    up = read_gguf(files["llama"]).weights["model.layers.0.mlp.up_proj.weight"]
+    assert not up.blocks.numpy().flags.owndata and np.array_equal(up.blocks.numpy(), before)
+
+
+def test_the_embedding_stays_in_its_blocks_and_a_lookup_dequantizes_its_rows(files, single_thread) -> None:
+    model = load_model(files["llama"], dtype="auto")  # token_embd in Q8_0
+    table = model.module.model.embed_tokens
+    assert table.quantized.format == "q8_0" and "model.embed_tokens.weight" not in model.module.state_dict()
+    blocks = GGUFFile(files["llama"]).tensors["token_embd.weight"].data
+    tokens = torch.tensor([[5, 17, 5, len(blocks) - 1]])
+    whole = torch.from_numpy(gguf.quants.dequantize(blocks, GGML.Q8_0))
+    assert torch.equal(model.embed(tokens).view(torch.int32), whole[tokens].view(torch.int32))
+    with pytest.raises(IndexError):
+        model.embed(torch.tensor([[len(blocks)]]))
+
+
+def test_a_wrong_tensor_count_is_refused(small, tmp_path) -> None:
+    data = bytearray(small.read_bytes())
+    count = int.from_bytes(data[8:16], "little")
+    for wrong in (count + 1, count - 1):
+        data[8:16] = wrong.to_bytes(8, "little")
+        (tmp_path / "m.gguf").write_bytes(data)
+        with pytest.raises(CheckpointError, match="GGUF file|checkpoint is broken"):
+            load_model(tmp_path / "m.gguf")
 
 
 def test_without_output_weight_the_head_is_the_embedding(files) -> None:

@@ -153,6 +153,9 @@ def test_pack_quantized_is_the_numpy_reference_bitwise(fmt: str) -> None:
             for weight in cases:
                 packed, reference = kernels.pack_quantized(fmt, weight), quant_pack_reference.pack(fmt, weight)
                 assert packed.shape == reference.shape and torch.equal(packed, reference), (threads, weight.shape)
+            for cut in (16, 13):  # weights that make one matmul (q, k, v) packed as their rows stacked would be
+                parts = [plain[:cut], wide[cut:, 4 * size: 8 * size]]
+                assert torch.equal(kernels.pack_quantized(fmt, parts), kernels.pack_quantized(fmt, torch.cat(parts)))
 
 
 def test_a_quantized_matmul_refuses_what_would_read_out_of_bounds() -> None:

@@ -26,9 +26,11 @@ def weight_bytes(model: NativeModel) -> int:
     """Bytes of weights one forward reads: every parameter once (an LM head tied to the embeddings counted once), and
     the blocks of every quantized linear; an embedding table that is not the LM head's weight not at all, as a
     forward reads only its tokens' rows."""
-    module, embedding = model.module, model.module.model.embed_tokens.weight
+    module, table = model.module, model.module.model.embed_tokens
+    embedding = None if getattr(table, "quantized", None) is not None else table.weight  # (a table kept in blocks)
     head = module.lm_head
     read_whole = getattr(head, "quantized", None) is None and head.weight is embedding
-    blocks = sum(m.quantized.nbytes for m in module.modules() if getattr(m, "quantized", None) is not None)
+    blocks = sum(m.quantized.nbytes for m in module.modules()
+                 if getattr(m, "quantized", None) is not None and m is not table)
     return blocks + sum(param.numel() * param.element_size() for param in module.parameters()  # a shared one once
                         if param is not embedding or read_whole)

@@ -17,7 +17,7 @@ from verispec.bench.methods import our_methods, ours, transformers_methods, unre
 from verispec.bench.metrics import BASELINE, summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
-from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS, is_spec_bench, turn_prompts
+from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS, is_spec_bench, parsed, turn_prompts
 from verispec.bench.suite import SUITE, check_items, read_suite
 
 from verispec.bench.layer_skip_search import search_skip, write_plan
@@ -216,7 +216,8 @@ def _turns(target: NativeModel, target_dir: Path, suite: list[dict],
     items, skipped = turn_prompts(target, None if template is None else template.render, suite, limit)
     if not items:
         raise InvalidArgumentError(f"no question of the suite fits the context of {target.context_length} tokens")
-    return items, {"questions": len(suite), "turns": len(items), "max_new_tokens": limit, "skipped": skipped}
+    return items, {"questions": len(suite), "turns": len(items), "max_new_tokens": limit, "skipped": skipped,
+                   "parses": parsed(items)}
 
 
 def quick_suite(per_category: int = 2, max_new_tokens: int = 16) -> list[dict]:

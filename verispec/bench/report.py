@@ -101,12 +101,22 @@ def _spec_bench_note(info: dict) -> str:
     if not spec:
         return ""
     skipped = spec["skipped"]
-    skipped = f"; left out, a turn not fitting the context: {', '.join(map(str, skipped))}" if skipped else ""
+    ids = ", ".join(map(str, skipped))
+    skipped = f"; left out, a turn not fitting the context or answered by EOS at once: {ids}" if skipped else ""
     return (f" Spec-Bench suite: {spec['questions']} questions, {spec['turns']} turns, each a prompt rendered by the "
             "target's chat template; a second turn follows the target's own first answer, decoded once by plain "
             "greedy decoding (the same for every lossless method) and reused by all; each turn's max_new_tokens is "
             f"the length of its plain greedy answer, to EOS or at most {spec['max_new_tokens']} tokens, so every "
-            f"method writes that answer and nothing past it{skipped}.")
+            f"method writes that answer and nothing past it{skipped}." + _parses_note(spec.get("parses", {})))
+
+
+def _parses_note(parses: dict[str, list[int]]) -> str:
+    """How many of the target's answers to coding questions parse as Python (empty where none was asked)."""
+    if not parses:
+        return ""
+    counts = "; ".join(f"{category} {ok} of {n}" for category, (ok, n) in parses.items())
+    return (f" The target's answers whose code block parses as Python (the model's, the same for every method; a "
+            f"broken chat template would show here): {counts}.")
 
 
 def _overlap_note(info: dict) -> str:

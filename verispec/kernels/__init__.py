@@ -99,38 +99,46 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, cols, padded.shape[1] // pair, pair).transpose(1, 2).contiguous()
 
 
-def pack_quantized(format: str, blocks: torch.Tensor) -> torch.Tensor:
+def pack_quantized(format: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """A weight in ggml's blocks (N, K / block inputs * block bytes) of `format` (one of `QUANTIZED`), uint8 rows at
     any stride (only read: a read-only memory map will do), laid out as the quantized matmul streams it
     (kernels/pack.cpp): (N / 16 rounded up, K / block inputs, packed block bytes), rows past N padded as all-zero
-    blocks."""
-    if format not in QUANTIZED or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" or \
-            blocks.shape[1] % quant_pack.bytes_per_block(format):
-        raise ValueError(f"a quantized matmul takes CPU uint8 blocks of one of {', '.join(QUANTIZED)}; got "
-                         f"{format!r} {blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
-    if blocks.stride(1) != 1:
-        blocks = blocks.contiguous()
-    N, nb = blocks.shape[0], blocks.shape[1] // quant_pack.bytes_per_block(format)
+    blocks. Several weights' blocks (a sequence) are packed as their rows stacked would be, without stacking them."""
+    parts = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+    for part in parts:
+        if format not in QUANTIZED or part.dtype != torch.uint8 or part.dim() != 2 or part.device.type != "cpu" or \
+                part.shape[1] != parts[0].shape[1] or part.shape[1] % quant_pack.bytes_per_block(format):
+            raise ValueError(f"a quantized matmul takes CPU uint8 blocks of one of {', '.join(QUANTIZED)}, rows of "
+                             f"one width; got {format!r} {part.dtype} {tuple(part.shape)} on {part.device}")
+    if any(part.shape[0] % quant_pack.QUANT_COLS for part in parts[:-1]):  # a part that ends inside a column block
+        parts = [torch.cat(parts)]
+    N, nb = sum(part.shape[0] for part in parts), parts[0].shape[1] // quant_pack.bytes_per_block(format)
     packed = torch.empty(-(-N // quant_pack.QUANT_COLS), nb, quant_pack.packed_bytes(format), dtype=torch.uint8)
-    _call("pack_quantized", [blocks, N, blocks.stride(0), nb, list(QUANTIZED).index(format), packed])
+    start = 0
+    for part in parts:
+        if part.stride(1) != 1:
+            part = part.contiguous()
+        _call("pack_quantized", [part, part.shape[0], part.stride(0), nb, list(QUANTIZED).index(format),
+                                 packed[start // quant_pack.QUANT_COLS:]])
+        start += part.shape[0]
     return packed
 
 
 class Matmul:
     """x (..., K) -> x @ weight.T (+ bias) (..., N) on the kernel, the weight (N, K) packed once (`pack`) and the bias
     kept in float32; checked here once, so that a call checks only its input. With `format` (one of `QUANTIZED`),
-    `weight` is the (N, K / 32 * block bytes) uint8 blocks of a weight in that format (`pack_quantized`), and x is
-    float32."""
+    `weight` is the (N, K / 32 * block bytes) uint8 blocks of a weight in that format, or several weights' blocks
+    that make it row by row (`pack_quantized`), and x is float32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, format: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None, format: str | None = None) -> None:
         if format is None:
             self.out_features, self.in_features = weight.shape
             self.kernel = _kernel("linear", weight)  # checks the dtype
             self.dtype, self.packed = weight.dtype, pack(weight)
         else:
             self.kernel, self.dtype, self.packed = f"linear_{format}", torch.float32, pack_quantized(format, weight)
-            self.out_features, self.in_features = weight.shape[0], \
-                self.packed.shape[1] * quant_pack.inputs_per_block(format)
+            self.out_features = sum(part.shape[0] for part in ([weight] if isinstance(weight, torch.Tensor) else weight))
+            self.in_features = self.packed.shape[1] * quant_pack.inputs_per_block(format)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -126,6 +126,11 @@ class _ViewsOnly(TorchDispatchMode):
     any other. Some ops declared as views copy when they must (reshape, contiguous, .to in inference mode): their
     outputs are checked to share their input's memory."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing here is compiled, and wrapping the mode for Dynamo imports torch._dynamo: 1.4 s of a
+        # CLI call's first token
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket is torch.ops.aten.empty:

@@ -3,7 +3,7 @@
 (`checkpoint.param_shapes`), Q and K rows back in Hugging Face's order.
 
 Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
-(ggml's blocks, untouched); F32, F16 and BF16 as torch tensors of that dtype; the other block formats read here
+(ggml's blocks, untouched: views of the file's memory map, models/gguf_file.py); F32, F16 and BF16 as torch tensors of that dtype; the other block formats read here
 (Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as GGML
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import param_shapes
 from verispec.models.config import ModelConfig
-from verispec.models.gguf_file import GGUFFile
+from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.models.quant import KEPT as KEPT_FORMATS, QuantizedWeight
 from verispec.tokenizer import check_tokenizer_fits
@@ -155,12 +155,13 @@ def _rows(weight: Weight, index: torch.Tensor) -> Weight:
     return weight.rows(index) if isinstance(weight, QuantizedWeight) else weight[index].contiguous()
 
 
-def _read(tensor: gguf.ReaderTensor, path: Path) -> Weight:
-    """One tensor as the module docstring says, copied out of the file's memory map."""
-    kind = tensor.tensor_type
-    data = np.array(tensor.data)  # a copy: the weights outlive the map
+def _read(tensor: GGUFTensor, path: Path) -> Weight:
+    """One tensor as the module docstring says: blocks as views of the file's map (read as they are used), the
+    others copied out of it."""
+    kind, data = tensor.tensor_type, tensor.data
     if kind in KEPT and data.ndim == 2:
         return QuantizedWeight(KEPT[kind], torch.from_numpy(data))
+    data = np.array(data)
     if kind == GGML.BF16:  # numpy has no bfloat16: the reader hands back its bytes
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     if kind in FLOATS:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -166,8 +167,9 @@ def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tupl
 
 def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int], path: object) -> None:
     """Control and unknown tokens as special tokens, user-defined ones as added tokens, at their own ids."""
-    special = [token for token, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN)]
-    added = [token for token, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]
+    kinds = np.asarray(types)  # (150k tokens: a loop over them in Python is a tenth of a load)
+    special = [tokens[i] for i in np.flatnonzero((kinds == TokenType.CONTROL) | (kinds == TokenType.UNKNOWN))]
+    added = [tokens[i] for i in np.flatnonzero(kinds == TokenType.USER_DEFINED)]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
+from verispec.models.mapped import forget_pages
 from verispec.models.quant import QuantizedWeight
 
 
@@ -80,8 +81,10 @@ class PackedLinear(nn.Module):
         if own_kernels and None not in formats:  # quantized
             self.weight = self.one_row = self.packed = None
             self.bias = _fused_bias(linears, torch.float32)
-            self.kernel = kernels.Matmul(torch.cat([q.blocks for q in blocks]), self.bias, formats.pop()) \
+            self.kernel = kernels.Matmul([q.blocks for q in blocks], self.bias, formats.pop()) \
                 if len(formats) == 1 else FormatRuns(blocks, self.bias)
+            for q in blocks:  # packed: blocks mapped from a file need not stay in memory beside their copy
+                forget_pages(q.blocks)
             return
         weights = [linear.weight.detach() for linear in linears]
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -137,8 +140,8 @@ class FormatRuns:
         self.runs: list[tuple[int, kernels.Matmul]] = []
         start = 0
         for format, run in groupby(blocks, key=lambda q: q.format):
-            weight = torch.cat([q.blocks for q in run])
-            n = weight.shape[0]
+            weight = [q.blocks for q in run]
+            n = sum(part.shape[0] for part in weight)
             self.runs.append((start, kernels.Matmul(weight, None if bias is None else bias[start:start + n], format)))
             start += n
         self.out_features = start

@@ -41,6 +41,19 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    """The token embedding table, whose rows a forward on verispec's kernels takes by `lookup` (as a table kept in
+    blocks does: `quant.QuantizedEmbedding`)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # (normal_ on the meta device imports torch._dynamo: a second of every load)
+            super().reset_parameters()
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows (T, D) of the tokens (T,) int64, in `dtype` (the table's, or float32 from bfloat16)."""
+        return kernels.gather(self.weight, tokens, dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -121,7 +134,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -173,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         if layout is None:
             layout = AttentionMask(options.mask, causal=options.mask is None)
         if layout.on_kernels:  # rows (B = 1): of the embedding and rotary tables by verispec's kernel
-            x = kernels.gather(self.model.embed_tokens.weight, tokens[0], self.dtype)[None]  # (1, T, D)
+            x = self.model.embed_tokens.lookup(tokens[0], self.dtype)[None]  # (1, T, D)
             cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
         else:
             x = self.model.embed_tokens(tokens).to(self.dtype)  # (B, T, D)

@@ -19,9 +19,10 @@ from torch import nn
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
-from verispec.models.quant import BLOCK, KEPT, QuantizedLinear, QuantizedWeight, check_format
+from verispec.models.quant import BLOCK, KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, check_format
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+EMBEDDING = "model.embed_tokens"  # the token embedding table's state-dict prefix
 HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
 
 
@@ -64,8 +65,8 @@ def projections(module: nn.Module) -> dict[str, nn.Linear]:
 
 def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) -> None:
     """Replace the linears named in `weights` (by state-dict prefix, as `projections` names them) with quantized
-    linears of those blocks, their biases kept. Quantized weights run on verispec's kernels only: refused where
-    they do not run."""
+    linears of those blocks, their biases kept, and the embedding table where EMBEDDING is named with one kept in
+    blocks. Quantized weights run on verispec's kernels only: refused where they do not run."""
     if not weights:
         return
     if not kernels.available(torch.float32):
@@ -73,6 +74,9 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
                                    f"{kernels.reason()}")
     linears = projections(module)
     for name, weight in weights.items():
+        if name == EMBEDDING:
+            module.model.embed_tokens = QuantizedEmbedding(weight)
+            continue
         linear = linears[name]
         if weight.shape != (linear.out_features, linear.in_features):
             raise ValueError(f"{name}: a {weight.format} weight of {weight.shape} for a linear of "
@@ -107,11 +111,11 @@ def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str 
                  device: torch.device | str, keep: bool = True
                  ) -> tuple[torch.dtype, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
-    tensors, and the linears kept as blocks (by `projections`' names; "lm_head" too where the file ties it to the
-    embedding, whose table is then the blocks dequantized). `dtype="auto"` keeps the file's own formats where they
-    run (`keep`, and verispec's kernels available): the tensors in `quant.KEPT`'s formats as blocks, with float32
-    activations; a file whose float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts
-    every weight to it, blocks dequantized (exact in float32)."""
+    tensors, and the modules kept as blocks (by `projections`' names, and EMBEDDING; "lm_head" too where the file
+    ties it to the embedding). `dtype="auto"` keeps the file's own formats where they run (`keep`, and verispec's
+    kernels available): the tensors in `quant.KEPT`'s formats as blocks, with float32 activations; a file whose
+    float matrices are all bfloat16 in bfloat16; else float32. Any other `dtype` casts every weight to it, blocks
+    dequantized (exact in float32)."""
     blocks = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
     keep = keep and dtype == "auto" and bool(blocks) and kernels.available(torch.float32, device)
     if dtype == "auto":
@@ -121,12 +125,12 @@ def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str 
     out = {name: w for name, w in weights.items() if name not in blocks}
     kept: dict[str, QuantizedWeight] = {}
     for name, w in blocks.items():
-        if keep and name != "model.embed_tokens.weight":
+        if keep:
             kept[name.removesuffix(".weight")] = w
         else:
             out[name] = w.dequantize(dtype)
-    if keep and "model.embed_tokens.weight" in blocks and "lm_head.weight" not in weights:  # tied: the head's blocks
-        kept["lm_head"] = blocks["model.embed_tokens.weight"]
+    if keep and f"{EMBEDDING}.weight" in blocks and "lm_head.weight" not in weights:  # tied: the head's blocks
+        kept["lm_head"] = blocks[f"{EMBEDDING}.weight"]
     return dtype, out, kept
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
+from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.kernels.quant_pack import QUANTIZED
 
@@ -119,3 +120,33 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.quantized.format}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding table kept in a block format, as a GGUF file holds it: a lookup dequantizes only the rows it
+    takes (on verispec's kernels, as llama.cpp's get_rows does), so the table is never widened to float32 whole.
+    Its rows are bitwise those of the whole table dequantized (`weight`, made on first use by what reads the table
+    whole: training, the EAGLE heads)."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.quantized = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    @cached_property
+    def weight(self) -> torch.Tensor:
+        """The table (vocab, D) in float32."""
+        return self.quantized.dequantize()
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The rows (T, D) of the tokens (T,) int64, in `dtype` (float32 only: the rows' own)."""
+        if dtype != torch.float32:
+            raise ValueError(f"a {self.quantized.format} embedding's rows are float32; asked for {dtype}")
+        return kernels.gather_blocks(self.quantized.blocks, self.quantized.format, tokens)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = tokens.reshape(-1).to(torch.int64).contiguous()
+        return self.lookup(flat).view(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.quantized.format}"

@@ -84,7 +84,7 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
     shared_head = _shares_head(source, spec.head, target)
     with torch.device("meta"):
         twin = LlamaForCausalLM(replace(source.config, num_hidden_layers=len(kept)))
-    twin.model.embed_tokens.weight = source.model.embed_tokens.weight
+    twin.model.embed_tokens = source.model.embed_tokens
     twin.model.norm.weight = _float32(source.model.norm.weight)
     for mine, theirs in zip(twin.model.layers, (source.model.layers[i] for i in kept)):
         for norm in ("input_layernorm", "post_attention_layernorm"):
