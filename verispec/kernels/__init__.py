@@ -19,6 +19,7 @@ import ctypes
 import struct
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
@@ -113,7 +114,9 @@ def pack_quantized(format: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -
     if any(part.shape[0] % quant_pack.QUANT_COLS for part in parts[:-1]):  # a part that ends inside a column block
         parts = [torch.cat(parts)]
     N, nb = sum(part.shape[0] for part in parts), parts[0].shape[1] // quant_pack.bytes_per_block(format)
-    packed = torch.empty(-(-N // quant_pack.QUANT_COLS), nb, quant_pack.packed_bytes(format), dtype=torch.uint8)
+    # numpy's memory, not torch's: numpy asks Linux for huge pages for a large array (MADV_HUGEPAGE), and streaming
+    # a weight through 2 MB pages instead of 4 KB ones decodes Qwen2.5-Coder-1.5B about a fifth faster (Zen 4)
+    packed = torch.from_numpy(np.empty((-(-N // quant_pack.QUANT_COLS), nb, quant_pack.packed_bytes(format)), np.uint8))
     start = 0
     for part in parts:
         if part.stride(1) != 1:
