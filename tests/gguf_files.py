@@ -44,9 +44,9 @@ def bpe_vocab(size: int = 1024) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def spm_vocab() -> tuple[list[str], list[int], list[float]]:
-    """A SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens, and pieces of a few words (with the
-    visible space) scored by how common they are in them."""
+def spm_vocab(controls: tuple[str, ...] = ()) -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece vocabulary: <unk>, <s>, </s>, `controls` (more control tokens, as Mistral's [INST]), the 256
+    byte tokens, and pieces of a few words (with the visible space) scored by how common they are in them."""
     text = ("the quick brown fox jumps over the lazy dog while the other dogs sleep; then they all wake up and "
             "run together through the open field, over hills and rivers, until the evening comes")
     counts: dict[str, int] = {}
@@ -56,10 +56,10 @@ def spm_vocab() -> tuple[list[str], list[int], list[float]]:
             for j in range(i + 1, min(len(piece), i + 6) + 1):
                 counts[piece[i:j]] = counts.get(piece[i:j], 0) + 1
     pieces = sorted(counts, key=lambda p: (-counts[p] * len(p), p))
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256,
+    tokens = ["<unk>", "<s>", "</s>", *controls, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [TokenType.UNKNOWN, *[TokenType.CONTROL] * (2 + len(controls)), *[TokenType.BYTE] * 256,
              *[TokenType.NORMAL] * len(pieces)]
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    scores = [0.0] * (259 + len(controls)) + [-float(i) for i in range(len(pieces))]
     return tokens, types, scores
 
 
@@ -83,9 +83,10 @@ def random_blocks(shape: tuple[int, ...], qtype: GGML, rng: np.random.Generator)
 
 def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *, tokenizer: str = "gpt2",
                pre: str | None = "gpt-2", seed: int = 0, name: str = "tiny", add_bos: bool | None = None,
-               template: str | None = CHATML, extra: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+               template: str | None = CHATML, extra: Callable[[gguf.GGUFWriter], None] | None = None,
+               controls: tuple[str, ...] = ()) -> Path:
     """Write a random model of `config` to `path`: each weight (by Hugging Face name) in `types(name)`, 1-D ones
-    in F32; `tokenizer` "gpt2" (byte-level BPE, pre-tokenizer `pre`) or "llama" (SentencePiece)."""
+    in F32; `tokenizer` "gpt2" (byte-level BPE, pre-tokenizer `pre`) or "llama" (SentencePiece, with `controls`)."""
     rng = np.random.default_rng(seed)
     arch = config.model_type
     writer = gguf.GGUFWriter(path, arch)
@@ -110,7 +111,7 @@ def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *,
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
         writer.add_bos_token_id(0)
     else:
-        tokens, token_types, scores = spm_vocab()
+        tokens, token_types, scores = spm_vocab(controls)
         writer.add_tokenizer_model("llama")
         writer.add_token_scores(scores)
         writer.add_bos_token_id(1)

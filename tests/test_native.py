@@ -47,6 +47,8 @@ def broken(tiny: Path, tmp_path: Path) -> Path:
 
 # --- parity with the numpy float64 reference ---------------------------------------------------------------------
 
+# Llama 3.1's RoPE scaling over a short original context (head_dim 16: one frequency kept, one interpolated)
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 REFERENCE_CONFIGS = {
     "llama_gqa": tiny_config(),
     "llama_mha": tiny_config(num_key_value_heads=4),
@@ -54,6 +56,7 @@ REFERENCE_CONFIGS = {
     "llama_attention_bias": tiny_config(qkv_bias=True, o_bias=True),
     "llama_head_dim": tiny_config(head_dim=24, rope_theta=500.0),  # 4 heads * 24 != hidden 64
     "qwen2": tiny_config(model_type="qwen2", qkv_bias=True, rope_theta=1e6, rms_norm_eps=1e-5),
+    "llama3_rope": tiny_config(rope_theta=5e5, rope_llama3=tuple(LLAMA3_ROPE.items())),  # Llama 3.1's scaling
 }
 
 
@@ -86,6 +89,8 @@ HF_MODELS: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_COMMON, use_sliding_window=False)),
     "mistral_gqa": lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(**HF_COMMON | {"num_key_value_heads": 1}, sliding_window=64)),
+    "llama3_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **HF_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5} | LLAMA3_ROPE)),
 }
 
 
@@ -214,14 +219,24 @@ def test_gpt2_is_unsupported_architecture(broken: Path) -> None:
 
 
 @pytest.mark.parametrize("changes", [
-    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+    {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
     {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
     {"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-], ids=["llama3", "legacy_linear", "legacy_yarn"])
+], ids=["dynamic", "legacy_linear", "legacy_yarn"])
 def test_unsupported_rope_scaling(broken: Path, changes: dict[str, Any]) -> None:
     edit_config(broken, **changes)
     with pytest.raises(UnsupportedArchitectureError, match="unsupported RoPE scaling"):
         load_model(broken)
+
+
+def test_llama3_rope_scaling_needs_its_parameters(broken: Path) -> None:
+    edit_config(broken, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    with pytest.raises(CheckpointError, match="llama3 without low_freq_factor, high_freq_factor, original_max"):
+        load_model(broken)
+    edit_config(broken, rope_parameters=None, rope_theta=5e5, rope_scaling={"rope_type": "llama3"} | LLAMA3_ROPE)
+    factors = read_config(broken).rope_factors  # transformers' older form reads the same
+    assert factors == REFERENCE_CONFIGS["llama3_rope"].rope_factors and len(factors) == 8
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and set(factors[2:]) == {8.0}
 
 
 def test_mlp_bias_is_unsupported(broken: Path) -> None:

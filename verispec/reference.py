@@ -52,10 +52,12 @@ def _linear(x: np.ndarray, params: Params, name: str) -> np.ndarray:
     return y if bias is None else y + bias
 
 
-def _rope(x: np.ndarray, theta: float) -> np.ndarray:
+def _rope(x: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Rotary position embedding, Hugging Face "rotate_half" layout, positions 0..T-1. x: (B, H, T, hd)."""
     seq, hd = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)  # (hd/2,)
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2) / hd)  # (hd/2,)
+    if config.rope_factors is not None:  # Llama 3.1's scaling: each frequency divided by its factor
+        inv_freq = inv_freq / np.asarray(config.rope_factors)
     freqs = np.outer(np.arange(seq), inv_freq)  # (T, hd/2)
     emb = np.concatenate([freqs, freqs], axis=-1)  # (T, hd)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
@@ -76,8 +78,8 @@ def _attention(x: np.ndarray, params: Params, prefix: str, config: ModelConfig, 
     def split_heads(y: np.ndarray, n: int) -> np.ndarray:
         return y.reshape(batch, seq, n, hd).transpose(0, 2, 1, 3)  # (B, n, T, hd)
 
-    q = _rope(split_heads(_linear(x, params, prefix + "q_proj"), heads), config.rope_theta)  # (B, H, T, hd)
-    k = _rope(split_heads(_linear(x, params, prefix + "k_proj"), kv_heads), config.rope_theta)  # (B, Hkv, T, hd)
+    q = _rope(split_heads(_linear(x, params, prefix + "q_proj"), heads), config)  # (B, H, T, hd)
+    k = _rope(split_heads(_linear(x, params, prefix + "k_proj"), kv_heads), config)  # (B, Hkv, T, hd)
     v = split_heads(_linear(x, params, prefix + "v_proj"), kv_heads)  # (B, Hkv, T, hd)
     # Query head h reads kv head h // (H / Hkv): repeat each kv head for its group of query heads.
     k = np.repeat(k, heads // kv_heads, axis=1)  # (B, H, T, hd)

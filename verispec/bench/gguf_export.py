@@ -2,8 +2,9 @@
 
 llama.cpp's own converter (convert_hf_to_gguf.py) lives only in its source tree, and it rejects a byte-level BPE
 tokenizer it has not seen before (it identifies pre-tokenizers by hashing a known model's output). This writer covers
-what the benchmark needs, Llama checkpoints with a GPT-2-style byte-level BPE tokenizer, and names the pre-tokenizer
-("gpt-2": the same split regex) from the tokenizer's own description instead. The format is the `gguf` package's.
+what the benchmark needs, Llama checkpoints with a GPT-2-style byte-level BPE tokenizer (and RoPE unscaled or scaled as
+Llama 3.1's), and names the pre-tokenizer ("gpt-2": the same split regex) from the tokenizer's own description
+instead. The format is the `gguf` package's.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import weight_files
-from verispec.models.gguf_checkpoint import llama_cpp_rows
+from verispec.models.config import ModelConfig
+from verispec.models.gguf_checkpoint import ROPE_FREQS, llama_cpp_rows
 from verispec.models.precision import HEAD_FORMAT
 from verispec.models.quant import FORMATS
 
@@ -42,8 +45,10 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
         raise UnsupportedArchitectureError(f"{checkpoint}: only Llama checkpoints are written as GGUF, "
                                            f"not {config.get('model_type')!r}")
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") not in ("default", "llama3"):
         raise UnsupportedArchitectureError(f"{checkpoint}: RoPE scaling {rope['rope_type']!r} is not written as GGUF")
+    # Llama 3.1's scaling: its factors, computed as llama.cpp's converter computes the rope_freqs.weight it writes
+    factors = ModelConfig.from_hf(config).rope_factors if rope.get("rope_type") == "llama3" else None
     files = weight_files(checkpoint)
     missing = [file for file in files if not file.is_file()]
     if missing:
@@ -79,6 +84,8 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
     writer.add_add_bos_token(False)  # our tokenizer adds nothing (no post-processor: _vocab refuses one)
     writer.add_add_eos_token(False)
 
+    if factors is not None:
+        writer.add_tensor(ROPE_FREQS, np.asarray(factors, dtype=np.float32))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     blocks = dtype in FORMATS
     tensors = {name: tensor for file in files for name, tensor in load_file(file).items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from verispec.errors import CheckpointError, UnsupportedArchitectureError
 
 # model_type -> the class transformers would instantiate; all share Llama's math.
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Llama 3.1's RoPE scaling (rope_type "llama3"): the parameters its per-frequency factors are computed from
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # llama.cpp's rope_freqs: rotary frequency i is divided by rope_factors[i] (Llama 3.1 and 3.2); None: by nothing
+    rope_factors: tuple[float, ...] | None = None
+    # The config.json rope_type "llama3" parameters (LLAMA3_ROPE's keys and values) the factors come from, where they
+    # come from a folder; given alone, the factors are computed from them
+    rope_llama3: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED:
@@ -51,6 +59,15 @@ class ModelConfig:
             raise CheckpointError(f"rotary embeddings need an even head dimension, got {self.dim_per_head}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_llama3 is not None and self.rope_factors is None:  # frozen: set once, here
+            object.__setattr__(self, "rope_factors", llama3_rope_factors(dict(self.rope_llama3), self.dim_per_head,
+                                                                         self.rope_theta))
+        factors = self.rope_factors
+        if factors is not None and len(factors) != self.dim_per_head // 2:
+            raise CheckpointError(f"{len(factors)} RoPE frequency factors for a head of {self.dim_per_head} "
+                                  "dimensions (one per pair)")
+        if factors is not None and not all(isinstance(f, float) and 0 < f < math.inf for f in factors):
+            raise CheckpointError("RoPE frequency factors must be positive, finite floats")
 
     @property
     def dim_per_head(self) -> int:
@@ -72,8 +89,14 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"unsupported option mlp_bias in {arch}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ("default", "llama3"):
             raise UnsupportedArchitectureError(f"unsupported RoPE scaling {rope_type!r} in {arch}")
+        llama3 = None
+        if rope_type == "llama3":
+            missing = [key for key in LLAMA3_ROPE if not isinstance(rope.get(key), (int, float))]
+            if missing:
+                raise CheckpointError(f"config.json: RoPE scaling llama3 without {', '.join(missing)}")
+            llama3 = tuple((key, rope[key]) for key in LLAMA3_ROPE)
         max_pos = raw.get("max_position_embeddings", 2048)
         # Sliding-window attention equals full attention while the context fits in the window.
         window = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mistral") else None
@@ -98,21 +121,51 @@ class ModelConfig:
                 model_type=model_type,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                rope_llama3=llama3,
             )
         except KeyError as missing:
             raise CheckpointError(f"config.json lacks {missing}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers and this runtime both read."""
-        raw = {k: v for k, v in asdict(self).items() if v is not None and k not in ("qkv_bias", "o_bias")}
+        if self.rope_factors is not None and self.rope_llama3 is None:
+            raise UnsupportedArchitectureError("RoPE frequency factors read from a GGUF file (rope_freqs.weight) have "
+                                               "no config.json form that transformers reads")
+        own = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3")
+        raw = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
         raw["architectures"] = [SUPPORTED[self.model_type]]
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3 is not None:
+            raw["rope_parameters"] |= {"rope_type": "llama3", **dict(self.rope_llama3)}
         raw["torch_dtype"] = "float32"
         if self.model_type == "qwen2":
             raw["use_sliding_window"] = False
         else:
             raw["attention_bias"] = self.o_bias
         return raw
+
+
+def llama3_rope_factors(rope: dict[str, float], head_dim: int, theta: float) -> tuple[float, ...]:
+    """The per-frequency divisors of Llama 3.1's RoPE scaling, computed as llama.cpp's converter computes the
+    rope_freqs it writes (conversion/llama.py, float32): a folder and its GGUF file then rotate alike. Dividing by
+    them is transformers' `_compute_llama3_parameters` up to rounding."""
+    import torch
+
+    factor, low, high, context = (rope[key] for key in LLAMA3_ROPE)
+    if not (factor > 0 and 0 < low < high and context > 0):
+        raise CheckpointError(f"config.json: RoPE scaling llama3 needs factor > 0 and 0 < low_freq_factor < "
+                              f"high_freq_factor, got {rope}")
+    factors = []
+    for freq in 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:  # high frequencies: as they are
+            factors.append(1.0)
+        elif wavelen > context / low:  # low frequencies: scaled by the whole factor
+            factors.append(factor)
+        else:  # between: interpolated
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(float(f) for f in torch.tensor(factors, dtype=torch.float32).tolist())
 
 
 def read_config(checkpoint_dir: str | Path) -> ModelConfig:

@@ -95,7 +95,8 @@ class EagleHead(nn.Module):
             x = self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
         else:
             x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
-            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype,
+                              self.config.rope_factors)
             x = self.layers[0](x, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
         if cache is not None:
             cache.advance(T)

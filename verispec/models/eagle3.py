@@ -112,7 +112,8 @@ class Eagle3Head(nn.Module):
         head itself) and the next tokens' embeddings (B, T, D); a cache and mask as `EagleHead.forward` takes them."""
         positions, mask = head_layout(features, cache, positions, mask)
         h = self.fuse(features)
-        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, h.dtype)
+        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, h.dtype,
+                          self.config.rope_factors)
         x = self.midlayer(h, embeddings, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
         if cache is not None:
             cache.advance(features.shape[1])

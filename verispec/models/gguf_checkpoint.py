@@ -8,7 +8,8 @@ Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K an
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
 llama.cpp's converter reorders each head's rows of W_q and W_k for llama (its RoPE rotates adjacent pairs, Hugging
-Face's the two halves of a head); Qwen2's it leaves (llama.cpp runs Qwen2 with the halves' rotation).
+Face's the two halves of a head); Qwen2's it leaves (llama.cpp runs Qwen2 with the halves' rotation). A llama file's
+`rope_freqs.weight` (Llama 3.1 and 3.2: Hugging Face's rope_type "llama3") becomes `ModelConfig.rope_factors`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ KEPT = {ggml_type: name for name, ggml_type in KEPT_FORMATS.items()}  # stay blo
 FLOATS = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
 DEQUANTIZED = (GGML.Q2_K, GGML.Q3_K)
 READ = ", ".join(t.name for t in (*FLOATS, *KEPT, *DEQUANTIZED))
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors (head_dim / 2), one for all layers
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -88,6 +90,13 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
                               f"token embedding has {rows} rows")
     bias = "blk.0.attn_q.bias" in file.tensors
     eos = file.get("tokenizer.ggml.eos_token_id", int)
+    factors = file.tensors.get(ROPE_FREQS)
+    if factors is not None and arch != "llama":  # llama.cpp reads them for llama only (of these)
+        raise UnsupportedArchitectureError(f"{file.path}: RoPE frequency factors ({ROPE_FREQS}) in a {arch} file, "
+                                           "which llama.cpp does not apply to it")
+    if factors is not None and (factors.tensor_type not in (GGML.F32, GGML.F16) or factors.shape != (head_dim // 2,)):
+        raise CheckpointError(f"{file.path}: {ROPE_FREQS} must be {head_dim // 2} floats (F32 or F16), one per pair "
+                              f"of a head's dimensions; it is {factors.tensor_type.name} of shape {factors.shape}")
     return ModelConfig(
         vocab_size=rows, hidden_size=hidden,
         intermediate_size=file.require(key("feed_forward_length"), int),
@@ -100,7 +109,8 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         rope_theta=file.get(key("rope.freq_base"), (float, int), 10000.0),
         qkv_bias=bias, o_bias=bias and "blk.0.attn_output.bias" in file.tensors,
         tie_word_embeddings="output.weight" not in file.tensors, model_type=arch,
-        bos_token_id=file.get("tokenizer.ggml.bos_token_id", int), eos_token_id=eos)
+        bos_token_id=file.get("tokenizer.ggml.bos_token_id", int), eos_token_id=eos,
+        rope_factors=None if factors is None else tuple(np.asarray(factors.data, dtype=np.float64).tolist()))
 
 
 def gguf_weights(file: GGUFFile, config: ModelConfig) -> dict[str, Weight]:
@@ -111,10 +121,7 @@ def gguf_weights(file: GGUFFile, config: ModelConfig) -> dict[str, Weight]:
     hf_name = {names.get_name(name, try_suffixes=(".weight", ".bias")): name for name in shapes}
     if None in hf_name:
         raise CheckpointError(f"{file.path}: gguf {gguf.__version__} has no GGUF names for {config.model_type}")
-    unexpected = sorted(set(file.tensors) - set(hf_name))
-    if "rope_freqs.weight" in unexpected:  # Llama 3.1's frequency factors
-        raise UnsupportedArchitectureError(f"{file.path}: RoPE frequency factors (rope_freqs.weight), which the "
-                                           "native runtime does not implement")
+    unexpected = sorted(set(file.tensors) - set(hf_name) - {ROPE_FREQS})  # the factors are in the config
     if unexpected:
         raise CheckpointError(f"{file.path}: {len(unexpected)} tensors its config does not describe: "
                               f"{', '.join(unexpected[:3])}")

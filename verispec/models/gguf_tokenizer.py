@@ -32,6 +32,11 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+# Mistral's tekken (Nemo, Small 3) as llama.cpp adapted it: a letter is upper case where it is not a-z and lower case
+# where it is not A-Z (llama.cpp's regex engine knows no \p{Lu} or \p{Ll}), so any other letter counts as either
+TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ PRE_TOKENIZERS = (
     | _family("dbrx smaug-bpe", PreTokenizer((LLAMA3,)))
     | _family("starcoder refact command-r smollm codeshell exaone minerva-7b", PreTokenizer((r"\p{N}", GPT2)))
     | _family("qwen2 deepseek-r1-qwen megrez stablelm2 hunyuan", PreTokenizer((QWEN2,)))
+    | _family("tekken", PreTokenizer((TEKKEN,), ignore_merges=True, add_bos=True))
 )
 SPACE = "\u2581"  # SentencePiece's visible space
 # llama.cpp's ids for a SentencePiece vocabulary whose file names none

@@ -15,6 +15,7 @@ import torch
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.checkpoint import check_finite, check_folder
 from verispec.models.device import usable_device
+from verispec.models.gguf_checkpoint import ROPE_FREQS
 from verispec.models.gguf_file import GGUFFile, is_gguf
 from verispec.models.precision import parse_dtype
 from verispec.models.protocol import Capabilities
@@ -97,8 +98,11 @@ def load_transformers_model(name_or_path: str | Path, device: str | torch.device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
-    if is_gguf(name_or_path):
-        GGUFFile(name_or_path)  # opened here first, so that a missing or broken file is named as such
+    if is_gguf(name_or_path):  # opened here first, so that a missing or broken file is named as such
+        if ROPE_FREQS in GGUFFile(name_or_path).tensors:
+            raise CheckpointError(f"{name_or_path}: transformers' GGUF loader leaves out its RoPE frequency factors "
+                                  f"({ROPE_FREQS}, Llama 3.1's RoPE scaling) and would run another model; the native "
+                                  "backend runs it")
     elif os.path.lexists(name_or_path):  # a local folder, not a hub id
         check_folder(name_or_path)
     source = pretrained_source(name_or_path)

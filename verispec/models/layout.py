@@ -9,7 +9,7 @@ The math (models/llama.py) runs over whichever layout it is given; models/execut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,21 +22,31 @@ from verispec.models.config import ModelConfig
 TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(head_dim: int, theta: float, factors: Sequence[float] | None, dtype: torch.dtype,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """(D / 2,) each pair of dimensions' rotary frequency, computed like transformers in `dtype`; each divided by its
+    factor (llama.cpp's rope_freqs: Llama 3.1's scaling) where there are `factors`."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=dtype, device=device)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+           factors: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (..., T, D) for the given positions (..., T), computed like transformers (float32, then
-    cast)."""
+    cast); frequencies divided by `factors` (`ModelConfig.rope_factors`) where given."""
     compute = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=compute) / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, factors, compute, positions.device)
     freqs = positions.to(compute)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype,
+                 factors: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (positions, D) for positions 0 .. positions - 1, for verispec's kernels to read by index. Taken in
     float64 and rounded, so that a row's values do not depend on the table's length (vectorised float32 cos and sin
-    may round a tensor's last elements differently)."""
-    inv_freq = (1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).double()
+    may round a tensor's last elements differently); the frequencies are `rotary`'s float32 ones."""
+    inv_freq = inverse_frequencies(head_dim, theta, factors, torch.float32).double()
     freqs = torch.arange(positions, dtype=torch.float32)[:, None].double() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
@@ -47,7 +57,7 @@ def covering(table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config
     """`table` (cos, sin by position), or a longer one where it does not cover a cache of `slots`: kernel forwards
     read their rotary rows from it (a row's values do not depend on the table's length)."""
     if table is None or len(table[0]) < slots:
-        return rotary_table(slots, config.dim_per_head, config.rope_theta, dtype)
+        return rotary_table(slots, config.dim_per_head, config.rope_theta, dtype, config.rope_factors)
     return table
 
 

@@ -190,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
         else:
             x = self.model.embed_tokens(tokens).to(self.dtype)  # (B, T, D)
-            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype)
+            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype,
+                              self.config.rope_factors)
             if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
                 cos, sin = cos[:, None], sin[:, None]
         states = {}

@@ -79,7 +79,8 @@ def unrolled(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: t
     attn = layer.self_attn
     B, T, _ = embeddings.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
-    cos, sin = rotary(torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype)
+    cos, sin = rotary(torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype,
+                      head.config.rope_factors)
     h, keys, values, outputs = features, [], [], []
     for j in range(steps):
         x, residual = head.step_inputs(h, embeddings)
