@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -75,7 +76,8 @@ def _sse(response: httpx.Response) -> list[str]:
     return [e.removeprefix("data: ") for e in events]
 
 
-def test_completion(client: openai.OpenAI, models: tuple) -> None:
+def test_completion(client: openai.OpenAI, models: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="verispec.serve")  # each finished request's line, as chat prints a turn's
     target = models[1]
     expected = generate(target, "def parse(line):", max_new_tokens=12, ignore_eos=True)
     reply = client.completions.create(model="tiny", prompt="def parse(line):", max_tokens=12, temperature=0,
@@ -88,6 +90,9 @@ def test_completion(client: openai.OpenAI, models: tuple) -> None:
     stats = reply.model_extra["verispec"]
     assert stats["tau"] == pytest.approx(12 / stats["target_calls"]) and stats["drafted_tokens"] > 0
     assert 0 <= stats["acceptance_rate"] <= 1
+    line = f"(max_new_tokens): [12 tokens, "
+    assert any(line in r.getMessage() and f"tau {stats['tau']:.2f}, acceptance " in r.getMessage()
+               for r in caplog.records)
 
 
 def test_completion_stream(client: openai.OpenAI, server: ServerThread, models: tuple) -> None:

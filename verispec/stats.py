@@ -58,6 +58,11 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time if self.total_time else 0.0
 
+    def line(self) -> str:
+        """One line for a person: speed, tau and acceptance (a chat turn's, a served request's)."""
+        line = f"[{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, tau {self.tau:.2f}"
+        return line + (f", acceptance {self.acceptance_rate:.0%}]" if self.drafter_calls else "]")
+
     def to_dict(self) -> dict:
         derived = ("acceptance_rate", "tau", "acceptance_by_position", "other_time", "tokens_per_second")
         return asdict(self) | {name: getattr(self, name) for name in derived}

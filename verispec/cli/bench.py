@@ -96,8 +96,7 @@ def bench_serve_command(args: argparse.Namespace) -> None:
         setup = {"servers": ", ".join(f"{label} at {url}" for label, url in servers)}
     else:
         whole_number(args.max_batch, "--max-batch", 1)
-        threads = args.threads or 1  # as `bench`: one thread unless told, so runs compare
-        set_threads(threads)
+        threads = set_threads(args.threads)  # as `serve`: the cores, unless told (the help says so)
         method = checked_method(args)
         target, drafter = load_models(args, method)
         if drafter is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from verispec.chat import Chat
 from verispec.cli.inputs import check_options, decoding_options, grammar_from, read_prompt, unescape
 from verispec.cli.loading import checked_method, load_models
-from verispec.cli.output import GREEN, RESET, print_stream, stats_lines, turn_line, use_color
+from verispec.cli.output import GREEN, RESET, print_stream, stats_lines, use_color
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
@@ -108,7 +108,7 @@ def chat_command(args: argparse.Namespace) -> int:
         except VerispecError as err:
             print(f"verispec: error: {err}", file=sys.stderr, flush=True)
             continue
-        print(f"\n{turn_line(steps.stats)}", flush=True)
+        print(f"\n{steps.stats.line()}", flush=True)
 
 
 def serve_command(args: argparse.Namespace) -> None:

@@ -40,9 +40,3 @@ def stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
                   f"other {s.other_time:.3f} s"]
         lines.insert(3, "steps by tokens drafted: " + ", ".join(f"{d}: {n}" for d, n in enumerate(s.steps_by_depth) if n))
     return lines
-
-
-def turn_line(s: GenerationStats) -> str:
-    """One line per chat turn: speed, tau and acceptance."""
-    line = f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, tau {s.tau:.2f}"
-    return line + (f", acceptance {s.acceptance_rate:.0%}]" if s.drafter_calls else "]")

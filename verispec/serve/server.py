@@ -9,12 +9,14 @@ that never reads its stream) are closed. A second Ctrl-C quits at once.
 
 from __future__ import annotations
 
+import copy
 import signal
 import threading
 import time
 from types import FrameType
 
 import uvicorn
+import uvicorn.config
 from fastapi import FastAPI
 
 from verispec.arguments import whole_number
@@ -48,14 +50,18 @@ def check_server_options(port: int, grace: float, max_batch: int) -> None:
     whole_number(max_batch, "--max-batch", 1)
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str, grace: float) -> uvicorn.Config:
+def _config(app: FastAPI, host: str, port: int, log_level: str, grace: float,
+            log_config: dict = uvicorn.config.LOGGING_CONFIG) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN)
+                          timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN, log_config=log_config)
 
 
 def run_server(app: FastAPI, host: str, port: int, grace: float) -> None:
-    """Serve in the foreground until SIGINT/SIGTERM."""
-    GracefulServer(_config(app, host, port, "info", grace), grace).run()
+    """Serve in the foreground until SIGINT/SIGTERM, logging each finished request's speed, tau and acceptance
+    beside uvicorn's own lines."""
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["verispec.serve"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    GracefulServer(_config(app, host, port, "info", grace, log_config), grace).run()
 
 
 class ServerThread:

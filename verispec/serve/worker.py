@@ -161,6 +161,8 @@ class EngineWorker:
                     f"generation failed: {type(update.error).__name__}: {update.error}"))
             if update.finished:
                 self._live.pop(update.request_id, None)
+                if update.error is None:  # the server's log: what `verispec chat` prints after a turn
+                    log.info("request %d (%s): %s", update.request_id, update.finish_reason, update.stats.line())
 
     def _end_all(self) -> None:
         for engine_id in self._live:
