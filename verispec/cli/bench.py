@@ -21,8 +21,8 @@ from verispec.threads import set_threads, torch_threads
 
 
 def bench_command(args: argparse.Namespace) -> None:
-    """`verispec bench`: the report of every method (or --quick's tiny run, --formats' steps by weight format, or
-    --profile's forward profile)."""
+    """`verispec bench`: the report of every method (or --quick's tiny run, --formats' steps by weight format,
+    --profile's forward profile, or --startup's time to a first token)."""
     from verispec.bench.harness import BenchOptions, run_bench, run_quick  # loads matplotlib and tqdm on demand
     from verispec.bench.llamacpp import find_llama_cpp
     from verispec.bench.report import format_summary
@@ -49,6 +49,13 @@ def bench_command(args: argparse.Namespace) -> None:
 
         command = " ".join(["verispec", *sys.argv[1:]])
         print(run_formats(Path(args.target), out, command, rounds=args.repeats or 7, threads=args.threads).read_text())
+        return
+    if args.startup:
+        from verispec.bench.startup import run_startup
+
+        command = " ".join(["verispec", *sys.argv[1:]])
+        print(run_startup(Path(args.target), out, command, threads=args.threads, repeats=args.repeats or 5,
+                          llama_cpp=find_llama_cpp(args.llama_cpp)).read_text())
         return
     if args.profile:
         from verispec.bench.profile_forward import run_profile

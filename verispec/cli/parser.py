@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead: profile the target's 1-token forward (float32 and bfloat16, ordinary and exact, "
                             "plain and fast kernels) against its weight-read time; writes forward-profile.md "
                             "(--target, --out, --threads and --repeats apply)")
+    bench.add_argument("--startup", action="store_true",
+                       help="instead: time fresh processes from their start to one generated token, with their peak "
+                            "memory: `verispec generate --max-new-tokens 1`, and llama.cpp's llama-completion -n 1 on "
+                            "the same file with --llama-cpp; writes startup.md (--target, --out, --threads and "
+                            "--repeats, runs (default 5), apply)")
     bench.add_argument("--unrelated", action="store_true",
                        help="also run the draft model at k=4 and k=auto on a never-agreeing pair: the target with a "
                             "random draft of the draft's shape and tokenizer (--quick always does)")
