@@ -128,8 +128,8 @@ class _ViewsOnly(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing here is compiled, and wrapping the mode for Dynamo imports torch._dynamo: 1.4 s of a
-        # CLI call's first token
+        return False  # nothing here is compiled, and wrapping the mode for Dynamo imports torch._dynamo, which
+        # costs a CLI call's first token more than the rest of its forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

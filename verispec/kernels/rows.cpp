@@ -228,7 +228,7 @@ static void block_q5_k(const uint8_t* b, float* y) { block_k(b, b + 16, b + 48, 
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 inputs), then d. In each half of
 // 128 inputs, input l + 32 k (k = 0..3) has its nibble in byte l (k even) or l + 32 (k odd), the high one for k >= 2,
 // and its pair in byte l at bit 2 k: ggml's loop, by 16 inputs of one scale so that the compiler vectorizes it over
-// l (a loop over r with r / 64 and r % 32 in it stayed scalar, 4x slower).
+// l (a loop over r with r / 64 and r % 32 in it stayed scalar, and slow).
 static void block_q6_k(const uint8_t* b, float* y) {
   const float d = half_at(b + 208);
   float dl[16];  // (d * sc) * q, as gguf's d = d * scales, then d * q

@@ -46,7 +46,7 @@ class Embedding(nn.Embedding):
     blocks does: `quant.QuantizedEmbedding`)."""
 
     def reset_parameters(self) -> None:
-        if not self.weight.is_meta:  # (normal_ on the meta device imports torch._dynamo: a second of every load)
+        if not self.weight.is_meta:  # (normal_ on the meta device imports torch._dynamo, slowing every load)
             super().reset_parameters()
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
