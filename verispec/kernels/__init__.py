@@ -100,12 +100,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, cols, padded.shape[1] // pair, pair).transpose(1, 2).contiguous()
 
 
+def _parts(blocks: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A weight's blocks as the list of the weights' blocks that make it, row by row (one, or several)."""
+    return [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+
+
 def pack_quantized(format: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """A weight in ggml's blocks (N, K / block inputs * block bytes) of `format` (one of `QUANTIZED`), uint8 rows at
     any stride (only read: a read-only memory map will do), laid out as the quantized matmul streams it
     (kernels/pack.cpp): (N / 16 rounded up, K / block inputs, packed block bytes), rows past N padded as all-zero
     blocks. Several weights' blocks (a sequence) are packed as their rows stacked would be, without stacking them."""
-    parts = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+    parts = _parts(blocks)
     for part in parts:
         if format not in QUANTIZED or part.dtype != torch.uint8 or part.dim() != 2 or part.device.type != "cpu" or \
                 part.shape[1] != parts[0].shape[1] or part.shape[1] % quant_pack.bytes_per_block(format):
@@ -133,14 +138,15 @@ class Matmul:
     `weight` is the (N, K / 32 * block bytes) uint8 blocks of a weight in that format, or several weights' blocks
     that make it row by row (`pack_quantized`), and x is float32."""
 
-    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None, format: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None,
+                 format: str | None = None) -> None:
         if format is None:
             self.out_features, self.in_features = weight.shape
             self.kernel = _kernel("linear", weight)  # checks the dtype
             self.dtype, self.packed = weight.dtype, pack(weight)
         else:
             self.kernel, self.dtype, self.packed = f"linear_{format}", torch.float32, pack_quantized(format, weight)
-            self.out_features = sum(part.shape[0] for part in ([weight] if isinstance(weight, torch.Tensor) else weight))
+            self.out_features = sum(part.shape[0] for part in _parts(weight))
             self.in_features = self.packed.shape[1] * quant_pack.inputs_per_block(format)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
