@@ -29,8 +29,14 @@ class OwnSession:
         """Reset per-generation state."""
 
 
-def start_session(drafter, target: CausalLM, prompt, sampling: SamplingParams | None = None,
-                  generator: torch.Generator | None = None, cache=None):
+def start_session(
+    drafter,
+    target: CausalLM,
+    prompt,
+    sampling: SamplingParams | None = None,
+    generator: torch.Generator | None = None,
+    cache=None,
+):
     """A drafter's session for `prompt`, begun the way the loop begins one (checks first, then a prefilled cache)."""
     check_target(drafter, target)
     cache = target.new_cache() if cache is None else cache

@@ -17,15 +17,24 @@ from verispec.models.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows
 from verispec.models.random_init import random_weights
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "stdlib-target" / "tokenizer.json"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|im_start|>", "<|im_end|>"]  # beside <|endoftext|>, control tokens of the BPE vocabulary
 USER_DEFINED = "<tool>"
 # The formats written as random blocks (gguf cannot quantize to the K-quants or IQ4_NL): where each keeps its float16
 # scales (byte offsets in a block), and a scale that keeps the blocks' values of the order of a tiny model's weights.
-SCALES = {GGML.Q5_0: ((0,), 2e-3), GGML.Q5_1: ((0, 2), 2e-3), GGML.Q2_K: ((80, 82), 1e-2),
-          GGML.Q3_K: ((108,), 2e-3), GGML.Q4_K: ((0, 2), 2e-4), GGML.Q5_K: ((0, 2), 1e-4), GGML.Q6_K: ((208,), 4e-5),
-          GGML.IQ4_NL: ((0,), 1e-3)}
+SCALES = {
+    GGML.Q5_0: ((0,), 2e-3),
+    GGML.Q5_1: ((0, 2), 2e-3),
+    GGML.Q2_K: ((80, 82), 1e-2),
+    GGML.Q3_K: ((108,), 2e-3),
+    GGML.Q4_K: ((0, 2), 2e-4),
+    GGML.Q5_K: ((0, 2), 1e-4),
+    GGML.Q6_K: ((208,), 4e-5),
+    GGML.IQ4_NL: ((0,), 1e-3),
+}
 
 
 def bpe_vocab(size: int = 1024) -> tuple[list[str], list[int], list[str]]:
@@ -47,8 +56,10 @@ def bpe_vocab(size: int = 1024) -> tuple[list[str], list[int], list[str]]:
 def spm_vocab(controls: tuple[str, ...] = ()) -> tuple[list[str], list[int], list[float]]:
     """A SentencePiece vocabulary: <unk>, <s>, </s>, `controls` (more control tokens, as Mistral's [INST]), the 256
     byte tokens, and pieces of a few words (with the visible space) scored by how common they are in them."""
-    text = ("the quick brown fox jumps over the lazy dog while the other dogs sleep; then they all wake up and "
-            "run together through the open field, over hills and rivers, until the evening comes")
+    text = (
+        "the quick brown fox jumps over the lazy dog while the other dogs sleep; then they all wake up and "
+        "run together through the open field, over hills and rivers, until the evening comes"
+    )
     counts: dict[str, int] = {}
     for word in text.split():
         piece = "\u2581" + word
@@ -57,16 +68,29 @@ def spm_vocab(controls: tuple[str, ...] = ()) -> tuple[list[str], list[int], lis
                 counts[piece[i:j]] = counts.get(piece[i:j], 0) + 1
     pieces = sorted(counts, key=lambda p: (-counts[p] * len(p), p))
     tokens = ["<unk>", "<s>", "</s>", *controls, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    types = [TokenType.UNKNOWN, *[TokenType.CONTROL] * (2 + len(controls)), *[TokenType.BYTE] * 256,
-             *[TokenType.NORMAL] * len(pieces)]
+    types = [
+        TokenType.UNKNOWN,
+        *[TokenType.CONTROL] * (2 + len(controls)),
+        *[TokenType.BYTE] * 256,
+        *[TokenType.NORMAL] * len(pieces),
+    ]
     scores = [0.0] * (259 + len(controls)) + [-float(i) for i in range(len(pieces))]
     return tokens, types, scores
 
 
 def gguf_config(vocab: int, **overrides) -> ModelConfig:
     """A small grouped-query model whose rows are whole K-quant blocks (256 inputs)."""
-    base = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
+    base = dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
     return ModelConfig(**(base | overrides))
 
 
@@ -77,14 +101,24 @@ def random_blocks(shape: tuple[int, ...], qtype: GGML, rng: np.random.Generator)
     offsets, scale = SCALES[qtype]
     for offset in offsets:
         values = (rng.uniform(0.5, 1, rows.shape[:2]) * scale).astype(np.float16)
-        rows[..., offset:offset + 2] = values[..., None].view(np.uint8)
+        rows[..., offset : offset + 2] = values[..., None].view(np.uint8)
     return rows.reshape(shape[0], -1)
 
 
-def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *, tokenizer: str = "gpt2",
-               pre: str | None = "gpt-2", seed: int = 0, name: str = "tiny", add_bos: bool | None = None,
-               template: str | None = CHATML, extra: Callable[[gguf.GGUFWriter], None] | None = None,
-               controls: tuple[str, ...] = ()) -> Path:
+def write_gguf(
+    path: Path,
+    config: ModelConfig,
+    types: Callable[[str], GGML],
+    *,
+    tokenizer: str = "gpt2",
+    pre: str | None = "gpt-2",
+    seed: int = 0,
+    name: str = "tiny",
+    add_bos: bool | None = None,
+    template: str | None = CHATML,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    controls: tuple[str, ...] = (),
+) -> Path:
     """Write a random model of `config` to `path`: each weight (by Hugging Face name) in `types(name)`, 1-D ones
     in F32; `tokenizer` "gpt2" (byte-level BPE, pre-tokenizer `pre`) or "llama" (SentencePiece, with `controls`)."""
     rng = np.random.default_rng(seed)
@@ -117,8 +151,8 @@ def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *,
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_unk_token_id(0)
-    writer.add_token_list(tokens[:config.vocab_size])
-    writer.add_token_types(token_types[:config.vocab_size])
+    writer.add_token_list(tokens[: config.vocab_size])
+    writer.add_token_types(token_types[: config.vocab_size])
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     if template is not None:
@@ -129,8 +163,9 @@ def write_gguf(path: Path, config: ModelConfig, types: Callable[[str], GGML], *,
     for hf_name, weight in random_weights(config, seed).items():
         weight = weight.astype(np.float32)
         if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
-            weight = llama_cpp_rows(weight, config.num_attention_heads if "q_proj" in hf_name
-                                    else config.num_key_value_heads)
+            weight = llama_cpp_rows(
+                weight, config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+            )
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         qtype = GGML.F32 if weight.ndim == 1 else types(hf_name)
         if qtype == GGML.F32:

@@ -55,8 +55,9 @@ def parts(format: str, blocks: np.ndarray) -> Parts:
         if format == "q5_k":  # byte l of qh holds bit 4 of input l of each block of 32, block j in bit j
             qh = b[..., 16:48].reshape(N, -1, 1, 32)
             high = ((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1).reshape(N, -1, 32)
-        return Parts([sc.reshape(N, -1, 1), m.reshape(N, -1, 1)], _nibbles(values), high,
-                     header=(b[..., 0:2], b[..., 2:4]))
+        return Parts(
+            [sc.reshape(N, -1, 1), m.reshape(N, -1, 1)], _nibbles(values), high, header=(b[..., 0:2], b[..., 2:4])
+        )
     if format == "q6_k":
         ql, qh = b[..., 0:128].reshape(N, -1, 2, 2, 1, 32), b[..., 128:192].reshape(N, -1, 2, 1, 1, 32)
         low = np.concatenate([ql & 0xF, ql >> 4], -2)  # (N, nb, half, 32-byte run, low/high nibble, 32)

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from verispec import generate
-from verispec.cost_model import (PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_WAIT_MAX, Acceptance, Timings, best_k,
-                                 expected_tokens)
+from verispec.cost_model import (
+    PROBE_BUDGET,
+    PROBE_FIRST,
+    PROBE_MAX,
+    PROBE_WAIT_MAX,
+    Acceptance,
+    Timings,
+    best_k,
+    expected_tokens,
+)
 from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel
@@ -30,14 +38,26 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def brute_force(a: Sequence[float], c: float, r, limit: int) -> int:
-    speeds = [1.0] + [(1 + sum(np.prod(a[:i]) for i in range(1, k + 1))) / (k * c + r(k + 1)) for k in range(1, limit + 1)]
+    speeds = [1.0] + [
+        (1 + sum(np.prod(a[:i]) for i in range(1, k + 1))) / (k * c + r(k + 1)) for k in range(1, limit + 1)
+    ]
     return int(np.argmax(speeds))  # the first (smallest) k on a tie
 
 
-@pytest.mark.parametrize("a, c, slope, limit", [
-    ([0.9] * 8, 0.1, 0.05, 8), ([0.9] * 8, 0.1, 0.2, 8), ([0.6, 0.5, 0.4, 0.4], 0.1, 0.1, 4),
-    ([0.2] * 8, 0.1, 0.1, 8), ([0.0] * 8, 0.0, 0.0, 8), ([1.0] * 8, 0.0, 0.0, 8), ([0.95] * 8, 0.3, 0.0, 8),
-    ([0.7, 0.9, 0.9, 0.9], 0.05, 0.02, 3), ([0.5] * 6, 0.02, 0.3, 6)])
+@pytest.mark.parametrize(
+    "a, c, slope, limit",
+    [
+        ([0.9] * 8, 0.1, 0.05, 8),
+        ([0.9] * 8, 0.1, 0.2, 8),
+        ([0.6, 0.5, 0.4, 0.4], 0.1, 0.1, 4),
+        ([0.2] * 8, 0.1, 0.1, 8),
+        ([0.0] * 8, 0.0, 0.0, 8),
+        ([1.0] * 8, 0.0, 0.0, 8),
+        ([0.95] * 8, 0.3, 0.0, 8),
+        ([0.7, 0.9, 0.9, 0.9], 0.05, 0.02, 3),
+        ([0.5] * 6, 0.02, 0.3, 6),
+    ],
+)
 def test_best_k_maximises_the_formula(a, c, slope, limit) -> None:
     r = lambda n: 1 + slope * (n - 1)
     assert best_k(a, c, r, range(limit + 1)) == brute_force(a, c, r, limit)
@@ -132,7 +152,7 @@ def test_probing_schedule_backs_off_while_probes_fail() -> None:
     # plain steps between probes: PROBE_FIRST, then twice as many after each failed probe, up to PROBE_MAX, and
     # never fewer than keep a probe's predicted extra cost (0.1 + r(2) - 1 = 0.15 of a step) under PROBE_BUDGET
     budget = 0.15 / PROBE_BUDGET
-    expected = [int(max(min(PROBE_FIRST * 2 ** i, PROBE_MAX), budget)) for i in range(len(gaps))]
+    expected = [int(max(min(PROBE_FIRST * 2**i, PROBE_MAX), budget)) for i in range(len(gaps))]
     assert expected[:5] == [15, 15, 16, 32, 64]
     assert gaps == expected
     assert sum(asked[first_plain:]) / len(asked[first_plain:]) < 0.03  # a few percent of a token per step
@@ -166,8 +186,13 @@ def test_greedy_identity_with_auto(target, draft, unrelated, truth) -> None:
 
 
 def test_auto_stops_drafting_with_a_draft_that_never_agrees(target, unrelated) -> None:
-    out = generate(target, PROMPT, build_drafter(Method("draft", "auto"), Resources(draft=unrelated)),
-                   max_new_tokens=96, ignore_eos=True)
+    out = generate(
+        target,
+        PROMPT,
+        build_drafter(Method("draft", "auto"), Resources(draft=unrelated)),
+        max_new_tokens=96,
+        ignore_eos=True,
+    )
     steps = out.stats.steps_by_depth
     assert out.stats.accepted <= 2
     assert steps[0] >= 0.9 * sum(steps)  # plain steps, counted, not timed
@@ -176,8 +201,9 @@ def test_auto_stops_drafting_with_a_draft_that_never_agrees(target, unrelated) -
 
 def test_auto_drafts_the_most_when_the_draft_is_always_right(target, truth) -> None:
     # With the target as its own draft c is about 1, which never pays; the costs here are a cheap draft's.
-    out = generate(target, PROMPT, AdaptiveK(DraftModel(target, 8), costs=(0.05, lambda n: 1.0)), max_new_tokens=N,
-                   ignore_eos=True)
+    out = generate(
+        target, PROMPT, AdaptiveK(DraftModel(target, 8), costs=(0.05, lambda n: 1.0)), max_new_tokens=N, ignore_eos=True
+    )
     assert out.tokens == truth
     steps = out.stats.steps_by_depth
     assert steps[8] >= out.stats.target_calls - 4  # after the first few, every step drafts all eight
@@ -223,8 +249,7 @@ def test_sampling_with_auto_follows_the_target(tmp_path, reference_probs) -> Non
     drafter = AdaptiveK(Successor(2), costs=(0.3, lambda n: 1.0))
     counts, ks = np.zeros((VOCAB, VOCAB)), set()
     for seed in range(DRAWS):
-        out = generate(target, SAMPLE_PROMPT, drafter, max_new_tokens=NEW, temperature=1.0, seed=seed,
-                       ignore_eos=True)
+        out = generate(target, SAMPLE_PROMPT, drafter, max_new_tokens=NEW, temperature=1.0, seed=seed, ignore_eos=True)
         counts[out.tokens[2], out.tokens[3]] += 1
         ks.add(tuple(out.stats.steps_by_depth))
     assert len(ks) > 2  # the steps' lengths did vary with the verdicts

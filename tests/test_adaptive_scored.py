@@ -29,9 +29,18 @@ def brute_force(chances, r, overhead: float) -> int:
     return int(np.argmax(speeds))  # the first (shortest) on a tie
 
 
-@pytest.mark.parametrize("chances, slope, overhead", [
-    ([0.9, 0.9, 0.1], 0.1, 0.0), ([0.9] * 8, 0.05, 0.0), ([0.05] * 4, 0.1, 0.0), ([0.3, 0.2, 0.1], 0.15, 0.2),
-    ([1.0] * 6, 0.0, 0.0), ([0.0] * 3, 0.0, 0.0), ([0.6, 0.6, 0.5, 0.1, 0.1], 0.25, 0.1)])
+@pytest.mark.parametrize(
+    "chances, slope, overhead",
+    [
+        ([0.9, 0.9, 0.1], 0.1, 0.0),
+        ([0.9] * 8, 0.05, 0.0),
+        ([0.05] * 4, 0.1, 0.0),
+        ([0.3, 0.2, 0.1], 0.15, 0.2),
+        ([1.0] * 6, 0.0, 0.0),
+        ([0.0] * 3, 0.0, 0.0),
+        ([0.6, 0.6, 0.5, 0.1, 0.1], 0.25, 0.1),
+    ],
+)
 def test_best_prefix_maximises_the_formula(chances, slope, overhead) -> None:
     r = lambda n: 1 + slope * (n - 1)
     assert best_prefix(chances, r, overhead) == brute_force(chances, r, overhead)
@@ -93,7 +102,7 @@ def test_a_scored_proposal_is_cut_where_it_stops_paying_and_learns_from_verdicts
         session.accepted(Verdict([]))
         cuts.append(len(session.propose([1, 2], 4).tokens))
     assert cuts[0] == 2 and cuts[-20:].count(0) >= 18 and 1 in cuts[-20:]  # plain steps, and one-token probes
-    assert cuts[:cuts.index(0)] == sorted(cuts[:cuts.index(0)], reverse=True)
+    assert cuts[: cuts.index(0)] == sorted(cuts[: cuts.index(0)], reverse=True)
     for _ in range(60):  # then every token is accepted: the probes bring the estimates, and the cut, back
         session.accepted(Verdict(list(range(cuts[-1]))))
         cuts.append(len(session.propose([1, 2], 4).tokens))
@@ -150,6 +159,8 @@ def test_method_suffix_alone_is_the_cut_chain_and_a_tree_stays_fixed() -> None:
     from verispec.cli import loading
     from verispec.cli.parser import build_parser
 
-    parse = lambda *extra: loading.method_from(build_parser().parse_args(["generate", "x", "--method", "suffix", *extra]))
+    parse = lambda *extra: loading.method_from(
+        build_parser().parse_args(["generate", "x", "--method", "suffix", *extra])
+    )
     assert parse().k == "auto" and parse("-k", "8").k == 8
     assert parse("--tree-tokens", "8").k is None and parse("--tree-tokens", "8", "-k", "auto").k == "auto"

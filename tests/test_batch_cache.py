@@ -33,8 +33,9 @@ def test_a_batched_forward_is_each_row_alone(target) -> None:
     more = [[4, 4], [8]]  # two slots go on, one of them by fewer tokens than the other
     logits = target.forward_batch(padded(more), cache, [0, 3], [2, 1])
     for b, (prompt, new) in enumerate(zip([PROMPTS[0], PROMPTS[2]], more)):
-        torch.testing.assert_close(logits[b, : len(new)], alone(target, prompt + new)[len(prompt):], rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            logits[b, : len(new)], alone(target, prompt + new)[len(prompt) :], rtol=1e-5, atol=1e-5
+        )
     assert cache.lengths == [7, 0, 1, 10]
 
 

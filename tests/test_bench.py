@@ -28,15 +28,37 @@ def quick(tmp_path_factory):
 
 def test_report_files_and_structure(quick) -> None:
     out, results = quick
-    assert {p.name for p in out.iterdir()} >= {"report.md", "results.json", "speedup_vs_k.png",
-                                                "acceptance_by_position.png", "tokens_per_second.png"}
+    assert {p.name for p in out.iterdir()} >= {
+        "report.md",
+        "results.json",
+        "speedup_vs_k.png",
+        "acceptance_by_position.png",
+        "tokens_per_second.png",
+    }
     summary = results["summary"]
-    expected = {"autoregressive", "ngram k=4", "layerskip k=4", "lookahead window=5 ngram=4 candidates=5",
-                "transformers greedy", "transformers assisted", "transformers assisted k=4",
-                "transformers prompt lookup", "draft k=4 branch=2", "eagle k=4",
-                "eagle k=6 tree_top_k=2 tree_tokens=10", "draft k=auto", "ngram k=auto", "eagle k=auto", "medusa",
-                "suffix", "suffix tree_tokens=8", "suffix k=auto", "suffix k=4 eagle_below=3",
-                "draft (unrelated) k=4", "draft (unrelated) k=auto"} | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
+    expected = {
+        "autoregressive",
+        "ngram k=4",
+        "layerskip k=4",
+        "lookahead window=5 ngram=4 candidates=5",
+        "transformers greedy",
+        "transformers assisted",
+        "transformers assisted k=4",
+        "transformers prompt lookup",
+        "draft k=4 branch=2",
+        "eagle k=4",
+        "eagle k=6 tree_top_k=2 tree_tokens=10",
+        "draft k=auto",
+        "ngram k=auto",
+        "eagle k=auto",
+        "medusa",
+        "suffix",
+        "suffix tree_tokens=8",
+        "suffix k=auto",
+        "suffix k=4 eagle_below=3",
+        "draft (unrelated) k=4",
+        "draft (unrelated) k=auto",
+    } | {f"draft k={k}" for k in (1, 2, 3, 4, 6, 8)}
     if kernels.available(torch.float32):  # a quantized twin runs on verispec's kernels: its default, and without
         # the layers of the quick bench's layer-skip plan
         selfquant = {label for label in summary if label.startswith("selfquant ")}
@@ -54,7 +76,12 @@ def test_report_files_and_structure(quick) -> None:
     assert machine["instructions"] == [name for name in INSTRUCTIONS if name in cpu_flags()]
     report = (out / "report.md").read_text()
     assert f"Machine: {cpu_line(machine)}, {machine['cores']} cores" in report
-    assert "## Goals" in report and "## Where the time goes" in report and "| draft k=4 |" in report and "## repetition" in report
+    assert (
+        "## Goals" in report
+        and "## Where the time goes" in report
+        and "| draft k=4 |" in report
+        and "## repetition" in report
+    )
     assert len(results["records"]) == 2 * 6 * len(expected)  # repeats x prompts x methods
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())  # peers decode the same tokens
     check = results["info"]["float64_check"]
@@ -65,8 +92,10 @@ def test_report_files_and_structure(quick) -> None:
 
 def test_a_reports_machine_line_names_the_cpus_instruction_sets() -> None:
     """A VM's CPU name may not say its generation: the line names the instruction sets that decide the kernels."""
-    assert cpu_line({"cpu": "Intel(R) Xeon(R) Processor", "instructions": ["avx2", "avx512f", "amx_int8"]}) == \
-        "Intel(R) Xeon(R) Processor (avx2, avx512f, amx_int8)"
+    assert (
+        cpu_line({"cpu": "Intel(R) Xeon(R) Processor", "instructions": ["avx2", "avx512f", "amx_int8"]})
+        == "Intel(R) Xeon(R) Processor (avx2, avx512f, amx_int8)"
+    )
     none = cpu_line({"cpu": "QEMU Virtual CPU", "instructions": []})
     assert none == f"QEMU Virtual CPU (none of {', '.join(INSTRUCTIONS)})"
     assert cpu_line({"cpu": "AMD EPYC"}) == "AMD EPYC"  # a results.json written before the instructions were recorded
@@ -101,8 +130,10 @@ def test_formulas_agree_with_logged_counts(quick) -> None:
         widths = _steps_by_depth(runs)
         cost = sum(n * (w * timing["c"][method] + timing["r"][str(w + 1)]) for w, n in enumerate(widths) if n) / calls
         assert entry["predicted_speedup"] == pytest.approx(tau / cost)
-        decode = lambda m: sum(median(m, i) - statistics.median(r["prefill_seconds"] for r in records
-                                                                if r["method"] == m and r["id"] == i) for i in ids)
+        decode = lambda m: sum(
+            median(m, i) - statistics.median(r["prefill_seconds"] for r in records if r["method"] == m and r["id"] == i)
+            for i in ids
+        )
         assert entry["decode_speedup"] == pytest.approx(decode("autoregressive") / decode(method))
         assert entry["efficiency"] == pytest.approx(entry["decode_speedup"] / (tau / cost))
         split = entry["time_split"]
@@ -132,11 +163,16 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
         runs = [r for r in records if r["method"] == method and r["repeat"] == 0]
         calls = sum(r["target_calls"] for r in runs)
         tau = sum(len(r["tokens"]) for r in runs) / calls
-        cost = sum(n * (tree["draft"][d] + timing["r"][str(tree["tokens"][d])])
-                   for d, n in enumerate(_steps_by_depth(runs))) / calls
+        cost = (
+            sum(
+                n * (tree["draft"][d] + timing["r"][str(tree["tokens"][d])])
+                for d, n in enumerate(_steps_by_depth(runs))
+            )
+            / calls
+        )
         assert summary[method]["all"]["predicted_speedup"] == pytest.approx(tau / cost)
     report = (out / "report.md").read_text()
-    table = report[report.index("## All prompts"):report.index("\n## code")]
+    table = report[report.index("## All prompts") : report.index("\n## code")]
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
     assert all(cells[method][-2] != "-" and cells[method][-1] != "- |" for method in trees)  # predicted, efficiency
     assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-" and cells["suffix tree_tokens=8"][-2] == "-"
@@ -147,13 +183,26 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
 
 def test_summary_of_a_hand_made_log() -> None:
     records = [
-        {"method": m, "id": i, "category": cat, "repeat": rep, "tokens": [1, 2, 3, 4], "seconds": s, "prefill_seconds": 0.5,
-         "draft_seconds": 0.0, "verify_seconds": 0.0,
-         "target_calls": calls, "proposed_by_position": prop, "accepted_by_position": acc}
+        {
+            "method": m,
+            "id": i,
+            "category": cat,
+            "repeat": rep,
+            "tokens": [1, 2, 3, 4],
+            "seconds": s,
+            "prefill_seconds": 0.5,
+            "draft_seconds": 0.0,
+            "verify_seconds": 0.0,
+            "target_calls": calls,
+            "proposed_by_position": prop,
+            "accepted_by_position": acc,
+        }
         for rep in range(3)
         for i, cat, draft_seconds in (("a", "code", 1.0), ("b", "docstring", 3.0))
-        for m, s, calls, prop, acc in (("autoregressive", 2.0 + rep, 4, [], []),
-                                       ("draft k=2", draft_seconds, 2, [2, 2], [2, 0]))
+        for m, s, calls, prop, acc in (
+            ("autoregressive", 2.0 + rep, 4, [], []),
+            ("draft k=2", draft_seconds, 2, [2, 2], [2, 0]),
+        )
     ]
     assert per_prompt(records)["autoregressive", "a"]["seconds"] == 3.0  # the median of 2, 3 and 4
     summary = summarize(records, {"draft k=2": 0.5}, {1: 1.0, 2: 1.5, 3: 2.0})["draft k=2"]
@@ -169,9 +218,13 @@ def test_summary_of_a_hand_made_log() -> None:
 
 def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
     target_dir, draft_dir = pair_dirs
-    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
-                        BenchOptions(repeats=1, peers=False, progress=False, dtype="bfloat16",
-                                     only=["autoregressive", "draft k=2"]))
+    summary = run_bench(
+        target_dir,
+        draft_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=8),
+        BenchOptions(repeats=1, peers=False, progress=False, dtype="bfloat16", only=["autoregressive", "draft k=2"]),
+    )
     assert set(summary) == {"autoregressive", "draft k=2"}
     assert json.loads((tmp_path / "results.json").read_text())["info"]["dtype"] == "bfloat16"
     assert "(bfloat16)" in (tmp_path / "report.md").read_text()
@@ -180,8 +233,13 @@ def test_methods_filter_and_dtype(tmp_path, pair_dirs) -> None:
 def test_the_float64_check_can_be_left_out(tmp_path, pair_dirs, capsys) -> None:
     """--float64-prompts 0 (a model whose float64 copy would not fit in memory): no check, and the report says so."""
     target_dir, draft_dir = pair_dirs
-    run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=4),
-              BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive"], float64_prompts=0))
+    run_bench(
+        target_dir,
+        draft_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=4),
+        BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive"], float64_prompts=0),
+    )
     assert json.loads((tmp_path / "results.json").read_text())["info"]["float64_check"] is None
     assert "- float64 check: not run (--float64-prompts 0)" in (tmp_path / "report.md").read_text()
     assert main(["bench", "--target", str(target_dir), "--float64-prompts", "-1", "--out", str(tmp_path)]) == 2
@@ -206,16 +264,26 @@ def test_methods_beyond_the_default_rows_run_by_their_labels(tmp_path, pair_dirs
     """Any method and options, written as a row's label is ("suffix k=auto min_prob=0.5", in any order), gets its
     row, named as the registry names it."""
     target_dir, draft_dir = pair_dirs
-    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
-                        BenchOptions(repeats=1, peers=False, progress=False,
-                                     only=["autoregressive", "draft k=5", "suffix min_prob=0.5 k=auto", "ngram k=4"]))
+    summary = run_bench(
+        target_dir,
+        draft_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=8),
+        BenchOptions(
+            repeats=1,
+            peers=False,
+            progress=False,
+            only=["autoregressive", "draft k=5", "suffix min_prob=0.5 k=auto", "ngram k=4"],
+        ),
+    )
     assert set(summary) == {"autoregressive", "draft k=5", "suffix k=auto min_prob=0.5", "ngram k=4"}
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
 
 
 def test_a_method_label_names_its_record() -> None:
-    assert method_named("suffix k=auto min_prob=0.3 spec_factor=2") == Method("suffix", AUTO, {"min_prob": 0.3,
-                                                                                               "spec_factor": 2.0})
+    assert method_named("suffix k=auto min_prob=0.3 spec_factor=2") == Method(
+        "suffix", AUTO, {"min_prob": 0.3, "spec_factor": 2.0}
+    )
     assert method_named("selfquant skip=3,4 format=q4_0").options == {"skip": [3, 4], "format": "q4_0"}
     assert method_named("draft k=4 branch=2").label == "draft k=4 branch=2"
     for bad in ("draft k=", "draft k=-1", "suffix min_prob", "suffix min_prob=high", ""):
@@ -226,9 +294,20 @@ def test_a_method_label_names_its_record() -> None:
 def test_exact_mode_rows_match_autoregressive_in_bfloat16(tmp_path, pair_dirs) -> None:
     """`verispec bench --exact`: every method's greedy output is our autoregressive one, token for token."""
     target_dir, draft_dir = pair_dirs
-    summary = run_bench(target_dir, draft_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
-                        BenchOptions(repeats=1, peers=False, progress=False, dtype="bfloat16", exact=True,
-                                     only=["autoregressive", "draft k=4", "draft k=4 branch=2", "ngram k=4"]))
+    summary = run_bench(
+        target_dir,
+        draft_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=8),
+        BenchOptions(
+            repeats=1,
+            peers=False,
+            progress=False,
+            dtype="bfloat16",
+            exact=True,
+            only=["autoregressive", "draft k=4", "draft k=4 branch=2", "ngram k=4"],
+        ),
+    )
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["info"]["exact"] is True
@@ -238,15 +317,28 @@ def test_exact_mode_rows_match_autoregressive_in_bfloat16(tmp_path, pair_dirs) -
 def test_a_draft_with_another_tokenizer_gets_both_ways_and_the_overlap(tmp_path, pair_dirs, twin_dir) -> None:
     """The draft-model rows of a draft with another tokenizer draft among the shared tokens and by re-encoding, both
     exact; the report gives the vocabularies' overlap and the float64 check runs the intersection."""
-    rows = ["draft k=4 vocab_map=intersection", "draft k=auto vocab_map=reencode",
-            "draft k=4 vocab_map=intersection branch=2"]
-    summary = run_bench(pair_dirs[0], twin_dir, tmp_path, quick_suite(per_category=1, max_new_tokens=8),
-                        BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive", *rows]))
+    rows = [
+        "draft k=4 vocab_map=intersection",
+        "draft k=auto vocab_map=reencode",
+        "draft k=4 vocab_map=intersection branch=2",
+    ]
+    summary = run_bench(
+        pair_dirs[0],
+        twin_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=8),
+        BenchOptions(repeats=1, peers=False, progress=False, only=["autoregressive", *rows]),
+    )
     assert list(summary) == ["autoregressive", *rows]
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     info = json.loads((tmp_path / "results.json").read_text())["info"]
-    assert info["vocab_overlap"] == {"shared": 257, "target_vocab": 257, "draft_vocab": 260, "share_of_target": 1.0,
-                                     "answer_tokens_shared": 1.0}  # (every token of the target's is the twin's too)
+    assert info["vocab_overlap"] == {
+        "shared": 257,
+        "target_vocab": 257,
+        "draft_vocab": 260,
+        "share_of_target": 1.0,
+        "answer_tokens_shared": 1.0,
+    }  # (every token of the target's is the twin's too)
     assert info["float64_check"]["method"] == "draft k=4 vocab_map=intersection"
     assert "they share 257 tokens, 100.0% of the target's vocabulary" in (tmp_path / "report.md").read_text()
 

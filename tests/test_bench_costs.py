@@ -56,9 +56,20 @@ def test_a_medusa_tree_is_one_heads_call_and_its_paths_up_to_the_depth(target) -
 def test_a_tree_row_is_predicted_tau_over_its_step_cost() -> None:
     """Per prompt: two steps 3 deep and one plain step (the last), 7 tokens in 3 target calls."""
     records = [
-        {"method": m, "id": i, "category": "code", "repeat": 0, "tokens": list(range(7)), "seconds": s,
-         "prefill_seconds": 0.5, "draft_seconds": 0.0, "verify_seconds": 0.0, "target_calls": calls,
-         "proposed_by_position": prop, "accepted_by_position": acc}
+        {
+            "method": m,
+            "id": i,
+            "category": "code",
+            "repeat": 0,
+            "tokens": list(range(7)),
+            "seconds": s,
+            "prefill_seconds": 0.5,
+            "draft_seconds": 0.0,
+            "verify_seconds": 0.0,
+            "target_calls": calls,
+            "proposed_by_position": prop,
+            "accepted_by_position": acc,
+        }
         for i in ("a", "b")
         for m, s, calls, prop, acc in (("autoregressive", 7.5, 7, [], []), ("medusa", 3.5, 3, [2, 2, 2], [2, 1, 1]))
     ]

@@ -23,18 +23,40 @@ def suite(tmp_path: Path) -> Path:
     return path
 
 
-def test_bench_serve_local(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Path,
-                           capsys: pytest.CaptureFixture) -> None:
+def test_bench_serve_local(
+    pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     target, draft = pair_dirs
-    code = main(["bench-serve", "--target", str(target), "--draft", str(draft), "-k", "2", "--concurrency", "1,2",
-                 "--requests", "3", "--max-tokens", "5", "--suite", str(suite), "--out", str(tmp_path / "out")])
+    code = main(
+        [
+            "bench-serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "-k",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "5",
+            "--suite",
+            str(suite),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     assert list(results) == ["autoregressive", "draft k=2"]
     for levels in results.values():
         assert [level["concurrency"] for level in levels] == [1, 2]
-        assert all(level["tokens"] == 3 * 5 and level["throughput"] > 0 and level["ttft_p99"] >= level["ttft_p50"]
-                   for level in levels)
+        assert all(
+            level["tokens"] == 3 * 5 and level["throughput"] > 0 and level["ttft_p99"] >= level["ttft_p50"]
+            for level in levels
+        )
     if kernels.available(torch.float32):  # exact by default on the kernels: every answer its prompt's alone
         assert all(level["identical"] == level["requests"] for levels in results.values() for level in levels)
     report = (tmp_path / "out" / "report.md").read_text()
@@ -46,8 +68,25 @@ def test_bench_serve_local(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: 
 def test_bench_serve_url(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Path) -> None:
     target = load_model(pair_dirs[0])
     with torch_threads(1), ServerThread(serving_app(target, None, name="plain")) as server:
-        code = main(["bench-serve", "--url", f"mine={server.url}", "--url", server.url, "--concurrency", "2",
-                     "--requests", "2", "--max-tokens", "3", "--suite", str(suite), "--out", str(tmp_path)])
+        code = main(
+            [
+                "bench-serve",
+                "--url",
+                f"mine={server.url}",
+                "--url",
+                server.url,
+                "--concurrency",
+                "2",
+                "--requests",
+                "2",
+                "--max-tokens",
+                "3",
+                "--suite",
+                str(suite),
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert list(results) == ["mine", server.url] and results["mine"][0]["tokens"] == 2 * 3

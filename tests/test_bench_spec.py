@@ -17,8 +17,10 @@ from verispec.models.native import load_model
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.chat import load_chat_template
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now make it shorter."]},
     {"question_id": 82, "category": "writing", "turns": ["Name a colour.", "And another one?"]},
@@ -52,55 +54,97 @@ def test_each_turn_is_rendered_and_the_second_follows_the_first_answer(chat_targ
     first = [{"role": "user", "content": "Write a poem."}]
     answer = generate(target, encode(first), max_new_tokens=N)  # plain, greedy, stopping at EOS
     assert items[0]["prompt_ids"] == encode(first) and items[0]["max_new_tokens"] == len(answer.tokens)
-    second = [*first, {"role": "assistant", "content": answer.text},
-              {"role": "user", "content": "Now make it shorter."}]
+    second = [
+        *first,
+        {"role": "assistant", "content": answer.text},
+        {"role": "user", "content": "Now make it shorter."},
+    ]
     assert items[1]["prompt_ids"] == encode(second)
-    assert [item["groups"] for item in items[:2]] == [[MULTI_TURN, f"{MULTI_TURN} turn 1"],
-                                                      [MULTI_TURN, f"{MULTI_TURN} turn 2"]]
+    assert [item["groups"] for item in items[:2]] == [
+        [MULTI_TURN, f"{MULTI_TURN} turn 1"],
+        [MULTI_TURN, f"{MULTI_TURN} turn 2"],
+    ]
     assert items[4]["groups"] == [] and items[4]["category"] == "qa" and items[4]["turn"] == 1
 
 
 def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat_target) -> None:
     suite = read_suite(write_questions(tmp_path))
-    summary = run_bench(chat_target, None, tmp_path / "out", suite,
-                        BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS))
+    summary = run_bench(
+        chat_target,
+        None,
+        tmp_path / "out",
+        suite,
+        BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS),
+    )
     groups = {"all", "writing", "qa", "translation", MULTI_TURN, f"{MULTI_TURN} turn 1", f"{MULTI_TURN} turn 2"}
     assert set(summary) == set(LABELS) and all(set(entry) == groups for entry in summary.values())
     assert summary["suffix"][f"{MULTI_TURN} turn 2"]["prompts"] == 2 and summary["suffix"]["all"]["prompts"] == 6
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert results["info"]["spec_bench"] == {"questions": 5, "turns": 6, "max_new_tokens": N, "skipped": [9],
-                                             "parses": {}}
+    assert results["info"]["spec_bench"] == {
+        "questions": 5,
+        "turns": 6,
+        "max_new_tokens": N,
+        "skipped": [9],
+        "parses": {},
+    }
     assert len(results["records"]) == 6 * len(LABELS)
     check = results["info"]["float64_check"]  # no draft: suffix decoding against plain decoding in float64
     assert check == {"method": "suffix", "prompts": 6, "exact_match": 1.0}
     report = (tmp_path / "out" / "report.md").read_text()
-    table = report[report.index("## Speedup by category"):report.index("## All prompts")]
-    header = ("| method | writing | qa | translation | multi-turn | multi-turn turn 1 | multi-turn turn 2 | overall "
-              "| tau | acceptance |")
+    table = report[report.index("## Speedup by category") : report.index("## All prompts")]
+    header = (
+        "| method | writing | qa | translation | multi-turn | multi-turn turn 1 | multi-turn turn 2 | overall "
+        "| tau | acceptance |"
+    )
     assert header in table and all(f"| {label} | " in table for label in LABELS)
-    assert "left out, a turn not fitting the context or answered by EOS at once: 9" in report and "## multi-turn turn 2" in report
+    assert (
+        "left out, a turn not fitting the context or answered by EOS at once: 9" in report
+        and "## multi-turn turn 2" in report
+    )
 
 
 def test_a_target_without_a_chat_template_is_refused(tmp_path, pair_dirs, capsys) -> None:
     suite = read_suite(write_questions(tmp_path))
     with pytest.raises(InvalidArgumentError, match="no chat template"):
-        run_bench(pair_dirs[0], None, tmp_path / "out", suite,
-                  BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]))
-    code = main(["bench", "--target", str(pair_dirs[0]), "--no-peers", "--suite", str(tmp_path / "question.jsonl"),
-                 "--methods", "autoregressive", "--out", str(tmp_path / "cli")])
+        run_bench(
+            pair_dirs[0],
+            None,
+            tmp_path / "out",
+            suite,
+            BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]),
+        )
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(pair_dirs[0]),
+            "--no-peers",
+            "--suite",
+            str(tmp_path / "question.jsonl"),
+            "--methods",
+            "autoregressive",
+            "--out",
+            str(tmp_path / "cli"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no chat template" in err
 
 
-@pytest.mark.parametrize("lines, message", [
-    (['{"question_id": 1, "category": "qa", "turns": ["q"]}', "not json"], "line 2 is not JSON"),
-    (['[1, 2]'], "line 1 is not a JSON object"),
-    (['{"question_id": 1, "category": "qa", "turns": ["q"]}', '{"question_id": 2, "turns": ["q"]}'],
-     "line 2: a Spec-Bench question needs"),
-    (['{"question_id": 1, "category": "qa", "turns": []}'], "line 1: a Spec-Bench question needs"),
-    (['{"question_id": 1, "category": "qa", "turns": ["q"]}'] * 2, "line 2: question_id 1 again"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"question_id": 1, "category": "qa", "turns": ["q"]}', "not json"], "line 2 is not JSON"),
+        (["[1, 2]"], "line 1 is not a JSON object"),
+        (
+            ['{"question_id": 1, "category": "qa", "turns": ["q"]}', '{"question_id": 2, "turns": ["q"]}'],
+            "line 2: a Spec-Bench question needs",
+        ),
+        (['{"question_id": 1, "category": "qa", "turns": []}'], "line 1: a Spec-Bench question needs"),
+        (['{"question_id": 1, "category": "qa", "turns": ["q"]}'] * 2, "line 2: question_id 1 again"),
+    ],
+)
 def test_malformed_suites_are_refused(tmp_path, lines, message) -> None:
     path = tmp_path / "suite.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -120,18 +164,33 @@ def test_a_coding_answer_is_checked_to_parse_as_python() -> None:
 def test_coding_questions_note_whether_their_answers_parse(tmp_path, chat_target) -> None:
     """HumanEval's questions and the code edits of them (../shared/data's files, in Spec-Bench's format) are read
     as any Spec-Bench suite; each answer is checked, and the report says how many parse."""
-    questions = [{"question_id": 0, "category": "humaneval", "task_id": "HumanEval/0",
-                  "turns": ["Complete the following Python function.\n\n```python\ndef f(x):\n```"]},
-                 {"question_id": 1, "category": "code-edit", "task_id": "HumanEval/0",
-                  "turns": ["Add a docstring.\n\n```python\ndef f(x):\n    return x\n```"]}]
+    questions = [
+        {
+            "question_id": 0,
+            "category": "humaneval",
+            "task_id": "HumanEval/0",
+            "turns": ["Complete the following Python function.\n\n```python\ndef f(x):\n```"],
+        },
+        {
+            "question_id": 1,
+            "category": "code-edit",
+            "task_id": "HumanEval/0",
+            "turns": ["Add a docstring.\n\n```python\ndef f(x):\n    return x\n```"],
+        },
+    ]
     suite = read_suite(write_questions(tmp_path, questions))
     target, render = load_model(chat_target), load_chat_template(chat_target).render
     items, _ = turn_prompts(target, render, suite, N)
     answers = [generate(target, item["prompt_ids"], max_new_tokens=N).text for item in items]
     assert [item["parses"] for item in items] == [parses_as_python(answer) for answer in answers]
     assert parsed(items) == {"humaneval": [int(items[0]["parses"]), 1], "code-edit": [int(items[1]["parses"]), 1]}
-    run_bench(chat_target, None, tmp_path / "out", suite,
-              BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]))
+    run_bench(
+        chat_target,
+        None,
+        tmp_path / "out",
+        suite,
+        BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]),
+    )
     report = (tmp_path / "out" / "report.md").read_text()
     assert f"parses as Python (the model's, the same for every method" in report
     assert f"humaneval {int(items[0]['parses'])} of 1; code-edit {int(items[1]['parses'])} of 1" in report

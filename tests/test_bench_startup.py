@@ -33,8 +33,9 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 def test_each_row_is_timed_and_its_memory_taken(tiny_gguf, tmp_path) -> None:
-    report = run_startup(tiny_gguf, tmp_path / "out", "verispec bench --startup", repeats=2,
-                         llama_cpp=_stand_in(tmp_path / "bin")).read_text()
+    report = run_startup(
+        tiny_gguf, tmp_path / "out", "verispec bench --startup", repeats=2, llama_cpp=_stand_in(tmp_path / "bin")
+    ).read_text()
     ours, theirs = re.search(ROW.format(label="verispec"), report), re.search(ROW.format(label="llama.cpp"), report)
     assert ours and theirs, report
     seconds, low, high = map(float, ours.groups()[:3])
@@ -46,7 +47,20 @@ def test_each_row_is_timed_and_its_memory_taken(tiny_gguf, tmp_path) -> None:
 def test_a_failing_row_and_a_folder_with_llama_cpp_are_refused(tiny_gguf, tmp_path, pair_dirs, capsys) -> None:
     with pytest.raises(InvalidArgumentError, match="llama-completion exited with 3: loading model"):
         run_startup(tiny_gguf, tmp_path / "a", "x", repeats=1, llama_cpp=_stand_in(tmp_path / "bin", code=3))
-    assert main(["bench", "--startup", "--target", str(pair_dirs[0]), "--llama-cpp", str(tmp_path / "bin"),
-                 "--out", str(tmp_path / "b")]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--startup",
+                "--target",
+                str(pair_dirs[0]),
+                "--llama-cpp",
+                str(tmp_path / "bin"),
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "times a GGUF file" in err

@@ -11,8 +11,12 @@ from verispec.errors import InvalidArgumentError
 from verispec.train.corpus import MANIFEST, read_manifest
 
 BODY = "".join(f"def helper_{i}(value):\n    total = value * {i}\n    return total + {i}\n\n" for i in range(12))
-SOURCE = ('"""Module docstring."""\n\nimport os\n\n' + BODY +
-          'def documented(x):\n    """Double x."""\n    return 2 * x\n\n' + BODY)
+SOURCE = (
+    '"""Module docstring."""\n\nimport os\n\n'
+    + BODY
+    + 'def documented(x):\n    """Double x."""\n    return 2 * x\n\n'
+    + BODY
+)
 
 
 def test_cut_points_match_their_category() -> None:
@@ -20,7 +24,7 @@ def test_cut_points_match_their_category() -> None:
     assert code and all(SOURCE[p - 1] == "\n" and SOURCE[:p].splitlines()[-1].startswith("    ") for p in code)
     assert any(SOURCE[:p].endswith('"""Double x."""\n') for p in _cut_points(SOURCE, "docstring"))
     repeated = _cut_points(SOURCE, "repetition")
-    assert repeated and all(_shingle_overlap(SOURCE[:p], SOURCE[p: p + 300]) >= 0.6 for p in repeated)
+    assert repeated and all(_shingle_overlap(SOURCE[:p], SOURCE[p : p + 300]) >= 0.6 for p in repeated)
 
 
 def test_build_suite_is_deterministic_line_aligned_and_one_prompt_per_file() -> None:

@@ -19,8 +19,17 @@ TESTS = Path(__file__).parent
 # What depends on the build: the kernels themselves, the quantized matmul, captures, exact mode (with PyTorch's
 # oneDNN held to AVX2 as well, as on a CPU without AVX-512), the fast path's packing, and every row count on the
 # kernels (PyTorch's row counts do not depend on the build and take minutes there)
-BUILD_TESTS = ["test_kernels.py", "test_quantized_matmul.py", "test_capture.py", "test_exact.py", "test_fast.py",
-               "test_row_counts.py", "test_kv_dtype.py", "test_pool.py", "test_gather_blocks.py"]
+BUILD_TESTS = [
+    "test_kernels.py",
+    "test_quantized_matmul.py",
+    "test_capture.py",
+    "test_exact.py",
+    "test_fast.py",
+    "test_row_counts.py",
+    "test_kv_dtype.py",
+    "test_pool.py",
+    "test_gather_blocks.py",
+]
 SKIP = "not built_once and not (row_counts and torch) and not unpadded"
 
 
@@ -50,8 +59,11 @@ def test_a_build_that_does_not_compile_gives_way_to_the_next_this_cpu_runs(monke
     monkeypatch.setattr(build_module, "_build", build)
     monkeypatch.delenv("VERISPEC_KERNELS", raising=False)  # (a run with the kernels off still tests the choice)
     monkeypatch.setenv("VERISPEC_ISA", "auto")
-    assert build_module._load.__wrapped__() == ("loaded", f"the {runs[1]} build (the {runs[0]} build did not compile)",
-                                                runs[1])
+    assert build_module._load.__wrapped__() == (
+        "loaded",
+        f"the {runs[1]} build (the {runs[0]} build did not compile)",
+        runs[1],
+    )
     assert tried == runs[:2]
     monkeypatch.setenv("VERISPEC_ISA", runs[0])
     assert build_module._load.__wrapped__() == (None, f"the {runs[0]} build did not compile", None)
@@ -65,8 +77,23 @@ def test_every_build_this_cpu_runs_passes_the_tests_that_depend_on_it(isa: str) 
     # The kernels on (a run with VERISPEC_KERNELS=0 still proves every build), held to the build asked for.
     inherited = {name: value for name, value in os.environ.items() if name != "VERISPEC_KERNELS"}
     env = {**inherited, "VERISPEC_ISA": isa, "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", "-k", SKIP,
-                           *(str(TESTS / name) for name in BUILD_TESTS)], capture_output=True, text=True,
-                          timeout=1500, env=env, cwd=TESTS.parent)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            SKIP,
+            *(str(TESTS / name) for name in BUILD_TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+        cwd=TESTS.parent,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1]

@@ -115,7 +115,7 @@ def test_chunked_prefill_equals_one_forward(model: NativeModel, chunks: list[int
     full = fresh(model, SEQ)
     cache, start, parts = model.new_cache(), 0, []
     for n in chunks:
-        parts.append(model(ids(*SEQ[start:start + n]), cache)[0])
+        parts.append(model(ids(*SEQ[start : start + n]), cache)[0])
         start += n
         assert cache.length == start
     torch.testing.assert_close(torch.cat(parts), full, rtol=0, atol=ATOL)
@@ -157,13 +157,16 @@ def test_explicit_causal_mask_equals_no_mask(model: NativeModel) -> None:
 
 # Token tree fed after a cached prefix: one shared node S, then branch X = (x1, x2) and branch Y = (y1, y2).
 # New-token order [S, x1, x2, y1, y2]; each node sees the cache, its ancestors and itself.
-TREE_MASK = torch.tensor([
-    [1, 0, 0, 0, 0],  # S
-    [1, 1, 0, 0, 0],  # x1
-    [1, 1, 1, 0, 0],  # x2
-    [1, 0, 0, 1, 0],  # y1
-    [1, 0, 0, 1, 1],  # y2
-], dtype=torch.bool)
+TREE_MASK = torch.tensor(
+    [
+        [1, 0, 0, 0, 0],  # S
+        [1, 1, 0, 0, 0],  # x1
+        [1, 1, 1, 0, 0],  # x2
+        [1, 0, 0, 1, 0],  # y1
+        [1, 0, 0, 1, 1],  # y2
+    ],
+    dtype=torch.bool,
+)
 PREFIX, SHARED, X, Y = SEQ[:4], 50, [60, 61], [70, 71]
 
 
@@ -178,14 +181,14 @@ def tree_logits(model: NativeModel, tree: list[int], mask: torch.Tensor) -> torc
 def test_tree_mask_first_branch_equals_plain_forward_of_that_branch(model: NativeModel) -> None:
     """S, x1, x2 sit at the same positions as in a plain forward of PREFIX + S + X, so all three must match."""
     logits = tree_logits(model, [SHARED, *X, *Y], TREE_MASK)
-    plain = fresh(model, PREFIX + [SHARED, *X])[len(PREFIX):]
+    plain = fresh(model, PREFIX + [SHARED, *X])[len(PREFIX) :]
     torch.testing.assert_close(logits[:3], plain, rtol=0, atol=ATOL)
 
 
 def test_tree_mask_branch_order_swapped_matches_other_branch(model: NativeModel) -> None:
     """With Y laid out first, S, y1, y2 are at plain positions and equal a plain forward of PREFIX + S + Y."""
     logits = tree_logits(model, [SHARED, *Y, *X], TREE_MASK)
-    plain = fresh(model, PREFIX + [SHARED, *Y])[len(PREFIX):]
+    plain = fresh(model, PREFIX + [SHARED, *Y])[len(PREFIX) :]
     torch.testing.assert_close(logits[:3], plain, rtol=0, atol=ATOL)
 
 
@@ -228,5 +231,5 @@ def test_token_tree_with_depth_positions_matches_each_branch(tmp_path) -> None:
     model(torch.tensor([prefix]), cache)
     tree = model(torch.tensor([[root, *x, *y]]), cache, mask, positions=torch.tensor(depth) + len(prefix))
     for branch, nodes in ((x, [0, 1, 2]), (y, [0, 3, 4])):
-        plain = model(torch.tensor([prefix + [root] + branch]), model.new_cache())[:, len(prefix):]
+        plain = model(torch.tensor([prefix + [root] + branch]), model.new_cache())[:, len(prefix) :]
         torch.testing.assert_close(tree[:, nodes], plain, atol=1e-5, rtol=0)

@@ -23,8 +23,9 @@ from verispec.train.loop import init_weights
 
 from drafting import in_threads
 
-needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
-                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 pytestmark = needs_kernels
 PROMPT = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(3))
 
@@ -64,8 +65,9 @@ def session(model: NativeModel) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_replays_give_the_bits_of_the_kernels_called_one_by_one(pair_dirs: tuple[Path, Path], dtype: torch.dtype,
-                                                                 exact: bool) -> None:
+def test_replays_give_the_bits_of_the_kernels_called_one_by_one(
+    pair_dirs: tuple[Path, Path], dtype: torch.dtype, exact: bool
+) -> None:
     captured, op_by_op = (on_kernels(pair_dirs[0], dtype, exact, capture) for capture in (True, False))
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
         replayed = session(captured)
@@ -105,8 +107,15 @@ def test_the_eagle_heads_replays_give_the_bits_of_its_kernels_called_one_by_one(
                             out.append(head(inputs[0][:, :4], inputs[1][:, :4], cache))
                         out.append(head(inputs[0][:, 4:5], inputs[1][:, 4:5], cache))
                         start = cache.length
-                        out.append(head(inputs[0][:, 3:6], inputs[1][:, 3:6], cache, start + torch.tensor([0, 1, 1]),
-                                        torch.cat((torch.ones(3, start, dtype=torch.bool), mask), 1)))
+                        out.append(
+                            head(
+                                inputs[0][:, 3:6],
+                                inputs[1][:, 3:6],
+                                cache,
+                                start + torch.tensor([0, 1, 1]),
+                                torch.cat((torch.ones(3, start, dtype=torch.bool), mask), 1),
+                            )
+                        )
                         cache.truncate(start)
         outs.append((out, replays.call_count))
     assert outs[0][1] == 11 and outs[1][1] == 0  # 14 forwards of 3 shapes (4, 1 and 3 rows)
@@ -132,7 +141,8 @@ def test_a_capture_is_the_models_keyed_by_shape_and_serves_every_cache(pair_dirs
 
 
 def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_past_the_bound(
-        pair_dirs: tuple[Path, Path], monkeypatch) -> None:
+    pair_dirs: tuple[Path, Path], monkeypatch
+) -> None:
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     for max_len in (40, 60, 100):  # one block of slots: one layout
         cache = model.new_cache(max_len)
@@ -142,8 +152,10 @@ def test_caches_of_nearby_sizes_share_captures_and_the_least_recently_used_go_pa
     model(PROMPT[:, :3], model.new_cache(100))  # the 3-row capture, the first made, is now the most recently used
     monkeypatch.setattr(captured, "MAX_HELD_ROWS", 7)
     model(PROMPT[:, :4], model.new_cache(100))  # 3 + 1 + 4 rows would be 8: the least recently used (1 row) goes
-    assert {key[0]: type(capture) for key, capture in model.execution.captured.items()} == {3: CapturedForward,
-                                                                                         4: CapturedForward}
+    assert {key[0]: type(capture) for key, capture in model.execution.captured.items()} == {
+        3: CapturedForward,
+        4: CapturedForward,
+    }
 
 
 def test_a_forward_past_eager_rows_is_captured_when_its_shape_comes_again(pair_dirs: tuple[Path, Path]) -> None:
@@ -196,8 +208,9 @@ def chain_by_forwards(model: NativeModel, tokens: torch.Tensor, cache, n: int) -
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "ordinary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(pair_dirs: tuple[Path, Path],
-                                                                           dtype: torch.dtype, exact: bool) -> None:
+def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(
+    pair_dirs: tuple[Path, Path], dtype: torch.dtype, exact: bool
+) -> None:
     """After two tokens (the draft's last proposal and the target's bonus) and after one (a correction), as a draft
     model proposes; and after a prompt, which runs as an ordinary forward first."""
     model = on_kernels(pair_dirs[1], dtype, exact, capture=True)
@@ -272,8 +285,10 @@ def test_threads_sharing_a_model_replay_and_evict_captures_safely(pair_dirs: tup
     model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
     reference = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=False)
     monkeypatch.setattr(captured, "MAX_HELD_ROWS", 8)
-    cases = [(torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(i)), n)
-             for i, (T, n) in enumerate((T, n) for T in (1, 2, 5) for n in (1, 3, 6))]
+    cases = [
+        (torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(i)), n)
+        for i, (T, n) in enumerate((T, n) for T in (1, 2, 5) for n in (1, 3, 6))
+    ]
     expected = [chain_by_forwards(reference, tokens, reference.new_cache(64), n) for tokens, n in cases]
     failures: list[str] = []
 

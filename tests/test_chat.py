@@ -21,8 +21,10 @@ from verispec.cli.output import GREEN
 from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.chat import load_chat_template
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 N = 10
 
 
@@ -101,8 +103,24 @@ def test_generate_chat_puts_the_message_through_the_template(chat_pair, capsys) 
     target = load_model(chat_pair[0])
     target.module_dir = chat_pair[0]
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi there"}]
-    code = main(["generate", "--chat", "hi there", "--system", "sys", "--target", target_path, "--max-new-tokens",
-                 str(N), "--ignore-eos", "--color", "never", "--threads", "1"])
+    code = main(
+        [
+            "generate",
+            "--chat",
+            "hi there",
+            "--system",
+            "sys",
+            "--target",
+            target_path,
+            "--max-new-tokens",
+            str(N),
+            "--ignore-eos",
+            "--color",
+            "never",
+            "--threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and out.startswith(_alone(target, messages) + "\n\n")
     assert main(["generate", "hi", "--system", "sys", "--target", target_path]) == 2
@@ -133,9 +151,29 @@ def test_chat_on_a_terminal(chat_pair) -> None:
     line each, /reset, then Ctrl-D."""
     target, draft = map(str, chat_pair)
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "chat", "--target", target, "--draft", draft,
-                             "-k", "3", "--max-new-tokens", str(N), "--ignore-eos", "--threads", "1"],
-                            stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verispec.cli",
+            "chat",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "-k",
+            "3",
+            "--max-new-tokens",
+            str(N),
+            "--ignore-eos",
+            "--threads",
+            "1",
+        ],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+    )
     os.close(follower)
     try:
         screen = _read_until(leader, "> ")

@@ -46,11 +46,13 @@ def _deny(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
     The tests run as root, whom chmod does not stop, so the refusal is simulated at the two system calls that open
     files and folders (os.open, os.scandir); every other path goes through to the real call.
     """
+
     def guard(real: Callable) -> Callable:
         def call(path=".", *args, **kwargs):
             if isinstance(path, (str, os.PathLike)) and Path(path) == denied:
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
             return real(path, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "open", guard(os.open))
@@ -59,8 +61,9 @@ def _deny(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
 
 def llama_weights_under_gpt2_config(tmp_path: Path, _: pytest.MonkeyPatch) -> Path:
     folder = _checkpoint(tmp_path)
-    _edit_config(folder, model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=1, n_head=4,
-                 n_positions=256)
+    _edit_config(
+        folder, model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=1, n_head=4, n_positions=256
+    )
     return folder
 
 
@@ -141,28 +144,52 @@ def weights_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 NAN = r"weight .* holds NaN or infinite values \(in torch.float32\)"
 # case: (how the folder is damaged, backend, dtype, what the error says)
 CASES = {
-    "llama_weights_under_gpt2_config": (llama_weights_under_gpt2_config, "auto", "float32",
-                                        r"16 missing \(transformer\..*; 11 unexpected \(model\.embed_tokens"),
+    "llama_weights_under_gpt2_config": (
+        llama_weights_under_gpt2_config,
+        "auto",
+        "float32",
+        r"16 missing \(transformer\..*; 11 unexpected \(model\.embed_tokens",
+    ),
     "layer_missing": (layer_missing, "transformers", "float32", r"9 missing \(model\.layers\.1\."),
     "truncated": (truncated, "transformers", "float32", r"transformers cannot load it \(SafetensorError"),
-    "wrong_shape": (wrong_shape, "transformers", "float32",
-                    r"model\.norm\.weight has shape \(32,\), LlamaForCausalLM expects \(64,\)"),
+    "wrong_shape": (
+        wrong_shape,
+        "transformers",
+        "float32",
+        r"model\.norm\.weight has shape \(32,\), LlamaForCausalLM expects \(64,\)",
+    ),
     "config_rejected": (zero_heads, "transformers", "float32", r"transformers cannot load it \(ZeroDivisionError"),
-    "extra_layer_native": (extra_layer, "native", "float32",
-                           r"9 weights the config does not describe: model\.layers\.1"),
+    "extra_layer_native": (
+        extra_layer,
+        "native",
+        "float32",
+        r"9 weights the config does not describe: model\.layers\.1",
+    ),
     "nan_native": (nan_weight, "native", "float32", NAN),
     "nan_transformers": (nan_weight, "transformers", "float32", NAN),
     "inf_native": (inf_weight, "native", "float32", NAN),
     "inf_transformers": (inf_weight, "transformers", "float32", NAN),
     "float16_overflow": (too_big_for_float16, "native", "float16", r"model\.norm\.weight .*\(in torch\.float16\)"),
-    "tokenizer_native": (tokenizer_larger_than_table, "native", "float32",
-                         r"tokenizer has 259 tokens but the model's embedding table only 257 rows"),
-    "tokenizer_transformers": (tokenizer_larger_than_table, "transformers", "float32",
-                               r"tokenizer has 259 tokens but the model's embedding table only 257 rows"),
+    "tokenizer_native": (
+        tokenizer_larger_than_table,
+        "native",
+        "float32",
+        r"tokenizer has 259 tokens but the model's embedding table only 257 rows",
+    ),
+    "tokenizer_transformers": (
+        tokenizer_larger_than_table,
+        "transformers",
+        "float32",
+        r"tokenizer has 259 tokens but the model's embedding table only 257 rows",
+    ),
     "folder_unreadable": (folder_unreadable, "auto", "float32", r"model: permission denied"),
     "weights_unreadable_native": (weights_unreadable, "native", "float32", r"model\.safetensors: permission denied"),
-    "weights_unreadable_transformers": (weights_unreadable, "transformers", "float32",
-                                        r"model\.safetensors: permission denied"),
+    "weights_unreadable_transformers": (
+        weights_unreadable,
+        "transformers",
+        "float32",
+        r"model\.safetensors: permission denied",
+    ),
 }
 
 
@@ -176,8 +203,20 @@ def test_bad_checkpoint_is_a_checkpoint_error(tmp_path, monkeypatch, case) -> No
 @pytest.mark.parametrize("case", CASES)
 def test_cli_answers_one_line_and_exit_2(tmp_path, monkeypatch, capfd, case) -> None:
     damage, backend, dtype, message = CASES[case]
-    code = main(["generate", "p", "--target", str(damage(tmp_path, monkeypatch)), "--backend", backend,
-                 "--dtype", dtype, "--max-new-tokens", "2"])
+    code = main(
+        [
+            "generate",
+            "p",
+            "--target",
+            str(damage(tmp_path, monkeypatch)),
+            "--backend",
+            backend,
+            "--dtype",
+            dtype,
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     out, err = capfd.readouterr()  # file-descriptor level: a progress bar or load report would show here
     assert code == 2 and out == ""
     assert err.startswith("verispec: error:") and err.count("\n") == 1

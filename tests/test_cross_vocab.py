@@ -62,8 +62,9 @@ def sentencepiece_style() -> Tokenizer:
     merges = [("▁", "A"), ("▁A", "B")]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens(["<s>", EOT])
     return tok
 
@@ -138,8 +139,10 @@ def test_both_ways_decode_exactly_what_the_target_does(target, twin, truth, name
         if method.k != "auto":  # (auto drafts where this machine's timings say it pays)
             assert out.stats.accepted > (N // 4 if vocab is None else 0)  # the twin agrees where it reads bytes
     else:
-        runs = [generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, temperature=temperature,
-                         seed=5).tokens for _ in range(2)]
+        runs = [
+            generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, temperature=temperature, seed=5).tokens
+            for _ in range(2)
+        ]
         assert runs[0] == runs[1] and len(runs[0]) == N and max(runs[0]) < target.vocab_size
 
 
@@ -162,8 +165,10 @@ def test_both_ways_under_a_grammar_decode_what_the_constrained_target_does(targe
     pattern = r"(ab|cd)[0-9]{2,4}-[xyz]+q"
     out = generate(target, PROMPT, drafter, max_new_tokens=16, regex=pattern)
     assert out.tokens == generate(target, PROMPT, max_new_tokens=16, regex=pattern).tokens
-    sampled = [generate(target, PROMPT, drafter, max_new_tokens=16, regex=pattern, temperature=1.0, seed=seed)
-               for seed in range(3)]
+    sampled = [
+        generate(target, PROMPT, drafter, max_new_tokens=16, regex=pattern, temperature=1.0, seed=seed)
+        for seed in range(3)
+    ]
     assert all(re.fullmatch(pattern, s.text) or s.stop_reason == "max_new_tokens" for s in sampled)
 
 
@@ -187,11 +192,14 @@ def test_reencode_proposes_the_target_tokens_of_the_drafts_settled_text(target, 
 
 
 def test_a_draft_with_another_tokenizer_is_refused_with_the_ways_that_would_draft(target, twin) -> None:
-    with pytest.raises(TokenizerMismatchError, match="vocab_map intersection .* would draft among the 257 tokens "
-                                                     "both share .*; vocab_map reencode"):
+    with pytest.raises(
+        TokenizerMismatchError,
+        match="vocab_map intersection .* would draft among the 257 tokens both share .*; vocab_map reencode",
+    ):
         generate(target, PROMPT, DraftModel(twin, 3), max_new_tokens=4)
-    with pytest.raises(TokenizerMismatchError, match="vocab_map reencode does not apply .* branch > 1 .* "
-                                                     "vocab_map intersection"):
+    with pytest.raises(
+        TokenizerMismatchError, match="vocab_map reencode does not apply .* branch > 1 .* vocab_map intersection"
+    ):
         translation_for(target, twin, REENCODE, tree=True)
     with pytest.raises(InvalidArgumentError, match="reencode proposes chains"):
         DraftModel(twin, 3, branch=2, translation=translation_for(target, twin, REENCODE))
@@ -203,8 +211,9 @@ def test_no_shared_token_leaves_reencode(tmp_path, target) -> None:
 
     config = tiny_config(vocab_size=3, eos_token_id=2)
     other = load_model(save_checkpoint(tmp_path, config, random_weights(config), byte_bpe(["ab", "cd"], [], ("<e>",))))
-    with pytest.raises(TokenizerMismatchError, match="intersection does not apply .* share no token; vocab_map "
-                                                     "reencode .* would"):
+    with pytest.raises(
+        TokenizerMismatchError, match="intersection does not apply .* share no token; vocab_map reencode .* would"
+    ):
         translation_for(target, other, INTERSECTION)
     assert translation_for(target, other, "auto").way == REENCODE
 
@@ -225,6 +234,21 @@ def test_the_registry_and_command_line_check_vocab_map(capsys, pair_dirs, twin_d
     code = main(["generate", "def", "--target", target, "--draft", str(twin_dir), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "(--vocab-map intersection) would" in err
-    code = main(["generate", "def", "--target", target, "--draft", str(twin_dir), "--max-new-tokens", "8",
-                 "--vocab-map", "reencode", "-k", "3", "--ignore-eos"])
+    code = main(
+        [
+            "generate",
+            "def",
+            "--target",
+            target,
+            "--draft",
+            str(twin_dir),
+            "--max-new-tokens",
+            "8",
+            "--vocab-map",
+            "reencode",
+            "-k",
+            "3",
+            "--ignore-eos",
+        ]
+    )
     assert code == 0 and capsys.readouterr().out.startswith("def")

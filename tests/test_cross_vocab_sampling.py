@@ -36,7 +36,7 @@ PROMPT = [0, 3, 2]  # '!', '!"', '#': the text '!!"#', which the draft reads as 
 NEW = 3  # the first step drafts two tokens (room - 1)
 DRAWS = 1500
 BROKEN_DRAWS = 800
-TV_MAX = (5 ** NEW / DRAWS) ** 0.5  # E[TV] <= 0.4 sqrt(cells / n); the threshold is 2.5 times that
+TV_MAX = (5**NEW / DRAWS) ** 0.5  # E[TV] <= 0.4 sqrt(cells / n); the threshold is 2.5 times that
 
 
 class Pair(NamedTuple):
@@ -49,10 +49,17 @@ class Pair(NamedTuple):
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     folder = tmp_path_factory.mktemp("cross-sampling")
     dirs = []
-    for name, tokens, merges, seed in (("target", TARGET_TOKENS, TARGET_MERGES, 21),
-                                       ("draft", DRAFT_TOKENS, DRAFT_MERGES, 22)):
-        config = tiny_config(vocab_size=len(tokens) + 1, eos_token_id=len(tokens), hidden_size=32,
-                             intermediate_size=64, max_position_embeddings=64)
+    for name, tokens, merges, seed in (
+        ("target", TARGET_TOKENS, TARGET_MERGES, 21),
+        ("draft", DRAFT_TOKENS, DRAFT_MERGES, 22),
+    ):
+        config = tiny_config(
+            vocab_size=len(tokens) + 1,
+            eos_token_id=len(tokens),
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
         dirs.append(save_checkpoint(folder / name, config, random_weights(config, seed), byte_bpe(tokens, merges)))
     V = len(TARGET_TOKENS) + 1
     contexts = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)])
@@ -74,8 +81,7 @@ def counts(pair: Pair, drafter: DraftModel, draws: int) -> tuple[np.ndarray, int
     """How often each three-token continuation came out over `draws` seeds, and how many drafts were accepted."""
     out, accepted = np.zeros(pair.exact.shape, dtype=np.int64), 0
     for seed in range(draws):
-        result = generate(pair.target, PROMPT, drafter, max_new_tokens=NEW, temperature=1.0, seed=seed,
-                          ignore_eos=True)
+        result = generate(pair.target, PROMPT, drafter, max_new_tokens=NEW, temperature=1.0, seed=seed, ignore_eos=True)
         out[tuple(result.tokens)] += 1
         accepted += result.stats.accepted
     return out, accepted
@@ -95,10 +101,12 @@ def test_the_intersections_q_is_the_drafts_own_renormalised_over_shared_tokens(p
 
 
 DRAFTERS = {
-    "intersection chain": lambda pair: DraftModel(pair.draft, 3, translation=translation_for(pair.target, pair.draft,
-                                                                                             INTERSECTION)),
-    "intersection tree": lambda pair: DraftModel(pair.draft, 2, branch=2, translation=translation_for(
-        pair.target, pair.draft, INTERSECTION, tree=True)),
+    "intersection chain": lambda pair: DraftModel(
+        pair.draft, 3, translation=translation_for(pair.target, pair.draft, INTERSECTION)
+    ),
+    "intersection tree": lambda pair: DraftModel(
+        pair.draft, 2, branch=2, translation=translation_for(pair.target, pair.draft, INTERSECTION, tree=True)
+    ),
     "reencode": lambda pair: DraftModel(pair.draft, 3, translation=translation_for(pair.target, pair.draft, REENCODE)),
 }
 
@@ -112,8 +120,9 @@ def test_sampled_outputs_follow_the_target(pair: Pair, name: str) -> None:
     assert accepted > DRAWS / 10  # drafts were verified and kept, not all rejected
 
 
-def test_a_q_not_renormalised_over_the_shared_tokens_fails_the_same_check(pair: Pair,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_q_not_renormalised_over_the_shared_tokens_fails_the_same_check(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """BROKEN: the drafts are drawn from the shared tokens as they should be, but q is the draft's softmax over its own
     vocabulary at the shared tokens, the mass of the draft's own tokens dropped, not renormalised away."""
 

@@ -25,8 +25,10 @@ def pair():
 def hf_target():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(DEFAULT_TARGET))
+    return (
+        AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(DEFAULT_TARGET),
+    )
 
 
 def test_files_and_sizes() -> None:
@@ -66,9 +68,13 @@ def test_64_greedy_tokens_identical_to_transformers(pair, hf_target) -> None:
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False  # 64 tokens, EOS or not
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             generation_config=config, max_new_tokens=64)
-    theirs = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            generation_config=config,
+            max_new_tokens=64,
+        )
+    theirs = out[0, len(ids) :].tolist()
     assert generate(target, PROMPT, max_new_tokens=64, ignore_eos=True).tokens == theirs
     assert generate(target, PROMPT, DraftModel(draft, 4), max_new_tokens=64, ignore_eos=True).tokens == theirs
 
@@ -87,8 +93,24 @@ def test_the_shipped_eagle_head(capsys) -> None:
     with safe_open(head / "model.safetensors", "pt") as f:
         assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
         assert "fc.weight" in f.keys() and not any(key.startswith(("embed_tokens", "lm_head")) for key in f.keys())
-    assert main(["generate", PROMPT, "--method", "eagle", "--max-new-tokens", "24", "--threads", "1", "--compare",
-                 "--color", "never"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--method",
+                "eagle",
+                "--max-new-tokens",
+                "24",
+                "--threads",
+                "1",
+                "--compare",
+                "--color",
+                "never",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "identical to autoregressive: yes" in out and "drafted" in out
 
@@ -97,13 +119,34 @@ def test_the_shipped_medusa_heads(capsys) -> None:
     """bf16 on disk in the Medusa reference layout, with the accuracy table that shapes the tree, and `--method
     medusa` needs no other argument."""
     heads = DEFAULT_TARGET.parent / "stdlib-medusa"
-    for name in ("config.json", "model.safetensors", "verispec/medusa_accuracy.json", "verispec/draft_vocab.safetensors",
-                 "README.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "verispec/medusa_accuracy.json",
+        "verispec/draft_vocab.safetensors",
+        "README.md",
+    ):
         assert (heads / name).is_file(), heads / name
     with safe_open(heads / "model.safetensors", "pt") as f:
         assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
         assert {"medusa_head.0.0.linear.weight", "medusa_head.3.1.weight"} <= set(f.keys())
-    assert main(["generate", PROMPT, "--method", "medusa", "--max-new-tokens", "24", "--threads", "1", "--compare",
-                 "--color", "never"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--method",
+                "medusa",
+                "--max-new-tokens",
+                "24",
+                "--threads",
+                "1",
+                "--compare",
+                "--color",
+                "never",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "identical to autoregressive: yes" in out and "drafted" in out

@@ -70,4 +70,3 @@ def test_the_stop_matcher_agrees_with_a_plain_search() -> None:
             assert _first_stop(text, stops) is None
             held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
             assert matcher.held == held
-

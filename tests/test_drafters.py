@@ -67,9 +67,12 @@ def built(tmp_path_factory, target, draft):
     torch.manual_seed(0)
     head = EagleHead(head_config(target.config))
     init_weights(head)
-    heads = {"eagle": save_head(head, tmp_path_factory.mktemp("eagle"), "random"),
-             "medusa": save_heads(MedusaHeads.from_target(target.lm_head_weight.detach(), 2),
-                                  tmp_path_factory.mktemp("medusa"), "random")}
+    heads = {
+        "eagle": save_head(head, tmp_path_factory.mktemp("eagle"), "random"),
+        "medusa": save_heads(
+            MedusaHeads.from_target(target.lm_head_weight.detach(), 2), tmp_path_factory.mktemp("medusa"), "random"
+        ),
+    }
 
     vocab_dir = tmp_path_factory.mktemp("draft-vocab")
     save_draft_vocab(vocab_dir, torch.randint(0, 50, (draft.vocab_size,), generator=torch.Generator().manual_seed(0)))
@@ -78,8 +81,9 @@ def built(tmp_path_factory, target, draft):
         method = EXAMPLES[name]
         if method.family == "selfquant" and not kernels.available(torch.float32):
             pytest.skip(f"a quantized twin runs on verispec's kernels, which do not run here: {kernels.reason()}")
-        return build_drafter(method, Resources(draft=draft, target=target, head_dir=heads.get(method.family),
-                                               draft_dir=vocab_dir))
+        return build_drafter(
+            method, Resources(draft=draft, target=target, head_dir=heads.get(method.family), draft_dir=vocab_dir)
+        )
 
     return build
 
@@ -122,10 +126,13 @@ def test_one_drafter_serves_interleaved_generations(target, built, name) -> None
     drafter = built(name)
     shared = getattr(drafter, "history", None) is not None
     runs = [(PROMPT, {}), (PROMPT[3:], {} if shared else dict(temperature=1.0, seed=7))]
-    alone = [generate(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options).tokens
-             for prompt, options in runs]
-    streams = [stream(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options)
-               for prompt, options in runs]
+    alone = [
+        generate(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options).tokens
+        for prompt, options in runs
+    ]
+    streams = [
+        stream(target, prompt, drafter, max_new_tokens=N, ignore_eos=True, **options) for prompt, options in runs
+    ]
     iterators, live = [iter(s) for s in streams], [True, True]
     while any(live):
         for i, it in enumerate(iterators):
@@ -172,16 +179,19 @@ def test_a_target_without_what_the_drafter_needs_is_refused(target, built, truth
             stream(CausalOnly(target), PROMPT, drafter, max_new_tokens=N)
 
 
-@pytest.mark.parametrize("method, message", [
-    (Method("hydra"), "unknown method 'hydra'"),
-    (Method("ngram", 3, {"window": 2}), "method ngram takes no option window"),
-    (Method("autoregressive", 2), "method autoregressive takes no k"),
-    (Method("lookahead", 3), "--ngram-size"),
-    (Method("draft", 0), "must be an integer >= 1"),
-    (Method("draft", True), "must be an integer >= 1"),
-    (Method("draft", "fast"), "must be an integer >= 1"),
-    (Method("autoregressive", "auto"), "takes no k, auto included"),
-])
+@pytest.mark.parametrize(
+    "method, message",
+    [
+        (Method("hydra"), "unknown method 'hydra'"),
+        (Method("ngram", 3, {"window": 2}), "method ngram takes no option window"),
+        (Method("autoregressive", 2), "method autoregressive takes no k"),
+        (Method("lookahead", 3), "--ngram-size"),
+        (Method("draft", 0), "must be an integer >= 1"),
+        (Method("draft", True), "must be an integer >= 1"),
+        (Method("draft", "fast"), "must be an integer >= 1"),
+        (Method("autoregressive", "auto"), "takes no k, auto included"),
+    ],
+)
 def test_registry_refuses_bad_methods_before_loading(method, message) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         check_method(method)
@@ -215,10 +225,14 @@ def test_a_draft_vocabulary_bounds_every_proposal(target, draft, truth, how, mon
     model = WithoutChains(draft) if how == "forwards" else draft
     drafter = DraftModel(model, 3, branch=2 if how == "tree" else 1, vocab=vocab)
     proposals, propose = [], DraftModelSession.propose
-    monkeypatch.setattr(DraftModelSession, "propose",
-                        lambda self, context, k: proposals.append(propose(self, context, k)) or proposals[-1])
-    out = generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, seed=0,
-                   temperature=1.0 if how == "sampled" else 0.0)
+    monkeypatch.setattr(
+        DraftModelSession,
+        "propose",
+        lambda self, context, k: proposals.append(propose(self, context, k)) or proposals[-1],
+    )
+    out = generate(
+        target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True, seed=0, temperature=1.0 if how == "sampled" else 0.0
+    )
     drafted = {token for proposal in proposals for token in proposal.tokens}
     assert drafted and drafted <= set(vocab.tolist())
     assert how == "sampled" or out.tokens == truth
@@ -277,7 +291,7 @@ class HiddenSpy(OwnSession):
 
     def propose(self, context, k: int) -> Proposal:
         at, self.steps = len(context) - self.prompt_len, self.steps + 1
-        tokens = self.truth[at: at + k]
+        tokens = self.truth[at : at + k]
         if self.steps % 3 == 0:
             tokens[-1] = (tokens[-1] + 1) % 256
         return Proposal(tokens)
@@ -296,4 +310,3 @@ def test_the_loop_hands_the_drafter_hidden_states_of_every_committed_token(targe
     text = PROMPT + truth
     _, full = target(torch.tensor([text[:-1]]), target.new_cache(), hidden=[1, FINAL])
     torch.testing.assert_close(torch.cat(spy.seen), full[0], atol=1e-5, rtol=1e-4)
-

@@ -87,13 +87,16 @@ def test_the_head_drafts_from_its_own_features_and_keeps_only_true_entries(targe
 
 def test_sampling_is_reproducible_and_q_is_the_heads_distribution(target, head) -> None:
     sampling = SamplingParams(1.0, top_k=20)
-    proposal = start_session(Eagle(head, 3), target, PROMPT, sampling, torch.Generator().manual_seed(0)).propose(PROMPT, 3)
+    proposal = start_session(Eagle(head, 3), target, PROMPT, sampling, torch.Generator().manual_seed(0)).propose(
+        PROMPT, 3
+    )
     assert proposal.q.shape == (3, target.vocab_size) and int((proposal.q[0] > 0).sum()) == 20
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(3))
 
     def run(seed: int) -> list[int]:
-        return generate(target, PROMPT, Eagle(head, 3), max_new_tokens=16, temperature=1.0, seed=seed,
-                        ignore_eos=True).tokens
+        return generate(
+            target, PROMPT, Eagle(head, 3), max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True
+        ).tokens
 
     assert run(3) == run(3) and len({tuple(run(s)) for s in range(4)}) > 1
 
@@ -140,8 +143,10 @@ def test_the_packed_head_drafts_exactly_as_the_plain_one_in_bfloat16(tmp_path, p
     two matmuls, close to them but not bitwise. On this random head the drafts are the same tokens either way."""
     target = load_model(pair_dirs[0], dtype=torch.bfloat16)
     folder = save_head(head, tmp_path / "head", "tiny")
-    packed, plain = load_head(folder, target.config, torch.bfloat16), load_head(folder, target.config, torch.bfloat16,
-                                                                                 fast=False)
+    packed, plain = (
+        load_head(folder, target.config, torch.bfloat16),
+        load_head(folder, target.config, torch.bfloat16, fast=False),
+    )
     assert packed.mix is not None and plain.mix is None
     for tree in (None, (2, 6)):
         proposals = [start_session(Eagle(h, 4, tree=tree), target, PROMPT).propose(PROMPT, 4) for h in (packed, plain)]
@@ -202,7 +207,7 @@ def test_training_lowers_the_loss_and_resumes(tmp_path, target) -> None:
     head = random_head(target).train().requires_grad_(True)
     cfg = TrainConfig(hours=8 / 3600, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_every_minutes=4 / 60)
     loss, evaluate = eagle_loss(frozen), agreement_evaluator(frozen, tokens, 32, windows=4)
-    batch = torch.from_numpy(tokens[:4 * 33].astype(np.int64)).view(4, 33)
+    batch = torch.from_numpy(tokens[: 4 * 33].astype(np.int64)).view(4, 33)
     with torch.no_grad():
         before = float(loss(head, batch))
     first = train(head, cfg, tmp_path, tokens, loss, evaluate)
@@ -219,13 +224,42 @@ def test_cli_eagle_chain_and_tree_match_autoregressive(capsys, tmp_path, pair_di
 
     folder = save_head(head, tmp_path / "head", "tiny", dtype=torch.float32)
     for tree in ([], ["--tree-top-k", "2", "--tree-tokens", "6"]):
-        code = main(["generate", "def f(x):", "--target", str(pair_dirs[0]), "--method", "eagle", "--head",
-                     str(folder), *tree, "--max-new-tokens", "16", "--ignore-eos", "--compare", "--threads", "1"])
+        code = main(
+            [
+                "generate",
+                "def f(x):",
+                "--target",
+                str(pair_dirs[0]),
+                "--method",
+                "eagle",
+                "--head",
+                str(folder),
+                *tree,
+                "--max-new-tokens",
+                "16",
+                "--ignore-eos",
+                "--compare",
+                "--threads",
+                "1",
+            ]
+        )
         out, err = capsys.readouterr()
         assert code == 0 and err == "" and "identical to autoregressive: yes" in out
     code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "eagle"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("verispec: error: ") and "--head DIR" in err and err.count("\n") == 1
-    code = main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "eagle", "--head", str(folder),
-                 "--tree-top-k", "2"])
+    code = main(
+        [
+            "generate",
+            "x",
+            "--target",
+            str(pair_dirs[0]),
+            "--method",
+            "eagle",
+            "--head",
+            str(folder),
+            "--tree-top-k",
+            "2",
+        ]
+    )
     assert code == 2 and "tree_tokens" in capsys.readouterr().err

@@ -88,7 +88,7 @@ def test_training_time_test_is_what_drafting_computes(deep, head, kind) -> None:
         cache = head.new_cache(64, torch.float32)
         predicted = head(features[:, : i - j + 1], embeddings[:, : i - j + 1], cache)[:, -1:]
         for m in range(1, j + 1):
-            predicted = head(predicted, embeddings[:, i - j + m: i - j + m + 1], cache)
+            predicted = head(predicted, embeddings[:, i - j + m : i - j + m + 1], cache)
         torch.testing.assert_close(predicted[0, -1], outputs[j][0, i], atol=1e-5, rtol=1e-4)
 
 
@@ -100,8 +100,15 @@ def test_save_and_load_in_eagle3s_layout(deep, head, tmp_path) -> None:
     loaded = load_eagle3(folder, deep.config, torch.float32)
     assert torch.equal(loaded.own_vocab, VOCAB) and int(loaded.t2d.sum()) == len(VOCAB)
     keys = set(loaded.state_dict())
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight"} <= keys
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+    } <= keys
     assert loaded.midlayer.self_attn.q_proj.weight.shape == (64, 128)  # [embedding; feature] in
     truth = generate(deep, PROMPT, Eagle(head, 3), max_new_tokens=N, ignore_eos=True)
     again = generate(deep, PROMPT, Eagle(loaded, 3), max_new_tokens=N, ignore_eos=True)
@@ -114,8 +121,9 @@ def test_save_and_load_in_eagle3s_layout(deep, head, tmp_path) -> None:
 def test_the_loss_falls_and_a_run_resumes(deep, tmp_path) -> None:
     torch.manual_seed(0)
     tokens = np.tile(np.arange(40, 90, dtype=np.uint32), 40)  # a repeating text the head can learn
-    cfg = TrainConfig(hours=8 / 3600, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_every_minutes=1 / 60,
-                      bf16=False)
+    cfg = TrainConfig(
+        hours=8 / 3600, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_every_minutes=1 / 60, bf16=False
+    )
     head = new_head(deep.module, VOCAB)
     frozen = deep.module.eval().requires_grad_(False)
     loss = eagle3_loss(frozen, steps=2)
@@ -128,8 +136,9 @@ def test_the_loss_falls_and_a_run_resumes(deep, tmp_path) -> None:
         assert float(loss(head, batch)) < before
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {f"val_top1_depth{d}" for d in range(1, 6)} <= set(log[-1])
-    resumed = train(head, TrainConfig(**{**cfg.__dict__, "hours": cfg.hours + 2 / 3600}), tmp_path, tokens, loss,
-                    evaluate)
+    resumed = train(
+        head, TrainConfig(**{**cfg.__dict__, "hours": cfg.hours + 2 / 3600}), tmp_path, tokens, loss, evaluate
+    )
     assert resumed["step"] > first["step"] and resumed["tokens_seen"] > first["tokens_seen"]
 
 
@@ -138,6 +147,7 @@ def _names(finetune: str):
         writer.add_basename("tinyllm")
         writer.add_size_label("1M")
         writer.add_finetune(finetune)
+
     return extra
 
 
@@ -165,8 +175,12 @@ def test_the_shipped_head_is_found_by_the_files_metadata_not_its_path(gguf_files
     q8, q4, tuned = gguf_files
     target = load_model(q8)
     models = tmp_path / "models"
-    folder = save_eagle3(new_head(target.module, torch.arange(50)), models / "tiny-eagle", target.name,
-                         {"target_match": gguf_fingerprint(q8), "method": {"k": 5, "tree_top_k": 2, "tree_tokens": 8}})
+    folder = save_eagle3(
+        new_head(target.module, torch.arange(50)),
+        models / "tiny-eagle",
+        target.name,
+        {"target_match": gguf_fingerprint(q8), "method": {"k": 5, "tree_top_k": 2, "tree_tokens": 8}},
+    )
     (models / "unrelated").mkdir()
     assert shipped_head_for(q4, "eagle", models) == folder  # another file name and quantization, the same model
     assert shipped_head_for(tuned, "eagle", models) is None
@@ -181,19 +195,34 @@ def test_the_shipped_head_is_found_by_the_files_metadata_not_its_path(gguf_files
         build_drafter(Method("eagle", 3, {"draft_vocab": 20}), Resources(target=target, head_dir=folder))
 
 
-def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(gguf_files, tmp_path, monkeypatch,
-                                                                            capsys) -> None:
+def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(
+    gguf_files, tmp_path, monkeypatch, capsys
+) -> None:
     """`verispec generate --target FILE.gguf --method eagle`: the head under models/ made for that file's model, by
     its metadata, drafting its folder's default; a file of another model is told to pass --head."""
     import verispec.models.default as default
 
     q8, q4, tuned = gguf_files
     target = load_model(q8)
-    save_eagle3(new_head(target.module, torch.arange(200)), tmp_path / "tiny-eagle3", target.name,
-                {"target_match": gguf_fingerprint(q8), "method": {"k": 3}})
+    save_eagle3(
+        new_head(target.module, torch.arange(200)),
+        tmp_path / "tiny-eagle3",
+        target.name,
+        {"target_match": gguf_fingerprint(q8), "method": {"k": 3}},
+    )
     monkeypatch.setattr(default, "MODELS", tmp_path)
-    argv = ["generate", "hello", "--method", "eagle", "--max-new-tokens", "12", "--ignore-eos", "--compare",
-            "--color", "never"]
+    argv = [
+        "generate",
+        "hello",
+        "--method",
+        "eagle",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--compare",
+        "--color",
+        "never",
+    ]
     with torch_threads(1):
         assert main([*argv, "--target", str(q4)]) == 0
         out = capsys.readouterr().out
@@ -206,8 +235,9 @@ def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(ggu
 def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, capsys) -> None:
     """`train eagle-card --target DIR --questions FILE`: every draft measured on the questions' turns through the
     target's chat template, identical to plain decoding; the fastest recorded as the folder's default draft."""
-    target_dir = random_checkpoint(tmp_path / "target", tiny_config(num_hidden_layers=8, max_position_embeddings=1024),
-                                   seed=3)
+    target_dir = random_checkpoint(
+        tmp_path / "target", tiny_config(num_hidden_layers=8, max_position_embeddings=1024), seed=3
+    )
     config = json.loads((target_dir / "tokenizer_config.json").read_text())
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
@@ -217,12 +247,32 @@ def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, caps
     log = {"step": 1, "tokens_seen": 64, "hours": 0.01} | {f"val_top1_depth{d}": 0.1 for d in range(1, 6)}
     (runs / "eagle3" / "log.jsonl").write_text(json.dumps(log) + "\n")
     questions = tmp_path / "question.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in [
-        {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
-        {"question_id": 2, "category": "writing", "turns": ["Name a colour."]},
-        {"question_id": 3, "category": "qa", "turns": ["Who wrote Hamlet?"]}]))
-    args = ["train", "eagle-card", "--runs", str(runs), "--target", str(target_dir), "--questions", str(questions),
-            "--per-category", "1", "--max-new-tokens", "12", "--threads", "1"]
+    questions.write_text(
+        "".join(
+            json.dumps(q) + "\n"
+            for q in [
+                {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+                {"question_id": 2, "category": "writing", "turns": ["Name a colour."]},
+                {"question_id": 3, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+            ]
+        )
+    )
+    args = [
+        "train",
+        "eagle-card",
+        "--runs",
+        str(runs),
+        "--target",
+        str(target_dir),
+        "--questions",
+        str(questions),
+        "--per-category",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+    ]
     assert main(args) == 0
     numbers = json.loads(capsys.readouterr().out)
     assert numbers["questions"] == 2 and numbers["turns"] == 3  # the first of each category, both turns of one

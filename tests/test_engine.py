@@ -8,8 +8,20 @@ import pytest
 import torch
 
 from verispec import kernels
-from verispec import (DraftModel, InvalidArgumentError, Lookahead, Method, PromptLookup, Resources, SamplingParams,
-                      SuffixDecoding, build_drafter, generate, generate_batch, load_model)
+from verispec import (
+    DraftModel,
+    InvalidArgumentError,
+    Lookahead,
+    Method,
+    PromptLookup,
+    Resources,
+    SamplingParams,
+    SuffixDecoding,
+    build_drafter,
+    generate,
+    generate_batch,
+    load_model,
+)
 from verispec.engine import Engine, Request
 from verispec.models.random_init import random_pair, tiny_config
 
@@ -17,17 +29,27 @@ from drafting import break_the_rule_for
 from test_verify import P_VALUE_MIN, compare
 
 # Prompts of different lengths (byte ids); the last repeats itself, so prompt lookup finds something to propose.
-PROMPTS = [[100, 101, 102, 40, 120, 41, 58, 10, 32, 32], [7], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150,
-           160, 170, 180, 190, 200, 210, 220, 230, 240], [33, 34, 35, 36, 33, 34, 35, 36, 33, 34, 35]]
+PROMPTS = [
+    [100, 101, 102, 40, 120, 41, 58, 10, 32, 32],
+    [7],
+    [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190, 200, 210, 220, 230, 240],
+    [33, 34, 35, 36, 33, 34, 35, 36, 33, 34, 35],
+]
 N = 24
 
 
 def drafters(draft):
     auto = build_drafter(Method("draft", "auto"), Resources(draft=draft))  # AdaptiveK: the engine drafts with its inner
     vocab = torch.arange(0, draft.vocab_size, 2)  # the batch drafts by an LM head over these tokens
-    return {"none": None, "draft": DraftModel(draft, 4), "draft vocab": DraftModel(draft, 4, vocab=vocab),
-            "ngram": PromptLookup(3), "auto": auto, "suffix": SuffixDecoding(3),
-            "suffix tree": SuffixDecoding(3, tree_tokens=5)}  # (the engine verifies its likeliest chain)
+    return {
+        "none": None,
+        "draft": DraftModel(draft, 4),
+        "draft vocab": DraftModel(draft, 4, vocab=vocab),
+        "ngram": PromptLookup(3),
+        "auto": auto,
+        "suffix": SuffixDecoding(3),
+        "suffix tree": SuffixDecoding(3, tree_tokens=5),
+    }  # (the engine verifies its likeliest chain)
 
 
 def alone(target, prompt, drafter=None, **options):
@@ -64,11 +86,17 @@ def test_stops_and_budgets_per_sequence(target, draft, single_thread) -> None:
     truth = alone(target, PROMPTS[0])
     stop = truth.text[5:7]
     engine = Engine(target, DraftModel(draft, 3), adaptive=False)
-    options = [dict(max_new_tokens=5), dict(max_new_tokens=N, stop=(stop,)), dict(max_new_tokens=N),
-               dict(max_new_tokens=11, ignore_eos=False)]
+    options = [
+        dict(max_new_tokens=5),
+        dict(max_new_tokens=N, stop=(stop,)),
+        dict(max_new_tokens=N),
+        dict(max_new_tokens=11, ignore_eos=False),
+    ]
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[3]]
-    ids = [engine.add(Request(p, sampling=SamplingParams(), **({"ignore_eos": True} | o)))
-           for p, o in zip(prompts, options)]
+    ids = [
+        engine.add(Request(p, sampling=SamplingParams(), **({"ignore_eos": True} | o)))
+        for p, o in zip(prompts, options)
+    ]
     updates = run(engine)
     for rid, prompt, o in zip(ids, prompts, options):
         expected = alone(target, prompt, **({"ignore_eos": True} | o))
@@ -138,8 +166,10 @@ def test_seeded_sampling_in_a_batch_is_each_prompt_alone(target, draft, single_t
     options = dict(max_new_tokens=N, temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
     for drafter in (DraftModel(draft, 3), PromptLookup(3)):
         engine = Engine(target, drafter, adaptive=False)
-        ids = [engine.add(Request(p, N, SamplingParams(1.0, 50, 0.95), seed=seed, ignore_eos=True))
-               for seed, p in enumerate(PROMPTS)]
+        ids = [
+            engine.add(Request(p, N, SamplingParams(1.0, 50, 0.95), seed=seed, ignore_eos=True))
+            for seed, p in enumerate(PROMPTS)
+        ]
         got = run(engine)
         for seed, (rid, prompt) in enumerate(zip(ids, PROMPTS)):
             assert tokens(got[rid]) == generate(target, prompt, drafter, seed=seed, **options).tokens
@@ -249,8 +279,11 @@ class _Poisoned(DraftModel):
 def test_refuses_drafters_and_targets_that_do_not_batch(target, draft, pair_dirs) -> None:
     """Exact mode batches on verispec's kernels only (tests/test_engine_exact.py), a draft model's too."""
     exact_draft = DraftModel(load_model(pair_dirs[1], exact=True))
-    for drafter in (Lookahead(), DraftModel(draft, 4, branch=2), *(() if kernels.available(torch.float32)
-                                                                   else (exact_draft,))):
+    for drafter in (
+        Lookahead(),
+        DraftModel(draft, 4, branch=2),
+        *(() if kernels.available(torch.float32) else (exact_draft,)),
+    ):
         with pytest.raises(InvalidArgumentError, match=f"drafter {drafter.name} does not batch"):
             Engine(target, drafter)
     if kernels.available(torch.float32):
@@ -260,9 +293,17 @@ def test_refuses_drafters_and_targets_that_do_not_batch(target, draft, pair_dirs
             Engine(load_model(pair_dirs[0], exact=True))
 
 
-@pytest.mark.parametrize("request_options, message", [
-    (dict(prompt=[]), "empty"), (dict(prompt=[1, 999]), "token ids"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(seed=-1), "seed"), (dict(stop=("",)), "stop"), (dict(sampling=0.5), "SamplingParams")])
+@pytest.mark.parametrize(
+    "request_options, message",
+    [
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[1, 999]), "token ids"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(seed=-1), "seed"),
+        (dict(stop=("",)), "stop"),
+        (dict(sampling=0.5), "SamplingParams"),
+    ],
+)
 def test_bad_requests_are_refused(target, request_options, message) -> None:
     engine = Engine(target)
     fields = dict(prompt=[1, 2], max_new_tokens=4, sampling=SamplingParams()) | request_options
@@ -280,14 +321,17 @@ VOCAB, SAMPLE_PROMPTS, DRAWS = 6, ([1, 4, 2], [3, 0, 5, 5, 2, 1]), 2000
 def test_sampling_in_a_batch_follows_the_target(tmp_path, reference_probs, single_thread) -> None:
     """Two prompts interleaved, 8 sequences per step, a draft model drafting 2: the first two tokens of each
     prompt's generations are distributed as the target's joint."""
-    config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64,
-                         num_hidden_layers=2)
+    config = tiny_config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64, num_hidden_layers=2
+    )
     target_dir, draft_dir = random_pair(tmp_path, config, draft_layers=1, seed=2)
     target, draft = load_model(target_dir), load_model(draft_dir)
     engine = Engine(target, DraftModel(draft, 2), max_batch=8, adaptive=False)
     sampling = SamplingParams(temperature=1.0)
-    ids = [engine.add(Request(list(SAMPLE_PROMPTS[seed % 2]), 2, sampling, seed=seed, ignore_eos=True))
-           for seed in range(DRAWS)]
+    ids = [
+        engine.add(Request(list(SAMPLE_PROMPTS[seed % 2]), 2, sampling, seed=seed, ignore_eos=True))
+        for seed in range(DRAWS)
+    ]
     updates, batches = {}, []
     while engine.has_work:
         for update in engine.step():

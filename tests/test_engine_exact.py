@@ -25,8 +25,9 @@ from verispec.threads import torch_threads
 from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from test_engine import run, tokens
 
-pytestmark = pytest.mark.skipif(not kernels.available(torch.float32),
-                                reason=f"verispec's kernels do not run here: {kernels.reason()}")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -69,13 +70,25 @@ def test_each_row_of_a_batched_forward_is_its_sequence_alone(exact_target) -> No
 
 
 def drafters(target, draft):
-    return {"plain": None, "draft": DraftModel(draft, 3), "ngram": PromptLookup(3), "suffix": SuffixDecoding(3),
-            "selfquant": build_drafter(Method("selfquant", 3), Resources(target=target))}
+    return {
+        "plain": None,
+        "draft": DraftModel(draft, 3),
+        "ngram": PromptLookup(3),
+        "suffix": SuffixDecoding(3),
+        "selfquant": build_drafter(Method("selfquant", 3), Resources(target=target)),
+    }
 
 
-PROMPTS = [[100, 101, 102, 40, 120, 41, 58, 10, 32, 32], [7], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150,
-           160, 170, 180, 190, 200], [33, 34, 35, 36, 33, 34, 35, 36, 33, 34, 35], [9, 8, 7], [200, 201],
-           [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [77] * 6]
+PROMPTS = [
+    [100, 101, 102, 40, 120, 41, 58, 10, 32, 32],
+    [7],
+    [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190, 200],
+    [33, 34, 35, 36, 33, 34, 35, 36, 33, 34, 35],
+    [9, 8, 7],
+    [200, 201],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28],
+    [77] * 6,
+]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -107,8 +120,9 @@ def test_staggered_requests_on_the_shipped_pair_and_a_block_format_gguf(which, k
         target = load_model(k_quant_file, dtype="auto", exact=True)
         make = lambda: SuffixDecoding(3)  # noqa: E731
     limits = [30, 1, 12, 7, 20, 3, 16, 9]
-    alone = [generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens
-             for prompt, limit in zip(PROMPTS, limits)]
+    alone = [
+        generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens for prompt, limit in zip(PROMPTS, limits)
+    ]
     assert staggered(Engine(target, make(), max_batch=8, adaptive=False), limits) == dict(enumerate(alone))
 
 
@@ -173,8 +187,13 @@ def test_a_huge_context_and_batch_hold_only_what_their_tokens_need(tmp_path) -> 
 
 
 def test_byte_sizes() -> None:
-    assert [byte_size(s) for s in ("2GiB", "512MiB", "1.5G", "1000", "3kb")] == [2 * 2**30, 512 * 2**20,
-                                                                             int(1.5 * 2**30), 1000, 3000]
+    assert [byte_size(s) for s in ("2GiB", "512MiB", "1.5G", "1000", "3kb")] == [
+        2 * 2**30,
+        512 * 2**20,
+        int(1.5 * 2**30),
+        1000,
+        3000,
+    ]
     for bad in ("", "GiB", "2 parsecs", "-"):
         with pytest.raises(ValueError):
             byte_size(bad)
@@ -207,11 +226,20 @@ def test_the_server_answers_staggered_concurrent_requests_as_it_answers_each_alo
     from verispec.serve.server import ServerThread
 
     target, draft = load_model(pair_dirs[0], quantize="q4_1", exact=True), load_model(pair_dirs[1], quantize="q4_1")
-    prompts = ["def parse_header(line):", "import os\n", "class Stack:\n    def push(self, item):", "x = [",
-               "for i in range(10):", "# sort the list\n", "def f(a, b):\n    return", "while True:"]
+    prompts = [
+        "def parse_header(line):",
+        "import os\n",
+        "class Stack:\n    def push(self, item):",
+        "x = [",
+        "for i in range(10):",
+        "# sort the list\n",
+        "def f(a, b):\n    return",
+        "while True:",
+    ]
     limits = [40, 1, 64, 9, 23, 2, 50, 17]
     drafter = DraftModel(draft, 3) if method == "draft" else SuffixDecoding(3)
     with torch_threads(2), ServerThread(serving_app(target, drafter, name="t", max_batch=8)) as server:
+
         def ask(prompt: str, limit: int) -> dict:
             body = {"model": "t", "prompt": prompt, "max_tokens": limit, "temperature": 0, "ignore_eos": True}
             return httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).json()

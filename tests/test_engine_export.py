@@ -46,8 +46,14 @@ def expected_shapes(spec: dict, config: dict) -> dict[str, tuple[int, ...]]:
     """The loader's names and shapes for this config: symbols (spec["symbols"]) evaluated, `{i}` over the layers."""
     d, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or d // heads
-    symbols = {"D": d, "F": config["intermediate_size"], "Q": heads * head_dim, "V": config["vocab_size"],
-               "KV": config.get("num_key_value_heads", heads) * head_dim, "N": config.get("draft_vocab_size")}
+    symbols = {
+        "D": d,
+        "F": config["intermediate_size"],
+        "Q": heads * head_dim,
+        "V": config["vocab_size"],
+        "KV": config.get("num_key_value_heads", heads) * head_dim,
+        "N": config.get("draft_vocab_size"),
+    }
     names = dict(spec["weights"]) | ({} if config.get("tie_word_embeddings") else spec.get("weights_untied", {}))
     shapes = {}
     for name, dims in names.items():
@@ -154,8 +160,9 @@ def eagle3_folders(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """A random EAGLE-3 head for the shipped target, and every EAGLE-3 head shipped in models/."""
     target = load_model(MODELS / "stdlib-target")
     torch.manual_seed(0)
-    random = save_eagle3(new_head(target.module, torch.arange(0, 8192, 4)), tmp_path_factory.mktemp("e3") / "h",
-                         target.name)
+    random = save_eagle3(
+        new_head(target.module, torch.arange(0, 8192, 4)), tmp_path_factory.mktemp("e3") / "h", target.name
+    )
     return [random, *(folder for folder in sorted(MODELS.iterdir()) if is_eagle3(folder))]
 
 

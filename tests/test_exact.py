@@ -39,12 +39,22 @@ def one_thread(single_thread: None) -> None:
 # `VisibleSlots` attention) and on PyTorch's (oneDNN, `FixedWidthKeys`), float32 over a float16 cache on both; the
 # block formats (a float16 cache by default) on verispec's only.
 F16_CACHE = "float32-float16-cache"
-SETTINGS = [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False),
-            (F16_CACHE, True), (F16_CACHE, False), *((fmt, True) for fmt in FORMATS)]
+SETTINGS = [
+    (torch.float32, True),
+    (torch.float32, False),
+    (torch.bfloat16, True),
+    (torch.bfloat16, False),
+    (F16_CACHE, True),
+    (F16_CACHE, False),
+    *((fmt, True) for fmt in FORMATS),
+]
 
 
-@pytest.fixture(scope="module", params=SETTINGS,
-                ids=[f"{str(p).removeprefix('torch.')}-{'own' if own else 'torch'}-kernels" for p, own in SETTINGS])
+@pytest.fixture(
+    scope="module",
+    params=SETTINGS,
+    ids=[f"{str(p).removeprefix('torch.')}-{'own' if own else 'torch'}-kernels" for p, own in SETTINGS],
+)
 def setting(request: pytest.FixtureRequest) -> tuple[torch.dtype | str, bool]:
     if request.param[1] and not kernels.available(torch.float32):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
@@ -104,11 +114,12 @@ def seq_alone(exact: NativeModel) -> torch.Tensor:
 def alone(model: NativeModel, tokens: torch.Tensor = SEQ) -> torch.Tensor:
     """Logits (T, V) of plain decoding: one forward per token."""
     cache = model.new_cache()
-    return torch.cat([model(tokens[:, i: i + 1], cache)[0] for i in range(tokens.shape[1])])
+    return torch.cat([model(tokens[:, i : i + 1], cache)[0] for i in range(tokens.shape[1])])
 
 
-def after_prefix(model: NativeModel, tokens: torch.Tensor, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+def after_prefix(
+    model: NativeModel, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits (T, V) of one forward of `tokens` after SEQ[:PREFIX] in the cache."""
     cache = model.new_cache()
     model(SEQ[:, :PREFIX], cache)
@@ -137,17 +148,19 @@ def paths(parents: list[int]) -> list[list[int]]:
 # --- a position's logits, however many tokens share the forward --------------------------------------------------
 
 
-def test_every_row_of_a_prefill_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor,
-                                                          chunks: None) -> None:
+def test_every_row_of_a_prefill_equals_the_position_alone(
+    exact: NativeModel, seq_alone: torch.Tensor, chunks: None
+) -> None:
     cache = exact.new_cache()
     assert torch.equal(exact(SEQ, cache)[0], seq_alone)  # rows of the first, a middle and the padded last chunk
     assert cache.length == SEQ.shape[1]
 
 
 @pytest.mark.parametrize("n", [2, 5, EXACT_ROWS + 3])
-def test_every_row_of_a_chain_equals_the_position_alone(exact: NativeModel, seq_alone: torch.Tensor, n: int,
-                                                        short_chunks: None) -> None:
-    assert torch.equal(after_prefix(exact, SEQ[:, PREFIX: PREFIX + n]), seq_alone[PREFIX: PREFIX + n])
+def test_every_row_of_a_chain_equals_the_position_alone(
+    exact: NativeModel, seq_alone: torch.Tensor, n: int, short_chunks: None
+) -> None:
+    assert torch.equal(after_prefix(exact, SEQ[:, PREFIX : PREFIX + n]), seq_alone[PREFIX : PREFIX + n])
 
 
 # Two roots' worth of branching: [r, a, b, a1, b1, c, a2, b2], paths r-a-a1-a2, r-b-b1-b2 and r-c.
@@ -220,10 +233,18 @@ def test_a_mask_covering_the_cache_as_a_draft_tree_passes_it(exact: NativeModel)
     of the earlier tree nodes in the cache each new node sees."""
     cache = exact.new_cache()
     exact(SEQ[:, :PREFIX], cache)
-    first = exact(torch.tensor([[5, 6]]), cache, positions=torch.tensor([PREFIX, PREFIX]),
-                  mask=torch.tensor([[True] * PREFIX + [True, False], [True] * PREFIX + [False, True]]))[0]
-    second = exact(torch.tensor([[7]]), cache, positions=torch.tensor([PREFIX + 1]),  # under the second node
-                   mask=torch.tensor([[True] * PREFIX + [False, True, True]]))[0]
+    first = exact(
+        torch.tensor([[5, 6]]),
+        cache,
+        positions=torch.tensor([PREFIX, PREFIX]),
+        mask=torch.tensor([[True] * PREFIX + [True, False], [True] * PREFIX + [False, True]]),
+    )[0]
+    second = exact(
+        torch.tensor([[7]]),
+        cache,
+        positions=torch.tensor([PREFIX + 1]),  # under the second node
+        mask=torch.tensor([[True] * PREFIX + [False, True, True]]),
+    )[0]
     assert torch.equal(first[1], alone(exact, torch.cat((SEQ[:, :PREFIX], torch.tensor([[6]])), 1))[-1])
     assert torch.equal(second[0], alone(exact, torch.cat((SEQ[:, :PREFIX], torch.tensor([[6, 7]])), 1))[-1])
 
@@ -287,7 +308,7 @@ def test_layer_skip_forwards_and_rollback_keep_positions_exact(exact: NativeMode
     """A layer-skipped draft, then truncate and verify, as layer skip drafting does, then keep of a tree branch."""
     cache = exact.new_cache()
     exact(SEQ[:, :PREFIX], cache)
-    exact(SEQ[:, PREFIX: PREFIX + 3], cache, layers=[0, 2])  # stale entries in layer 1, truncated away
+    exact(SEQ[:, PREFIX : PREFIX + 3], cache, layers=[0, 2])  # stale entries in layer 1, truncated away
     cache.truncate(PREFIX)
     tokens = torch.tensor([[int(SEQ[0, PREFIX]), 70, 71, 80, 81, 90, 82, 83]])
     mask, depths = tree(PARENTS)
@@ -315,8 +336,10 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def bf16_pair(pair_dirs: tuple[Path, Path]) -> tuple[NativeModel, NativeModel]:
-    return (load_model(pair_dirs[0], dtype=torch.bfloat16, exact=True),
-            load_model(pair_dirs[1], dtype=torch.bfloat16))  # the draft runs ordinarily, as the CLI loads it
+    return (
+        load_model(pair_dirs[0], dtype=torch.bfloat16, exact=True),
+        load_model(pair_dirs[1], dtype=torch.bfloat16),
+    )  # the draft runs ordinarily, as the CLI loads it
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +350,8 @@ def bf16_plain(bf16_pair: tuple[NativeModel, NativeModel]) -> list[int]:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_speculation_is_identical_to_plain_decoding_in_bfloat16(
-        bf16_pair: tuple[NativeModel, NativeModel], bf16_plain: list[int], method: str) -> None:
+    bf16_pair: tuple[NativeModel, NativeModel], bf16_plain: list[int], method: str
+) -> None:
     target, draft = bf16_pair
     result = generate(target, PROMPT, METHODS[method](draft), max_new_tokens=40, ignore_eos=True)
     assert result.tokens == bf16_plain
@@ -342,18 +366,20 @@ def test_shipped_pair_greedy_identity_in_bfloat16() -> None:
         assert generate(target, prompt, drafter, max_new_tokens=8, ignore_eos=True).tokens == plain.tokens
 
 
-def test_hidden_states_come_back_through_the_chunks(exact: NativeModel, seq_alone: torch.Tensor,
-                                                    short_chunks: None) -> None:
+def test_hidden_states_come_back_through_the_chunks(
+    exact: NativeModel, seq_alone: torch.Tensor, short_chunks: None
+) -> None:
     logits, hidden = exact(SEQ, exact.new_cache(), hidden=[0, -1])
     assert torch.equal(logits[0], seq_alone) and hidden.shape == (1, SEQ.shape[1], 2, exact.hidden_size)
     cache = exact.new_cache()
     exact(SEQ[:, :PREFIX], cache)
-    assert torch.equal(exact(SEQ[:, PREFIX: PREFIX + 1], cache, hidden=[0, -1])[1][0, 0], hidden[0, PREFIX])
+    assert torch.equal(exact(SEQ[:, PREFIX : PREFIX + 1], cache, hidden=[0, -1])[1][0, 0], hidden[0, PREFIX])
 
 
 @pytest.mark.parametrize("keep", [1, 3, EXACT_ROWS + 2, 100])
-def test_logits_to_keep_gives_the_last_rows_bitwise(exact: NativeModel, seq_alone: torch.Tensor, keep: int,
-                                                     chunks: None) -> None:
+def test_logits_to_keep_gives_the_last_rows_bitwise(
+    exact: NativeModel, seq_alone: torch.Tensor, keep: int, chunks: None
+) -> None:
     """Chunks before the rows kept skip the LM head; the rest give the same bits as a full forward's."""
     cache = exact.new_cache()
     logits, hidden = exact(SEQ, cache, hidden=[-1], logits_to_keep=keep)

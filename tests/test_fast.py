@@ -16,8 +16,11 @@ from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 TOKENS = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
-CONFIGS = {"gqa": tiny_config(num_hidden_layers=2), "tied": tiny_config(num_hidden_layers=2, tie_word_embeddings=True),
-           "biases": tiny_config(num_hidden_layers=2, qkv_bias=True, o_bias=True)}
+CONFIGS = {
+    "gqa": tiny_config(num_hidden_layers=2),
+    "tied": tiny_config(num_hidden_layers=2, tie_word_embeddings=True),
+    "biases": tiny_config(num_hidden_layers=2, qkv_bias=True, o_bias=True),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +40,9 @@ def own_kernels(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 
-def pair(folder: Path, dtype: torch.dtype, exact: bool = False, own_kernels: bool | None = None
-         ) -> tuple[NativeModel, NativeModel]:
+def pair(
+    folder: Path, dtype: torch.dtype, exact: bool = False, own_kernels: bool | None = None
+) -> tuple[NativeModel, NativeModel]:
     """The plain model and the packed one (on verispec's kernels or PyTorch's; by default where available)."""
     plain, fast = (load_model(folder, dtype=dtype, exact=exact, fast=False) for _ in range(2))
     fast.pack(EXACT_ROWS if exact else 1, own_kernels)
@@ -49,7 +53,7 @@ def decode(model: NativeModel, **kwargs) -> torch.Tensor:
     """Logits (T, V) of a prefill of 20 tokens, then 4 tokens decoded one at a time."""
     cache = model.new_cache()
     logits = [model(TOKENS[:, :20], cache, **kwargs)[0]]
-    logits += [model(TOKENS[:, i: i + 1], cache, **kwargs)[0] for i in range(20, 24)]
+    logits += [model(TOKENS[:, i : i + 1], cache, **kwargs)[0] for i in range(20, 24)]
     return torch.cat(logits)
 
 
@@ -137,6 +141,12 @@ for exact in (False, True):
     assert torch.equal(decode(fast), decode(plain))
 """
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "VERISPEC_KERNELS": "0"}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        env=env,
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

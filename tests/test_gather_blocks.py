@@ -15,12 +15,24 @@ from gguf import GGML_QUANT_SIZES
 
 from verispec import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(torch.float32),
-                                reason=f"verispec's kernels do not run here: {kernels.reason()}")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 
 # Where each format's block keeps its float16 scales (d, and m or dmin): ggml's layouts
-SCALES = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
-          "q6_k": [208], "f16": [0], "bf16": [], "f32": []}
+SCALES = {
+    "q8_0": [0],
+    "q4_0": [0],
+    "q4_1": [0, 2],
+    "q5_0": [0],
+    "q5_1": [0, 2],
+    "q4_k": [0, 2],
+    "q5_k": [0, 2],
+    "q6_k": [208],
+    "f16": [0],
+    "bf16": [],
+    "f32": [],
+}
 
 
 def random_table(format: str, N: int, D: int, rng: np.random.Generator, finite: bool = True) -> np.ndarray:
@@ -30,9 +42,11 @@ def random_table(format: str, N: int, D: int, rng: np.random.Generator, finite: 
     blocks = rng.integers(0, 256, (N, D // inputs, size), dtype=np.uint8)
     if finite:
         for offset in SCALES[format]:
-            bits = rng.integers(0, 0x7c00, blocks.shape[:2], dtype=np.uint16) | \
-                rng.integers(0, 2, blocks.shape[:2], dtype=np.uint16) << 15  # exponent below 31: finite
-            blocks[..., offset:offset + 2] = bits[..., None].view(np.uint8)
+            bits = (
+                rng.integers(0, 0x7C00, blocks.shape[:2], dtype=np.uint16)
+                | rng.integers(0, 2, blocks.shape[:2], dtype=np.uint16) << 15
+            )  # exponent below 31: finite
+            blocks[..., offset : offset + 2] = bits[..., None].view(np.uint8)
     return blocks.reshape(N, -1)
 
 
@@ -85,8 +99,10 @@ def test_a_read_only_memory_map_and_rows_apart(tmp_path: Path) -> None:
     assert torch.equal(bits(kernels.gather_blocks(mapped, "q6_k", index)), bits(reference(blocks, "q6_k")[index]))
     half = torch.from_numpy(blocks)[:, :210]  # each row's first block: 256 inputs
     assert half.stride(0) == 420
-    assert torch.equal(bits(kernels.gather_blocks(half, "q6_k", index)),
-                       bits(reference(np.ascontiguousarray(blocks[:, :210]), "q6_k")[index]))
+    assert torch.equal(
+        bits(kernels.gather_blocks(half, "q6_k", index)),
+        bits(reference(np.ascontiguousarray(blocks[:, :210]), "q6_k")[index]),
+    )
 
 
 def test_an_index_out_of_range_is_refused_before_anything_is_read() -> None:
@@ -95,8 +111,9 @@ def test_an_index_out_of_range_is_refused_before_anything_is_read() -> None:
         with pytest.raises(IndexError, match="outside the 10 rows"):
             kernels.gather_blocks(blocks, "q4_k", torch.tensor(bad))
     y = torch.full((2, 256), 7.0)  # as a replay would write it: nothing written when one index is out
-    call = kernels.program([("gather_blocks", [blocks, 10, 144, torch.tensor([1, 10]), 2, 256, y, 256,
-                                               int(kernels.TABLES["q4_k"])])])
+    call = kernels.program(
+        [("gather_blocks", [blocks, 10, 144, torch.tensor([1, 10]), 2, 256, y, 256, int(kernels.TABLES["q4_k"])])]
+    )
     with pytest.raises(IndexError, match="refused its inputs"):
         call()
     assert torch.equal(y, torch.full((2, 256), 7.0))
@@ -106,13 +123,14 @@ def test_bad_tables_and_indices_are_refused() -> None:
     blocks = torch.from_numpy(random_table("q8_0", 4, 64, np.random.default_rng(6)))  # (4, 68)
     index = torch.tensor([1])
     for table, format, at, match in [
-            (blocks, "q3_k", index, "not 'q3_k'"),
-            (blocks, "q4_0", index, "blocks of 18 bytes"),  # 68 bytes a row: not whole Q4_0 blocks
-            (blocks.view(torch.int8), "q8_0", index, "uint8"),
-            (blocks[:, None], "q8_0", index, "uint8"),
-            (blocks.t(), "q8_0", index, "uint8"),
-            (blocks, "q8_0", index.int(), "int64"),
-            (blocks, "q8_0", index[None], "int64")]:
+        (blocks, "q3_k", index, "not 'q3_k'"),
+        (blocks, "q4_0", index, "blocks of 18 bytes"),  # 68 bytes a row: not whole Q4_0 blocks
+        (blocks.view(torch.int8), "q8_0", index, "uint8"),
+        (blocks[:, None], "q8_0", index, "uint8"),
+        (blocks.t(), "q8_0", index, "uint8"),
+        (blocks, "q8_0", index.int(), "int64"),
+        (blocks, "q8_0", index[None], "int64"),
+    ]:
         with pytest.raises(ValueError, match=match):
             kernels.gather_blocks(table, format, at)
 

@@ -8,8 +8,18 @@ from typing import Sequence
 import pytest
 import torch
 
-from verispec import (ContextLengthError, DraftModel, InvalidArgumentError, Proposal, SamplingParams,
-                      TokenizerMismatchError, Verdict, generate, load_model, stream)
+from verispec import (
+    ContextLengthError,
+    DraftModel,
+    InvalidArgumentError,
+    Proposal,
+    SamplingParams,
+    TokenizerMismatchError,
+    Verdict,
+    generate,
+    load_model,
+    stream,
+)
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
@@ -131,8 +141,9 @@ def test_stats_count_only_the_drafts_a_stop_string_kept(target, start) -> None:
     """With the target as its own draft every proposal is right, so a stop string inside a step cuts accepted
     drafts: the stats count what was kept, as the per-token `drafted` flags do."""
     full = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).text
-    result = generate(target, PROMPT, DraftModel(target, 8), max_new_tokens=N, ignore_eos=True,
-                      stop=[full[start: start + 2]])
+    result = generate(
+        target, PROMPT, DraftModel(target, 8), max_new_tokens=N, ignore_eos=True, stop=[full[start : start + 2]]
+    )
     assert result.stop_reason == "stop_string"
     assert result.stats.accepted == sum(result.drafted) < result.stats.proposed
     assert sum(result.stats.accepted_by_position) == result.stats.accepted
@@ -142,7 +153,7 @@ def test_stats_count_only_the_drafts_a_stop_string_kept(target, start) -> None:
 def test_stop_strings_keep_greedy_identity(target, draft, start) -> None:
     """The tokens end with the one that completed the stop string, whatever the drafter and step boundaries."""
     full = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).text
-    stop = full[start: start + 3]
+    stop = full[start : start + 3]
     plain = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True, stop=[stop])
     assert plain.stop_reason == "stop_string" and plain.text == full[: full.index(stop)]
     decode = target.tokenizer.decode
@@ -247,17 +258,20 @@ def test_different_tokenizers_are_refused(tmp_path, target) -> None:
         generate(target, PROMPT, DraftModel(foreign, 4), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(prompt=""), "empty"),
-    (dict(prompt=[]), "empty"),
-    (dict(prompt=[5, 900]), "token ids"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[5, 900]), "token ids"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
 def test_bad_arguments_raise_invalid_argument(target, options, message) -> None:
     prompt = options.pop("prompt", PROMPT)
     with pytest.raises(InvalidArgumentError, match=message):

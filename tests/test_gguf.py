@@ -28,18 +28,41 @@ from verispec.models.quant import QuantizedWeight
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.serve.chat import load_chat_template
 
-TEXTS = ["Hello, world!", "def f(x):\n    return x ** 2  # square\n", "  two leading spaces", "trailing  ",
-         "a\nb\n\nc  d   e", "year 2024: 12/31 23:59, x1 y22 z333", "I'M YOU'RE we'll it's", "über naïve café",
-         "日本語 中文 Привет", "emoji 😀🎉", "<|im_start|>user\nhi<|im_end|>\n", f"call {USER_DEFINED} now",
-         "the quick brown fox jumps over the lazy dog"]
+TEXTS = [
+    "Hello, world!",
+    "def f(x):\n    return x ** 2  # square\n",
+    "  two leading spaces",
+    "trailing  ",
+    "a\nb\n\nc  d   e",
+    "year 2024: 12/31 23:59, x1 y22 z333",
+    "I'M YOU'RE we'll it's",
+    "über naïve café",
+    "日本語 中文 Привет",
+    "emoji 😀🎉",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    f"call {USER_DEFINED} now",
+    "the quick brown fox jumps over the lazy dog",
+]
 # Every type read, somewhere in the model: kept blocks, floats, and the block formats dequantized on reading.
-MIXED = by_name({
-    "embed": GGML.Q8_0, "lm_head": GGML.Q6_K,
-    "layers.0.self_attn.q": GGML.Q4_0, "layers.0.self_attn.k": GGML.Q4_1, "layers.0.self_attn.v": GGML.Q8_0,
-    "layers.0.self_attn.o": GGML.F16, "layers.0.mlp.gate": GGML.Q4_K, "layers.0.mlp.up": GGML.Q6_K,
-    "layers.0.mlp.down": GGML.BF16, "layers.1.self_attn.q": GGML.Q5_K, "layers.1.self_attn.k": GGML.Q6_K,
-    "layers.1.self_attn.v": GGML.Q3_K, "layers.1.self_attn.o": GGML.Q2_K, "layers.1.mlp.gate": GGML.Q5_0,
-    "layers.1.mlp.up": GGML.Q5_1})
+MIXED = by_name(
+    {
+        "embed": GGML.Q8_0,
+        "lm_head": GGML.Q6_K,
+        "layers.0.self_attn.q": GGML.Q4_0,
+        "layers.0.self_attn.k": GGML.Q4_1,
+        "layers.0.self_attn.v": GGML.Q8_0,
+        "layers.0.self_attn.o": GGML.F16,
+        "layers.0.mlp.gate": GGML.Q4_K,
+        "layers.0.mlp.up": GGML.Q6_K,
+        "layers.0.mlp.down": GGML.BF16,
+        "layers.1.self_attn.q": GGML.Q5_K,
+        "layers.1.self_attn.k": GGML.Q6_K,
+        "layers.1.self_attn.v": GGML.Q3_K,
+        "layers.1.self_attn.o": GGML.Q2_K,
+        "layers.1.mlp.gate": GGML.Q5_0,
+        "layers.1.mlp.up": GGML.Q5_1,
+    }
+)
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
 
 
@@ -60,11 +83,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     bpe, spm = len(bpe_vocab()[0]), len(spm_vocab()[0])
     return {
         "llama": _file(tmp_path_factory, "llama", gguf_config(bpe), add_bos=False),
-        "spm": _file(tmp_path_factory, "spm", gguf_config(spm, tie_word_embeddings=True), by_name({}, GGML.F16),
-                     tokenizer="llama"),
-        "qwen2": _file(tmp_path_factory, "qwen2", gguf_config(bpe, model_type="qwen2", qkv_bias=True,
-                                                              tie_word_embeddings=True),
-                       by_name({"q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1}, GGML.Q8_0), pre="qwen2"),
+        "spm": _file(
+            tmp_path_factory,
+            "spm",
+            gguf_config(spm, tie_word_embeddings=True),
+            by_name({}, GGML.F16),
+            tokenizer="llama",
+        ),
+        "qwen2": _file(
+            tmp_path_factory,
+            "qwen2",
+            gguf_config(bpe, model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
+            by_name({"q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1}, GGML.Q8_0),
+            pre="qwen2",
+        ),
     }
 
 
@@ -80,11 +112,13 @@ def test_same_logits_greedy_tokens_and_ids_as_transformers(files, kind, single_t
     expected = theirs(torch.tensor([prompt])).logits
     assert torch.allclose(logits, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     with torch.inference_mode():
-        greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
+        greedy = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert generate(ours, prompt, max_new_tokens=16, ignore_eos=True).tokens == greedy
     assert load_chat_template(files[kind]).render(MESSAGES) == tokenizer.apply_chat_template(
-        MESSAGES, tokenize=False, add_generation_prompt=True)
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_sentencepiece_text_gets_llama_cpps_space_prefix(files) -> None:
@@ -178,8 +212,9 @@ def test_pre_tokenizers_split_as_llama_cpp_does(tmp_path) -> None:
     config = gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1)
     smollm = read_vocab(GGUFFile(write_gguf(tmp_path / "s.gguf", config, MIXED, pre="smollm"))).tokenizer
     reference = Tokenizer.from_str(smollm.to_str())
-    reference.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     for text in TEXTS:
         assert smollm.encode(text).ids == reference.encode(text).ids, text
     assert smollm.encode("x 2024").tokens[-4:] == ["2", "0", "2", "4"]
@@ -192,8 +227,12 @@ def test_pre_tokenizers_split_as_llama_cpp_does(tmp_path) -> None:
 def test_end_of_generation_ids_and_special_tokens(tmp_path) -> None:
     tokens = bpe_vocab()[0]
     eot = tokens.index("<|endoftext|>")
-    path = write_gguf(tmp_path / "m.gguf", gguf_config(len(tokens), num_hidden_layers=1), MIXED,
-                      extra=lambda writer: writer.add_eot_token_id(eot))
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        gguf_config(len(tokens), num_hidden_layers=1),
+        MIXED,
+        extra=lambda writer: writer.add_eot_token_id(eot),
+    )
     vocab = read_vocab(GGUFFile(path))
     assert vocab.eos_ids == {tokens.index("<|im_end|>"), eot}
     assert vocab.special_tokens == {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
@@ -205,8 +244,7 @@ def test_end_of_generation_ids_and_special_tokens(tmp_path) -> None:
 def test_a_file_without_a_template_has_none(tmp_path, capsys) -> None:
     from verispec.cli import main
 
-    path = write_gguf(tmp_path / "m.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1), MIXED,
-                      template=None)
+    path = write_gguf(tmp_path / "m.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1), MIXED, template=None)
     assert load_chat_template(path) is None
     assert main(["chat", "--target", str(path)]) == 2
     err = capsys.readouterr().err
@@ -283,8 +321,10 @@ def test_a_missing_tokenizer_is_refused(small, tmp_path) -> None:
 def test_a_vocabulary_larger_than_the_embedding_is_refused(small, tmp_path) -> None:
     tokens, types, _ = bpe_vocab()
     more = {"tokenizer.ggml.tokens": tokens + ["<extra>"], "tokenizer.ggml.token_type": types + [1]}
-    with pytest.raises(CheckpointError, match=f"the tokenizer has {len(tokens) + 1} tokens but the model's embedding "
-                                              f"table only {len(tokens)} rows"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"the tokenizer has {len(tokens) + 1} tokens but the model's embedding table only {len(tokens)} rows",
+    ):
         load_model(_rewritten(small, tmp_path / "m.gguf", **more))
 
 
@@ -306,12 +346,30 @@ def test_generate_chat_serve_and_both_backends_take_a_gguf(files, capsys, single
     target = load(path)
     ids = target.tokenizer.encode(load_chat_template(path).render(messages), add_special_tokens=False).ids
     expected = generate(target, ids, max_new_tokens=8, ignore_eos=True)
-    assert main(["generate", "--chat", "hi there", "--target", str(path), "--max-new-tokens", "8", "--ignore-eos",
-                 "--color", "never", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--chat",
+                "hi there",
+                "--target",
+                str(path),
+                "--max-new-tokens",
+                "8",
+                "--ignore-eos",
+                "--color",
+                "never",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith(expected.text + "\n\n")
     with ServerThread(serving_app(target, None, path, name="g")) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="g", messages=messages, max_tokens=8, temperature=0,
-                                               extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(
+            model="g", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
     assert reply.choices[0].message.content == expected.text and reply.usage.prompt_tokens == len(ids)
     assert generate(load(path, "transformers"), ids, max_new_tokens=8, ignore_eos=True).tokens == expected.tokens

@@ -39,7 +39,8 @@ def _field(reader, key):
 def test_float32_keeps_every_tensor_and_reorders_the_rope_rows(checkpoint, tmp_path) -> None:
     reader, tensors = _read(write_gguf(checkpoint, tmp_path / "m.gguf", "float32"))
     assert set(tensors) == {"token_embd.weight", "output.weight", "output_norm.weight"} | {
-        f"blk.{i}.{part}.weight" for i in range(2) for part in LAYER_PARTS}
+        f"blk.{i}.{part}.weight" for i in range(2) for part in LAYER_PARTS
+    }
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in tensors.values())
     hf = load_file(checkpoint / "model.safetensors")
     assert np.array_equal(tensors["blk.1.ffn_gate.weight"].data, hf["model.layers.1.mlp.gate_proj.weight"].numpy())
@@ -91,13 +92,19 @@ def test_merges_are_written_in_order(tmp_path) -> None:
     assert _field(reader, "tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
-@pytest.mark.parametrize("change, error, message", [
-    (lambda c, t: c.update(model_type="qwen2"), UnsupportedArchitectureError, "only Llama"),
-    (lambda c, t: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), UnsupportedArchitectureError,
-     "yarn"),
-    (lambda c, t: t.update(post_processor={"type": "TemplateProcessing"}), CheckpointError, "post-processor"),
-    (lambda c, t: t["pre_tokenizer"].update(use_regex=False), CheckpointError, "GPT-2's pre-tokenizer"),
-])
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda c, t: c.update(model_type="qwen2"), UnsupportedArchitectureError, "only Llama"),
+        (
+            lambda c, t: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+            UnsupportedArchitectureError,
+            "yarn",
+        ),
+        (lambda c, t: t.update(post_processor={"type": "TemplateProcessing"}), CheckpointError, "post-processor"),
+        (lambda c, t: t["pre_tokenizer"].update(use_regex=False), CheckpointError, "GPT-2's pre-tokenizer"),
+    ],
+)
 def test_what_llama_cpp_would_read_differently_is_refused(checkpoint, tmp_path, change, error, message) -> None:
     folder = shutil.copytree(checkpoint, tmp_path / "copy")
     config, tokenizer = (json.loads((folder / name).read_text()) for name in ("config.json", "tokenizer.json"))

@@ -17,8 +17,9 @@ from verispec.models.quant import FORMATS
 from verispec.models.random_init import random_checkpoint, tiny_config
 from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
 
-needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
-                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 TOKENS = torch.tensor([[5, 17, 200, 3, 99, 64, 7]])
 
 
@@ -31,10 +32,19 @@ def one_thread(single_thread: None) -> None:
 def quantized_file(tmp_path_factory) -> str:
     """q in Q4_0, k in Q4_1, v in Q5_0, o in Q5_1 (one fused matmul of mixed formats) but a Q5_K one, the rest Q8_0
     but two F16, a Q6_K and a Q4_K matrix, the LM head tied to a Q8_0 embedding."""
-    types = by_name({"layers.1.self_attn.o": GGML.Q5_K, "q_proj": GGML.Q4_0, "k_proj": GGML.Q4_1, "v_proj": GGML.Q5_0,
-                     "o_proj": GGML.Q5_1,
-                     "layers.1.mlp.up": GGML.F16, "layers.0.mlp.down": GGML.Q6_K, "layers.1.mlp.down": GGML.Q4_K},
-                    GGML.Q8_0)
+    types = by_name(
+        {
+            "layers.1.self_attn.o": GGML.Q5_K,
+            "q_proj": GGML.Q4_0,
+            "k_proj": GGML.Q4_1,
+            "v_proj": GGML.Q5_0,
+            "o_proj": GGML.Q5_1,
+            "layers.1.mlp.up": GGML.F16,
+            "layers.0.mlp.down": GGML.Q6_K,
+            "layers.1.mlp.down": GGML.Q4_K,
+        },
+        GGML.Q8_0,
+    )
     config = gguf_config(len(bpe_vocab()[0]), tie_word_embeddings=True)
     return str(write_gguf(tmp_path_factory.mktemp("q") / "model.gguf", config, types))
 
@@ -50,8 +60,17 @@ def test_auto_keeps_the_files_block_formats_and_stays_the_files_model(quantized_
     assert kept.dtype == torch.float32 and kept.module.own_kernels
     assert (layer.self_attn.q_proj.quantized.format, layer.self_attn.k_proj.quantized.format) == ("q4_0", "q4_1")
     assert layer.mlp.gate_proj.quantized.format == "q8_0" and kept.module.lm_head.quantized.format == "q8_0"
-    assert formats(kept.module) == {"q4_0": 2, "q4_1": 2, "q5_0": 2, "q5_1": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1,
-                                    "q8_0": 4, "float32": 1}  # F16 as floats
+    assert formats(kept.module) == {
+        "q4_0": 2,
+        "q4_1": 2,
+        "q5_0": 2,
+        "q5_1": 1,
+        "q4_k": 1,
+        "q5_k": 1,
+        "q6_k": 1,
+        "q8_0": 4,
+        "float32": 1,
+    }  # F16 as floats
     assert layer.self_attn.o.kernel.kernel == "linear_q5_1"
     assert kept.module.model.layers[1].self_attn.o.kernel.kernel == "linear_q5_k"
     assert kept.module.model.layers[1].mlp.down.kernel.kernel == "linear_q4_k"
@@ -69,16 +88,22 @@ def test_where_the_kernels_do_not_run_auto_dequantizes_exactly(quantized_file: s
         patch.setattr(kernels, "available", lambda *args, **kwargs: False)  # as on a CPU without AVX2
         model = load_model(quantized_file, dtype="auto")
     assert model.dtype == torch.float32 and set(formats(model.module)) == {"float32"}
-    assert torch.equal(model.module.model.layers[0].mlp.gate_proj.weight,
-                       load_model(quantized_file, dtype="float32").module.model.layers[0].mlp.gate_proj.weight)
+    assert torch.equal(
+        model.module.model.layers[0].mlp.gate_proj.weight,
+        load_model(quantized_file, dtype="float32").module.model.layers[0].mlp.gate_proj.weight,
+    )
 
 
 def test_auto_keeps_a_bfloat16_files_dtype_and_widens_float16(tmp_path) -> None:
     config = gguf_config(len(bpe_vocab()[0]))
-    assert load_model(write_gguf(tmp_path / "bf16.gguf", config, by_name({}, GGML.BF16)), "cpu", "auto").dtype == \
-        torch.bfloat16
-    assert load_model(write_gguf(tmp_path / "f16.gguf", config, by_name({}, GGML.F16)), "cpu", "auto").dtype == \
-        torch.float32
+    assert (
+        load_model(write_gguf(tmp_path / "bf16.gguf", config, by_name({}, GGML.BF16)), "cpu", "auto").dtype
+        == torch.bfloat16
+    )
+    assert (
+        load_model(write_gguf(tmp_path / "f16.gguf", config, by_name({}, GGML.F16)), "cpu", "auto").dtype
+        == torch.float32
+    )
 
 
 @needs_kernels
@@ -89,8 +114,11 @@ def test_llama_cpp_gets_the_very_blocks_a_folder_quantized_at_load_runs(tmp_path
     shutil.copy(SHIPPED_TOKENIZER, folder)
     quantized = load_model(folder, quantize=fmt)
     exported = load_model(export_folder(folder, tmp_path / f"m-{fmt}.gguf", fmt), dtype="auto")
-    assert formats(exported.module) == formats(quantized.module) == {fmt: 14, "q8_0": 1} | (
-        {"q8_0": 15} if fmt == "q8_0" else {})
+    assert (
+        formats(exported.module)
+        == formats(quantized.module)
+        == {fmt: 14, "q8_0": 1} | ({"q8_0": 15} if fmt == "q8_0" else {})
+    )
     assert torch.equal(logits(quantized), logits(exported))
 
 

@@ -38,9 +38,13 @@ MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
-MISTRAL_MESSAGES = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "the dog"},
-                    {"role": "user", "content": "run"}]
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+MISTRAL_MESSAGES = [
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "the dog"},
+    {"role": "user", "content": "run"},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +62,14 @@ def llama3_file(tmp_path_factory) -> Path:
     Q6_K matrix."""
     config = gguf_config(len(bpe_vocab()[0]), rope_theta=THETA)
     types = by_name({"layers.0.mlp.gate": GGML.Q4_K, "layers.1.mlp.down": GGML.Q6_K}, GGML.Q8_0)
-    return write_gguf(tmp_path_factory.mktemp("llama3") / "model.gguf", config, types, pre="llama-bpe", add_bos=True,
-                      extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()))
+    return write_gguf(
+        tmp_path_factory.mktemp("llama3") / "model.gguf",
+        config,
+        types,
+        pre="llama-bpe",
+        add_bos=True,
+        extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()),
+    )
 
 
 def _with_llama3_rope(model):
@@ -78,9 +88,15 @@ def _greedy(model, prompt: list[int]) -> list[int]:
     """transformers' 16 greedy tokens (an explicit mask: BOS is id 0, the pad id)."""
     tokens = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=16, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            tokens,
+            attention_mask=torch.ones_like(tokens),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_llama3_rope_factors_match_transformers_llama3_scaling(llama3_file) -> None:
@@ -112,8 +128,10 @@ def test_llama3_rope_factors_on_the_files_own_blocks(llama3_file) -> None:
     prompt = plain.tokenizer.encode(TEXTS[1]).ids
     a, b = (m(torch.tensor([prompt]), m.new_cache()) for m in (plain, kept))
     assert float((a - b).abs().max() / a.abs().max()) < 0.05
-    assert generate(kept, prompt, max_new_tokens=16, ignore_eos=True).tokens == \
-        generate(plain, prompt, max_new_tokens=16, ignore_eos=True).tokens
+    assert (
+        generate(kept, prompt, max_new_tokens=16, ignore_eos=True).tokens
+        == generate(plain, prompt, max_new_tokens=16, ignore_eos=True).tokens
+    )
 
 
 def test_a_llama3_folder_and_its_gguf_rotate_alike(tmp_path) -> None:
@@ -130,14 +148,21 @@ def test_a_llama3_folder_and_its_gguf_rotate_alike(tmp_path) -> None:
 
 def test_rope_factors_that_do_not_fit_are_refused(tmp_path, llama3_file) -> None:
     config = gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1)
-    short = write_gguf(tmp_path / "s.gguf", config, by_name({}, GGML.Q8_0),
-                       extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()[:8]))
+    short = write_gguf(
+        tmp_path / "s.gguf",
+        config,
+        by_name({}, GGML.Q8_0),
+        extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()[:8]),
+    )
     with pytest.raises(CheckpointError, match=r"rope_freqs.weight must be 32 floats .* shape \(8,\)"):
         load_model(short)
-    qwen2 = write_gguf(tmp_path / "q.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1,
-                                                        model_type="qwen2", qkv_bias=True),
-                       by_name({}, GGML.Q8_0), pre="qwen2",
-                       extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()))
+    qwen2 = write_gguf(
+        tmp_path / "q.gguf",
+        gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1, model_type="qwen2", qkv_bias=True),
+        by_name({}, GGML.Q8_0),
+        pre="qwen2",
+        extra=lambda writer: writer.add_tensor("rope_freqs.weight", _factors()),
+    )
     with pytest.raises(UnsupportedArchitectureError, match="rope_freqs.weight.*qwen2"):
         load_model(qwen2)
     # transformers' GGUF loader would drop the factors and run another model
@@ -147,14 +172,21 @@ def test_rope_factors_that_do_not_fit_are_refused(tmp_path, llama3_file) -> None
 
 # --- Mistral -----------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def mistral_file(tmp_path_factory) -> Path:
     """Mistral 7B Instruct as llama.cpp's converter writes it: llama, a SentencePiece vocabulary with byte tokens and
     [INST] / [/INST] as control tokens (v0.3's), the [INST] template (v0.1's)."""
     controls = ("[INST]", "[/INST]")
     config = gguf_config(len(spm_vocab(controls)[0]))
-    return write_gguf(tmp_path_factory.mktemp("mistral") / "model.gguf", config, by_name({}, GGML.Q8_0),
-                      tokenizer="llama", template=MISTRAL_TEMPLATE, controls=controls)
+    return write_gguf(
+        tmp_path_factory.mktemp("mistral") / "model.gguf",
+        config,
+        by_name({}, GGML.Q8_0),
+        tokenizer="llama",
+        template=MISTRAL_TEMPLATE,
+        controls=controls,
+    )
 
 
 def test_mistral_loads_as_transformers_loads_it(mistral_file) -> None:
@@ -183,16 +215,31 @@ def test_mistral_loads_as_transformers_loads_it(mistral_file) -> None:
 # (unicode_regex_split, src/unicode.cpp); this does the same with Python's re.
 COLLAPSED = {"L": "\xd2", "N": "\xd1", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 CLASSES = {"L": "\xd2A-Za-z", "N": "\xd10-9"}
-TEKKEN_TEXTS = ["camelCaseHTTPServer getX", "ÉCOLE école Éc", "path/to/file\n\nnext/\n", "x=1234 ５６",
-                "naïve e\u0301 ǅungla", "Привет МИР мИр", "   spaces\t\ttabs \u00a0nbsp\u2003em", "a\r\nb",
-                "'s 'S don't DON'T", "A1b2C3", "ß ẞ", "日本語カタカナ", "x\u0300\u0301y", "⅓ ² ٣"]
+TEKKEN_TEXTS = [
+    "camelCaseHTTPServer getX",
+    "ÉCOLE école Éc",
+    "path/to/file\n\nnext/\n",
+    "x=1234 ５６",
+    "naïve e\u0301 ǅungla",
+    "Привет МИР мИр",
+    "   spaces\t\ttabs \u00a0nbsp\u2003em",
+    "a\r\nb",
+    "'s 'S don't DON'T",
+    "A1b2C3",
+    "ß ẞ",
+    "日本語カタカナ",
+    "x\u0300\u0301y",
+    "⅓ ² ٣",
+]
 
 
 def llama_cpp_split(text: str, regex: str) -> list[tuple[int, int]]:
     """The (start, end) of each piece llama.cpp's `unicode_regex_split` cuts `text` into with `regex` (one that
     names \\p{L} and \\p{N} only)."""
-    collapsed = "".join(c if ord(c) < 128 else "\x0b" if c.isspace() else
-                        COLLAPSED.get(unicodedata.category(c)[0], "\xd0") for c in text)
+    collapsed = "".join(
+        c if ord(c) < 128 else "\x0b" if c.isspace() else COLLAPSED.get(unicodedata.category(c)[0], "\xd0")
+        for c in text
+    )
     pattern, inside = "", False
     for part in re.split(r"(\\p\{[LN]\}|(?<!\\)[\[\]])", regex):
         if part in ("[", "]"):
@@ -207,14 +254,25 @@ def test_tekken_splits_as_llama_cpp_does(tmp_path) -> None:
     """Mistral Nemo's pre-tokenizer: llama.cpp's regular expression for LLAMA_VOCAB_PRE_TYPE_TEKKEN, whole tokens
     taken as they are (ignore_merges) and BOS added where the file does not say otherwise."""
     config = gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1)
-    tokenizer = read_vocab(GGUFFile(write_gguf(tmp_path / "t.gguf", config, by_name({}, GGML.Q8_0),
-                                               pre="tekken"))).tokenizer
+    tokenizer = read_vocab(
+        GGUFFile(write_gguf(tmp_path / "t.gguf", config, by_name({}, GGML.Q8_0), pre="tekken"))
+    ).tokenizer
     for text in TEXTS + TEKKEN_TEXTS:
         spans = [span for _, span in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
         assert spans == llama_cpp_split(text, TEKKEN), text
     text = "camelCaseHTTPServer x1234 a/b\n"
-    assert [text[a:b] for a, b in llama_cpp_split(text, TEKKEN)] == \
-        ["camel", "Case", "HTTPServer", " x", "1", "2", "3", "4", " a", "/b", "\n"]
+    assert [text[a:b] for a, b in llama_cpp_split(text, TEKKEN)] == [
+        "camel",
+        "Case",
+        "HTTPServer",
+        " x",
+        "1",
+        "2",
+        "3",
+        "4",
+        " a",
+        "/b",
+        "\n",
+    ]
     assert tokenizer.encode("hi").ids[0] == 0 and tokenizer.encode("hi", add_special_tokens=False).ids[0] != 0
-    assert tokenizer.decode(tokenizer.encode("camelCase 12 über").ids, skip_special_tokens=True) == \
-        "camelCase 12 über"
+    assert tokenizer.decode(tokenizer.encode("camelCase 12 über").ids, skip_special_tokens=True) == "camelCase 12 über"

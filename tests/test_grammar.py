@@ -31,22 +31,46 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 N = 200  # more than any output of these schemas needs: each one ends with the end-of-sequence token
 
 SCHEMAS = {
-    "record": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "admin": {"type": "boolean"}, "role": {"enum": ["user", "staff", "guest"]}},
-        "required": ["name", "age", "admin", "role"], "additionalProperties": False},
-    "nested": {"type": "object", "properties": {
-        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                                                   "y": {"type": "integer", "minimum": -9, "maximum": 9}},
-                  "required": ["x", "y"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
-        "required": ["point", "tags"], "additionalProperties": False},
-    "list": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "ok": {"type": "boolean"}},
-        "required": ["id", "ok"], "additionalProperties": False}},
-    "choice": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, {"enum": ["yes", "no"]},
-                         {"type": "null"}]},
+    "record": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "admin": {"type": "boolean"},
+            "role": {"enum": ["user", "staff", "guest"]},
+        },
+        "required": ["name", "age", "admin", "role"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                    "y": {"type": "integer", "minimum": -9, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["point", "tags"],
+        "additionalProperties": False,
+    },
+    "list": {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 3,
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+            "required": ["id", "ok"],
+            "additionalProperties": False,
+        },
+    },
+    "choice": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, {"enum": ["yes", "no"]}, {"type": "null"}]},
 }
 
 
@@ -73,8 +97,9 @@ def test_plain_decoding_gives_json_valid_under_the_schema(target, plain, schema)
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_every_method_decodes_exactly_as_constrained_plain_decoding(target, built, grammars, plain, name,
-                                                                   schema) -> None:
+def test_every_method_decodes_exactly_as_constrained_plain_decoding(
+    target, built, grammars, plain, name, schema
+) -> None:
     out = generate(target, PROMPT, built(name), max_new_tokens=N, grammar=grammars[schema])
     assert out.stop_reason == "eos"
     # Drafts were verified, not all cut (a choice is a token or two long). Re-encoding proposes the draft's own
@@ -86,12 +111,17 @@ def test_every_method_decodes_exactly_as_constrained_plain_decoding(target, buil
     assert out.tokens == plain[schema]
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(regex=r"(ab|cd)[0-9]{2,4}-[xyz]+q"), r"(ab|cd)[0-9]{2,4}-[xyz]+q"),
-    (dict(grammar='start: item ("," item)* "."\nitem: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,3}/'),
-     r"(yes|no|[0-9]{1,3})(,(yes|no|[0-9]{1,3}))*\."),
-    (dict(grammar='root ::= "(" [a-c] [a-c]? [a-c]? ")" ("!" | "?")'), r"\([a-c]{1,3}\)[!?]"),  # GBNF
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(regex=r"(ab|cd)[0-9]{2,4}-[xyz]+q"), r"(ab|cd)[0-9]{2,4}-[xyz]+q"),
+        (
+            dict(grammar='start: item ("," item)* "."\nitem: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,3}/'),
+            r"(yes|no|[0-9]{1,3})(,(yes|no|[0-9]{1,3}))*\.",
+        ),
+        (dict(grammar='root ::= "(" [a-c] [a-c]? [a-c]? ")" ("!" | "?")'), r"\([a-c]{1,3}\)[!?]"),  # GBNF
+    ],
+)
 def test_regex_lark_and_gbnf(target, draft, options, match) -> None:
     truth = generate(target, PROMPT, max_new_tokens=60, **options)
     assert truth.stop_reason == "eos" and re.fullmatch(match, truth.text), truth.text
@@ -162,29 +192,32 @@ def test_the_matcher_rolls_back_with_the_cache(target) -> None:
     moved, text = bound.start(), '[{"id": 12, "ok": true}, {"id": 7, "ok": false}]'
     tokens, committed = ids(target, text), 0
     for step, drafted in enumerate((3, 0, 5, 2, 4, 1, 6)):
-        moved.check(Proposal(tokens[committed: committed + drafted] + [0]))  # 0 ('!') is never allowed here
-        moved.allowed(tokens[committed: committed + 1])  # and a detour
+        moved.check(Proposal(tokens[committed : committed + drafted] + [0]))  # 0 ('!') is never allowed here
+        moved.allowed(tokens[committed : committed + 1])  # and a detour
         keep = min(len(tokens), committed + 1 + step % 3)
-        moved.commit(tokens[committed: keep])
+        moved.commit(tokens[committed:keep])
         committed = keep
         fresh = bound.start()
         fresh.commit(tokens[:committed])
         assert torch.equal(moved.allowed(), fresh.allowed()), step
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(json_schema="{not json"), "not valid JSON"),
-    (dict(json_schema=[1]), "must be a JSON object"),
-    (dict(json_schema={"type": "integer", "minimum": 5, "maximum": 1}), "minimum (5) is greater than maximum"),
-    (dict(json_schema={"$ref": "#/definitions/nope"}), "does not exist"),
-    (dict(json_schema={"type": "string", "pattern": "[a-"}), "unclosed character class"),
-    (dict(regex="(ab"), "unclosed group"),
-    (dict(regex=""), "non-empty string"),
-    (dict(grammar="start: missing"), 'unknown name: "missing"'),
-    (dict(grammar='root ::= "a" item'), "Rule 'item' not found"),  # GBNF
-    (dict(regex="a", json_schema={}), "at most one of json_schema, regex and grammar"),
-    (dict(regex="a", ignore_eos=True), "ignore_eos cannot be combined with a grammar"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(json_schema="{not json"), "not valid JSON"),
+        (dict(json_schema=[1]), "must be a JSON object"),
+        (dict(json_schema={"type": "integer", "minimum": 5, "maximum": 1}), "minimum (5) is greater than maximum"),
+        (dict(json_schema={"$ref": "#/definitions/nope"}), "does not exist"),
+        (dict(json_schema={"type": "string", "pattern": "[a-"}), "unclosed character class"),
+        (dict(regex="(ab"), "unclosed group"),
+        (dict(regex=""), "non-empty string"),
+        (dict(grammar="start: missing"), 'unknown name: "missing"'),
+        (dict(grammar='root ::= "a" item'), "Rule 'item' not found"),  # GBNF
+        (dict(regex="a", json_schema={}), "at most one of json_schema, regex and grammar"),
+        (dict(regex="a", ignore_eos=True), "ignore_eos cannot be combined with a grammar"),
+    ],
+)
 def test_bad_grammars_are_refused_with_the_reason(target, options, message) -> None:
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         generate(target, PROMPT, max_new_tokens=4, **options)
@@ -206,16 +239,25 @@ def test_the_batched_engine_decodes_each_request_as_alone(target, draft, grammar
     prompts = [PROMPT, PROMPT[:5], [40, 41], PROMPT[3:]]
     asked = [("record", 0.0), (None, 0.0), ("list", 1.0), ("choice", 0.7)]
     engine = Engine(target, make(), max_batch=4, adaptive=False)
-    requests = [Request(p, N, SamplingParams(temp), seed=i, grammar=grammars.get(schema))
-                for i, (p, (schema, temp)) in enumerate(zip(prompts, asked))]
+    requests = [
+        Request(p, N, SamplingParams(temp), seed=i, grammar=grammars.get(schema))
+        for i, (p, (schema, temp)) in enumerate(zip(prompts, asked))
+    ]
     out = {engine.add(r): [] for r in requests}
     while engine.has_work:
         for update in engine.step():
             assert update.error is None
             out[update.request_id] += update.tokens
     for r, tokens in zip(requests, out.values()):
-        alone = generate(target, r.prompt, make(), max_new_tokens=N, temperature=r.sampling.temperature, seed=r.seed,
-                         grammar=r.grammar)
+        alone = generate(
+            target,
+            r.prompt,
+            make(),
+            max_new_tokens=N,
+            temperature=r.sampling.temperature,
+            seed=r.seed,
+            grammar=r.grammar,
+        )
         assert tokens == alone.tokens
     batch = generate_batch(target, prompts, make(), max_new_tokens=N, json_schema=SCHEMAS["nested"])
     for prompt, result in zip(prompts, batch):
@@ -228,11 +270,26 @@ def test_cli_generate_with_a_schema_a_regex_and_a_grammar(capsys, tmp_path, pair
     (tmp_path / "schema.json").write_text(json.dumps(SCHEMAS["nested"]))
     (tmp_path / "g.lark").write_text('start: "<" WORD ">"\nWORD: /[a-z]{1,6}/')
     (tmp_path / "g.gbnf").write_text('root ::= [0-9] [0-9] "x"')
-    base = ["generate", "Answer:", "--target", target_dir, "--draft", draft_dir, "-k", "3", "--max-new-tokens",
-            "150", "--color", "never"]
-    for option, shape in ((["--json-schema", str(tmp_path / "schema.json")], None), (["--regex", "[ab]{2,5}!"],
-                          r"[ab]{2,5}!"), (["--grammar", str(tmp_path / "g.lark")], r"<[a-z]{1,6}>"),
-                          (["--grammar", str(tmp_path / "g.gbnf")], r"[0-9]{2}x")):
+    base = [
+        "generate",
+        "Answer:",
+        "--target",
+        target_dir,
+        "--draft",
+        draft_dir,
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "150",
+        "--color",
+        "never",
+    ]
+    for option, shape in (
+        (["--json-schema", str(tmp_path / "schema.json")], None),
+        (["--regex", "[ab]{2,5}!"], r"[ab]{2,5}!"),
+        (["--grammar", str(tmp_path / "g.lark")], r"<[a-z]{1,6}>"),
+        (["--grammar", str(tmp_path / "g.gbnf")], r"[0-9]{2}x"),
+    ):
         assert main(base + option + ["--compare"]) == 0
         out = capsys.readouterr().out
         text = out.split("\n\n")[0].removeprefix("Answer:")
@@ -243,13 +300,16 @@ def test_cli_generate_with_a_schema_a_regex_and_a_grammar(capsys, tmp_path, pair
         assert "stop: eos" in out and "identical to autoregressive: yes" in out
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--json-schema", "MISSING"], "--json-schema MISSING: no such file"),
-    (["--json-schema", "BAD"], "the JSON schema is not valid JSON"),
-    (["--regex", "(x"], "the regex cannot be used"),
-    (["--grammar", "BAD"], "the grammar cannot be used"),
-    (["--regex", "x", "--grammar", "BAD"], "not allowed with argument"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--json-schema", "MISSING"], "--json-schema MISSING: no such file"),
+        (["--json-schema", "BAD"], "the JSON schema is not valid JSON"),
+        (["--regex", "(x"], "the regex cannot be used"),
+        (["--grammar", "BAD"], "the grammar cannot be used"),
+        (["--regex", "x", "--grammar", "BAD"], "not allowed with argument"),
+    ],
+)
 def test_cli_refuses_bad_grammars_in_one_line(capsys, tmp_path, pair_dirs, option, message) -> None:
     (tmp_path / "BAD").write_text("start: nothing_here")
     option = [str(tmp_path / o) if o in ("MISSING", "BAD") else o for o in option]
@@ -267,8 +327,12 @@ def test_the_json_bench_suite_runs_every_row_constrained(tmp_path, pair_dirs, ta
 
     suite = read_suite(SUITE.parent / "json.jsonl")
     assert len(suite) >= 12 and all(Grammar.json_schema(item["json_schema"]) for item in suite)
-    summary = run_bench(*pair_dirs, tmp_path, [item | {"max_new_tokens": 24} for item in suite[::6]],
-                        BenchOptions(repeats=1, progress=False, only=["autoregressive", "draft k=4", "ngram k=4"]))
+    summary = run_bench(
+        *pair_dirs,
+        tmp_path,
+        [item | {"max_new_tokens": 24} for item in suite[::6]],
+        BenchOptions(repeats=1, progress=False, only=["autoregressive", "draft k=4", "ngram k=4"]),
+    )
     assert set(summary) == {"autoregressive", "draft k=4", "ngram k=4"}  # (peers were asked for, by default)
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     results = json.loads((tmp_path / "results.json").read_text())

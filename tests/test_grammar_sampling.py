@@ -79,10 +79,13 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     folder = tmp_path_factory.mktemp("grammar-tiny")
-    config = tiny_config(vocab_size=EOS + 1, eos_token_id=EOS, hidden_size=32, intermediate_size=64,
-                         max_position_embeddings=64)
-    dirs = [save_checkpoint(folder / name, config, random_weights(config, seed), tokenizer())
-            for name, seed in (("target", 5), ("draft", 18))]
+    config = tiny_config(
+        vocab_size=EOS + 1, eos_token_id=EOS, hidden_size=32, intermediate_size=64, max_position_embeddings=64
+    )
+    dirs = [
+        save_checkpoint(folder / name, config, random_weights(config, seed), tokenizer())
+        for name, seed in (("target", 5), ("draft", 18))
+    ]
     strings = language()
     prefixes = sorted({s[:i] for s in strings for i in range(len(s) + 1)}, key=len)
     params, probs = load_params(dirs[0]), {}
@@ -93,8 +96,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
         keep = allowed(prefix, strings)
         probs[prefix] = np.zeros_like(p)
         probs[prefix][keep] = p[keep] / p[keep].sum()
-    exact = np.array([np.prod([probs[s[:i]][CHARS.index(s[i])] for i in range(len(s))]) * probs[s][EOS]
-                      for s in strings])
+    exact = np.array(
+        [np.prod([probs[s[:i]][CHARS.index(s[i])] for i in range(len(s))]) * probs[s][EOS] for s in strings]
+    )
     assert len(strings) == 14 and abs(exact.sum() - 1) < 1e-9 and exact.min() > 0.002  # none too rare to count
     target = load_model(dirs[0])
     return Tiny(target, load_model(dirs[1]), bind(Grammar.regex(PATTERN), target), strings, exact)
@@ -119,8 +123,15 @@ def counts(tiny: Tiny, drafter, draws: int = DRAWS) -> tuple[np.ndarray, int]:
     """How often each string of the language was the output over `draws` seeds, and how many drafts were accepted."""
     index, out, accepted = {s: i for i, s in enumerate(tiny.strings)}, np.zeros(len(tiny.strings), np.int64), 0
     for seed in range(draws):
-        result = generate(tiny.target, PROMPT, drafter, max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE,
-                          seed=seed, grammar=tiny.grammar)
+        result = generate(
+            tiny.target,
+            PROMPT,
+            drafter,
+            max_new_tokens=NEW_TOKENS,
+            temperature=TEMPERATURE,
+            seed=seed,
+            grammar=tiny.grammar,
+        )
         assert result.stop_reason == "eos"
         out[index[result.text]] += 1
         accepted += result.stats.accepted
@@ -163,5 +174,12 @@ def test_a_q_without_the_mask_is_refused(tiny: Tiny, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Constraint, "constrain", lambda self, logits, prefix=(): logits)
     with pytest.raises(DrafterError, match="grammar's mask on q"):
         for seed in range(50):  # some first draft falls where the grammar forbids a token that q gives mass
-            generate(tiny.target, PROMPT, DraftModel(tiny.draft, k=3), max_new_tokens=NEW_TOKENS, temperature=1.0,
-                     seed=seed, regex=PATTERN)
+            generate(
+                tiny.target,
+                PROMPT,
+                DraftModel(tiny.draft, k=3),
+                max_new_tokens=NEW_TOKENS,
+                temperature=1.0,
+                seed=seed,
+                regex=PATTERN,
+            )

@@ -27,8 +27,9 @@ def test_eagle_card(tmp_path, target) -> None:
     head = EagleHead(head_config(target.config))
     init_weights(head)
     folder = _with_frequencies(save_head(head, tmp_path / "head", "tiny", dtype=torch.float32), target)
-    (tmp_path / "log.jsonl").write_text(json.dumps({"tokens_seen": 10**6, "hours": 0.5, "val_top1_depth1": 0.61,
-                                                    "val_top1_depth2": 0.52}))
+    (tmp_path / "log.jsonl").write_text(
+        json.dumps({"tokens_seen": 10**6, "hours": 0.5, "val_top1_depth1": 0.61, "val_top1_depth2": 0.52})
+    )
     numbers = write_eagle_card(target, folder, tmp_path, num_prompts=2)
     card = (folder / "README.md").read_text()
     assert numbers["chain"]["identical_to_autoregressive"] == numbers["tree"]["identical_to_autoregressive"] == 1.0
@@ -41,8 +42,9 @@ def test_medusa_card(tmp_path, target) -> None:
     heads = MedusaHeads.from_target(target.lm_head_weight.detach(), 3)
     accuracy = [[0.6, 0.2, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.1, 0.1, 0.05]]
     folder = _with_frequencies(save_heads(heads, tmp_path / "heads", "tiny", accuracy, torch.float32), target)
-    (tmp_path / "log.jsonl").write_text(json.dumps({"tokens_seen": 2 * 10**6, "hours": 0.25,
-                                                    "val_top1_by_head": [0.6, 0.4, 0.3], "accuracy": accuracy}))
+    (tmp_path / "log.jsonl").write_text(
+        json.dumps({"tokens_seen": 2 * 10**6, "hours": 0.25, "val_top1_by_head": [0.6, 0.4, 0.3], "accuracy": accuracy})
+    )
     numbers = write_medusa_card(target, folder, tmp_path, num_prompts=2)
     card = (folder / "README.md").read_text()
     for tree in ("tree", "reduced_vocab_tree"):

@@ -38,15 +38,19 @@ def test_prompts_are_reproducible_distinct_and_of_every_kind() -> None:
 
 
 def test_documentation_packages_read_as_text(tmp_path) -> None:
-    html = "<html><head><style>p {}</style></head><body><h1>Title</h1><p>One  line\nwrapped.</p><script>x()</script>" \
-           "<p>Two.</p></body></html>"
+    html = (
+        "<html><head><style>p {}</style></head><body><h1>Title</h1><p>One  line\nwrapped.</p><script>x()</script>"
+        "<p>Two.</p></body></html>"
+    )
     assert html_text(html) == "Title\n\nOne line wrapped.\n\nTwo."
     assert rst_text("Use :func:`open` or :ref:`the guide <guide>`.\n.. note::\nText") == "Use open or the guide.\nText"
     fortunes = tmp_path / "fortunes" / "usr/share/games/fortunes"
     fortunes.mkdir(parents=True)
     (fortunes / "people").write_text("First saying.\n%\nSecond one,\n\t-- someone\n%\n")
     (fortunes / "people.dat").write_bytes(b"\0")
-    assert list(documents(tmp_path / "fortunes")) == [("fortunes/people/0", "First saying.\n\nSecond one,\n\t-- someone")]
+    assert list(documents(tmp_path / "fortunes")) == [
+        ("fortunes/people/0", "First saying.\n\nSecond one,\n\t-- someone")
+    ]
     reference = tmp_path / "debian-reference-en" / "usr/share/debian-reference"
     reference.mkdir(parents=True)
     text = "Preface\n\nChapter\u00a01.\u00a0Tutorials\n\nSome text.\n\nChapter\u00a02.\u00a0Packages\n\nMore."
@@ -58,8 +62,11 @@ def test_documentation_packages_read_as_text(tmp_path) -> None:
 
 
 def test_a_mixture_gives_each_source_its_share() -> None:
-    parts = {"a": np.arange(10, dtype=np.uint32), "b": np.arange(100, 1100, dtype=np.uint32),
-             "c": np.zeros(0, dtype=np.uint32)}
+    parts = {
+        "a": np.arange(10, dtype=np.uint32),
+        "b": np.arange(100, 1100, dtype=np.uint32),
+        "c": np.zeros(0, dtype=np.uint32),
+    }
     mixed = mixture(parts, {"a": 0.5, "b": 0.25, "c": 0.25}, 3000)
     assert len(mixed) == 3000 and (mixed < 10).sum() == 2000  # c is empty: a and b share everything, 2 to 1
     assert frequent_tokens(np.array([5, 5, 5, 2, 2, 9]), 12, 2).tolist() == [5, 2]
@@ -67,8 +74,9 @@ def test_a_mixture_gives_each_source_its_share() -> None:
 
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
-    path = write_gguf(tmp_path_factory.mktemp("chat") / "m.gguf", gguf_config(len(bpe_vocab()[0])),
-                      by_name({}, GGML.Q8_0))
+    path = write_gguf(
+        tmp_path_factory.mktemp("chat") / "m.gguf", gguf_config(len(bpe_vocab()[0])), by_name({}, GGML.Q8_0)
+    )
     return path, load_model(path, dtype="auto", exact=True)
 
 
@@ -87,9 +95,14 @@ def test_distillation_answers_each_prompt_once_and_resumes(chat_target, tmp_path
     assert [r["key"] for r in records] == ["0", "1", "2", "3"]
     two = records[1]
     assert len(two["answers"]) == 2
-    rendered = template.render([{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": two["answers"][0]},
-                                {"role": "user", "content": "And then?"}])
+    rendered = template.render(
+        [
+            {"role": "user", "content": "Hello?"},
+            {"role": "assistant", "content": two["answers"][0]},
+            {"role": "user", "content": "And then?"},
+        ]
+    )
     prompt = target.tokenizer.encode(rendered, add_special_tokens=False).ids
     assert two["ids"][: len(prompt)] == prompt and len(two["ids"]) > len(prompt)
-    assert two["ids"][len(prompt):] == generate(target, prompt, max_new_tokens=6).tokens  # plain greedy's answer
+    assert two["ids"][len(prompt) :] == generate(target, prompt, max_new_tokens=6).tokens  # plain greedy's answer
     assert sum(len(conversations(tmp_path, split)) for split in ("train", "validation", "benchmark")) == 4

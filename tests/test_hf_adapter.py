@@ -8,8 +8,15 @@ import pytest
 import torch
 import transformers
 
-from verispec import (DraftModel, InvalidArgumentError, TokenizerMismatchError, TransformersModel, generate, load,
-                      load_model)
+from verispec import (
+    DraftModel,
+    InvalidArgumentError,
+    TokenizerMismatchError,
+    TransformersModel,
+    generate,
+    load,
+    load_model,
+)
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.tokenizer import byte_level_tokenizer, save_tokenizer
 
@@ -25,16 +32,33 @@ def _save(model: transformers.PreTrainedModel, folder: Path) -> Path:
 
 def _gpt2(folder: Path, layers: int, seed: int, vocab_size: int = 257) -> Path:
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=128, n_embd=32, n_layer=layers, n_head=4,
-                                     initializer_range=0.2, bos_token_id=None, eos_token_id=None)  # wide init: clear argmax margins
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=128,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )  # wide init: clear argmax margins
     return _save(transformers.GPT2LMHeadModel(config), folder)
 
 
 def _llama(folder: Path, layers: int, seed: int) -> Path:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      initializer_range=0.2, bos_token_id=None, eos_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return _save(transformers.LlamaForCausalLM(config), folder)
 
 
@@ -42,7 +66,7 @@ def _hf_greedy(folder: Path) -> list[int]:
     """transformers' own greedy decoding (the configs have no EOS, so it never stops early)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=N, min_new_tokens=N, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return out[0, len(PROMPT) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +101,9 @@ def test_auto_backend_picks_native_for_llama_and_transformers_for_gpt2(gpt2_pair
 def test_adapter_logits_equal_native_runtime(llama_pair) -> None:
     native, adapted = load_model(llama_pair[0]), load(llama_pair[0], "transformers")
     tokens = torch.tensor([PROMPT])
-    torch.testing.assert_close(adapted(tokens, adapted.new_cache()), native(tokens, native.new_cache()),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        adapted(tokens, adapted.new_cache()), native(tokens, native.new_cache()), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("pair", ["gpt2_pair", "llama_pair"])

@@ -81,7 +81,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visib
     H, R, D = q.shape
     group = H // k.shape[0]
     k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
-    scores = (q.double() @ k.transpose(-1, -2)) / D ** 0.5
+    scores = (q.double() @ k.transpose(-1, -2)) / D**0.5
     p = scores.masked_fill(~visible.bool()[None], float("-inf")).softmax(-1)
     return (p @ v).transpose(0, 1).reshape(R, H * D)
 
@@ -125,8 +125,9 @@ def test_a_rows_attention_is_the_same_wherever_its_keys_sit_and_whatever_else_ru
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 2, 24)])
-def test_a_heads_attention_is_the_same_whatever_heads_share_its_keys(dtype: torch.dtype, H: int, Hkv: int,
-                                                                      D: int) -> None:
+def test_a_heads_attention_is_the_same_whatever_heads_share_its_keys(
+    dtype: torch.dtype, H: int, Hkv: int, D: int
+) -> None:
     """The kernel takes the heads of a key head together (a key read once for all of them); each head's bits are
     still those of that head attended alone."""
     generator = torch.Generator().manual_seed(H + D)
@@ -138,16 +139,18 @@ def test_a_heads_attention_is_the_same_whatever_heads_share_its_keys(dtype: torc
     together = kernels.attend(q, k, v, visible).view(R, H, D)
     group = H // Hkv
     for h in (0, group - 1, H - 1):
-        alone = kernels.attend(q[h:h + 1].contiguous(), k[h // group:h // group + 1], v[h // group:h // group + 1],
-                               visible)
+        alone = kernels.attend(
+            q[h : h + 1].contiguous(), k[h // group : h // group + 1], v[h // group : h // group + 1], visible
+        )
         assert torch.equal(together[:, h], alone)
 
 
 def run_python(code: str, **env: str) -> str:
     """`code`'s output in a fresh interpreter with `env` on top of this one's, the kernels on unless `env` says."""
     inherited = {name: value for name, value in os.environ.items() if name != "VERISPEC_KERNELS"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**inherited, **env})
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**inherited, **env}
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -170,10 +173,12 @@ def test_without_the_kernels_the_runtime_keeps_torchs_and_says_why(tmp_path) -> 
     said = run_python(CHECK, VERISPEC_CACHE=str(tmp_path), CXX="false")
     # Where no build runs here at all (another architecture lists none of the flags), that is the reason given.
     assert said.startswith(f"False | the {chosen_isa()[0]} build did not compile" if chosen_isa()[0] else "False | ")
-    code = ("from verispec.models.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
-            "from verispec.models.native import load_model; "
-            f"m = load_model(random_checkpoint(pathlib.Path({str(tmp_path)!r}) / 'm', tiny_config()), exact=True); "
-            "print(m.module.own_kernels, tuple(m(torch.tensor([[1, 2, 3]]), m.new_cache()).shape))")
+    code = (
+        "from verispec.models.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
+        "from verispec.models.native import load_model; "
+        f"m = load_model(random_checkpoint(pathlib.Path({str(tmp_path)!r}) / 'm', tiny_config()), exact=True); "
+        "print(m.module.own_kernels, tuple(m(torch.tensor([[1, 2, 3]]), m.new_cache()).shape))"
+    )
     assert run_python(code, VERISPEC_KERNELS="0") == "False (1, 3, 257)"
 
 
@@ -217,13 +222,15 @@ def test_silu_mul_is_right_and_each_row_is_its_own(dtype: torch.dtype) -> None:
     y = kernels.silu_mul(x)
     gate, up = x.double().chunk(2, -1)
     assert y.shape == (7, 37) and relative_error(y, torch.nn.functional.silu(gate) * up) < (
-        1e-6 if dtype == torch.float32 else 1e-2)
-    assert all(torch.equal(kernels.silu_mul(x[i: i + 1]), y[i: i + 1]) for i in range(7))
+        1e-6 if dtype == torch.float32 else 1e-2
+    )
+    assert all(torch.equal(kernels.silu_mul(x[i : i + 1]), y[i : i + 1]) for i in range(7))
 
 
 @needs_kernels
 def test_gather_and_store_kv_copy_rows_and_refuse_out_of_range() -> None:
     import ctypes
+
     table = torch.randn(10, 6).bfloat16()
     assert torch.equal(kernels.gather(table, torch.tensor([3, 0, 9])), table[[3, 0, 9]])
     with pytest.raises(IndexError, match="outside the 10 rows"):
@@ -280,6 +287,7 @@ def test_the_greedy_argmax_is_torchs_for_any_shape(monkeypatch, dtype: torch.dty
 @needs_kernels
 def test_next_token_steps_a_greedy_chain() -> None:
     import ctypes
+
     logits = torch.tensor([0.0, 3.0, 5.0, 5.0, 1.0]).bfloat16()
     out, token, position = torch.zeros(3, dtype=torch.int64), torch.tensor([7]), torch.tensor([4])
     visible, length = torch.tensor([1, 1, 1, 1, 0, 0, 0], dtype=torch.uint8), ctypes.c_int64(3)
@@ -302,8 +310,12 @@ def test_next_token_steps_a_greedy_chain() -> None:
 @needs_kernels
 def test_causal_rows_writes_a_causal_forwards_positions_and_visible_slots() -> None:
     import ctypes
-    positions, visible, length = torch.zeros(3, dtype=torch.int64), torch.full((3, 7), 9, dtype=torch.uint8), \
-        ctypes.c_int64(2)
+
+    positions, visible, length = (
+        torch.zeros(3, dtype=torch.int64),
+        torch.full((3, 7), 9, dtype=torch.uint8),
+        ctypes.c_int64(2),
+    )
     kernels.program([kernels.causal_rows(positions, visible, length, 1)])()  # after 2 slots and 1 more
     assert positions.tolist() == [3, 4, 5]
     assert torch.equal(visible, (torch.arange(7) <= positions[:, None]).to(torch.uint8))
@@ -341,8 +353,9 @@ def test_the_wrappers_refuse_what_would_read_out_of_bounds() -> None:
     with pytest.raises(ValueError, match="visible"):
         kernels.attend(q, k, k, torch.ones(1, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="at most 256"):
-        kernels.attend(torch.randn(1, 1, 300), torch.randn(1, 3, 300), torch.randn(1, 3, 300),
-                       torch.ones(1, 3, dtype=torch.uint8))
+        kernels.attend(
+            torch.randn(1, 1, 300), torch.randn(1, 3, 300), torch.randn(1, 3, 300), torch.ones(1, 3, dtype=torch.uint8)
+        )
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernels.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-6)
 

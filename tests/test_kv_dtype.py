@@ -18,8 +18,9 @@ from verispec.models.cache import saturate_f16
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 
-needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
-                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -34,20 +35,20 @@ def test_store_kv_rounds_to_float16_as_torch_does() -> None:
     new[0, :9] = torch.tensor([1e-6, 7e4, -7e4, 6.1e-5, 1e-8, 2049.0, 2051.0, float("inf"), 65519.0])  # subnormal,
     # saturated at float16's largest finite value, ties to even
     keys, values = torch.zeros(Hkv, S, D, dtype=torch.float16), torch.zeros(Hkv, S, D, dtype=torch.float16)
-    kernels.store_kv(new[:, :Hkv * D], new[:, Hkv * D:], keys, values, ctypes.c_int64(4))
-    for cache, part in ((keys, new[:, :Hkv * D]), (values, new[:, Hkv * D:])):
+    kernels.store_kv(new[:, : Hkv * D], new[:, Hkv * D :], keys, values, ctypes.c_int64(4))
+    for cache, part in ((keys, new[:, : Hkv * D]), (values, new[:, Hkv * D :])):
         expected = part.reshape(3, Hkv, D).transpose(0, 1).clamp(-65504, 65504).half()
         assert torch.equal(cache[:, 4:7].view(torch.int16), expected.view(torch.int16))
         assert torch.equal(saturate_f16(part, cache).half(), part.clamp(-65504, 65504).half())
         assert not cache[:, :4].any() and not cache[:, 7:].any()
     assert keys.isfinite().all() and keys[0, 4, 1] == 65504 == -keys[0, 4, 2]  # saturated, never an infinity
     nan = torch.full((1, 2 * Hkv * D), float("nan"))
-    kernels.store_kv(nan[:, :Hkv * D], nan[:, Hkv * D:], keys, values, ctypes.c_int64(8))
+    kernels.store_kv(nan[:, : Hkv * D], nan[:, Hkv * D :], keys, values, ctypes.c_int64(8))
     assert keys[:, 8].isnan().all()  # a NaN stays a NaN
     with pytest.raises(ValueError, match="float16 for float32 rows"):
-        kernels.store_kv(new[:, :Hkv * D].bfloat16(), new[:, Hkv * D:].bfloat16(), keys, values, ctypes.c_int64(0))
+        kernels.store_kv(new[:, : Hkv * D].bfloat16(), new[:, Hkv * D :].bfloat16(), keys, values, ctypes.c_int64(0))
     with pytest.raises(IndexError, match="outside a cache of 9"):
-        kernels.store_kv(new[:, :Hkv * D], new[:, Hkv * D:], keys, values, ctypes.c_int64(7))
+        kernels.store_kv(new[:, : Hkv * D], new[:, Hkv * D :], keys, values, ctypes.c_int64(7))
 
 
 @needs_kernels
@@ -63,7 +64,7 @@ def test_attention_over_a_float16_cache_is_the_float32_kernel_over_it_widened(H:
     y = kernels.attend(q, k, v, visible)
     assert y.dtype == torch.float32 and torch.equal(y, kernels.attend(q, k.float(), v.float(), visible))
     for r in range(R):
-        assert torch.equal(kernels.attend(q[:, r:r + 1], k, v, visible[r:r + 1].contiguous()), y[r:r + 1])
+        assert torch.equal(kernels.attend(q[:, r : r + 1], k, v, visible[r : r + 1].contiguous()), y[r : r + 1])
     with pytest.raises(ValueError, match="float32 or bfloat16 tensors of one dtype"):
         kernels.attend(q.bfloat16(), k, v, visible)
 

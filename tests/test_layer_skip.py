@@ -13,8 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from verispec import (CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load,
-                      load_model)
+from verispec import CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load, load_model
 from verispec.cli import main
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.models.cache import KVCache
@@ -32,8 +31,10 @@ from verispec.tokenizer import byte_level_tokenizer
 from drafting import start_session
 
 PROMPT = "def parse(line):\n    return"
-TEXTS = ["import os\n\ndef main(argv):\n    for name in argv:\n        print(os.path.basename(name))\n",
-         "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"]
+TEXTS = [
+    "import os\n\ndef main(argv):\n    for name in argv:\n        print(os.path.basename(name))\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+]
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -77,8 +78,9 @@ def test_forward_with_layers_equals_a_partial_model(target: NativeModel, kept: l
     partial = partial_model(target, kept)
     with torch.inference_mode():
         expected = Execution(partial).forward(tokens, None)
-        torch.testing.assert_close(target.execution.forward(tokens, None, ForwardOptions(layers=kept)), expected,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            target.execution.forward(tokens, None, ForwardOptions(layers=kept)), expected, rtol=0, atol=1e-6
+        )
         # With a cache, fed in two chunks: the kept layers' entries are the partial model's own, in their slots.
         cache = target.new_cache(32)
         cache.k.fill_(float("nan"))
@@ -151,15 +153,18 @@ def test_sampling_returns_q_and_is_reproducible(target: NativeModel) -> None:
     prompt = target.tokenizer.encode(PROMPT).ids
     sampling = SamplingParams(1.0, top_k=20)
     cache, drafter = prefilled(target, prompt), LayerSkip([1, 2], k=3)
-    proposal = start_session(drafter, target, prompt, sampling, torch.Generator().manual_seed(0), cache).propose(prompt, 3)
+    proposal = start_session(drafter, target, prompt, sampling, torch.Generator().manual_seed(0), cache).propose(
+        prompt, 3
+    )
     assert proposal.q.shape == (3, target.vocab_size)
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(3))
     assert all(proposal.q[i, t] > 0 for i, t in enumerate(proposal.tokens))
     assert int((proposal.q[0] > 0).sum()) == 20  # q is the processed draft distribution (top-k applied)
 
     def run(seed: int) -> list[int]:
-        return generate(target, PROMPT, LayerSkip([1], k=3), max_new_tokens=16, temperature=1.0, seed=seed,
-                        ignore_eos=True).tokens
+        return generate(
+            target, PROMPT, LayerSkip([1], k=3), max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True
+        ).tokens
 
     assert run(7) == run(7)
     assert len({tuple(run(seed)) for seed in range(4)}) > 1
@@ -176,11 +181,13 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path) -> None:
     target = load_model(random_checkpoint(tmp_path / "t", config, seed=1))
     with torch.inference_mode():
         first = target(torch.tensor([E2E_PROMPT]), target.new_cache())[0, -1, :E2E_VOCAB].softmax(-1)
-        second = torch.stack([target(torch.tensor([E2E_PROMPT + [x]]), target.new_cache())[0, -1, :E2E_VOCAB]
-                              for x in range(E2E_VOCAB)]).softmax(-1)
+        second = torch.stack(
+            [target(torch.tensor([E2E_PROMPT + [x]]), target.new_cache())[0, -1, :E2E_VOCAB] for x in range(E2E_VOCAB)]
+        ).softmax(-1)
         cache = prefilled(target, E2E_PROMPT)
-        q = logits_to_probs(target(torch.tensor([E2E_PROMPT[-1:]]), cache, layers=[0])[0, -1, :E2E_VOCAB],
-                            SamplingParams(1.0))
+        q = logits_to_probs(
+            target(torch.tensor([E2E_PROMPT[-1:]]), cache, layers=[0])[0, -1, :E2E_VOCAB], SamplingParams(1.0)
+        )
     joint = (first[:, None] * second).double().numpy()
     acceptance = float(torch.minimum(first, q).sum())
     assert 0.3 < acceptance < 0.95  # drafts are both kept and rejected
@@ -203,8 +210,16 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path) -> None:
 # bad input
 
 
-@pytest.mark.parametrize("skip, message", [([], "at least one layer"), ([1, 1], "distinct"), ([-1], "non-negative"),
-                                           ([1.5], "non-negative"), ([True], "non-negative")])
+@pytest.mark.parametrize(
+    "skip, message",
+    [
+        ([], "at least one layer"),
+        ([1, 1], "distinct"),
+        ([-1], "non-negative"),
+        ([1.5], "non-negative"),
+        ([True], "non-negative"),
+    ],
+)
 def test_bad_skip_sets_are_refused(skip: list, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         LayerSkip(skip)
@@ -286,21 +301,51 @@ def test_cli_search_then_generate(capsys, identity_dir: Path, tmp_path: Path) ->
     folder = shutil.copytree(identity_dir, tmp_path / "model")
     text = tmp_path / "valid.py"
     text.write_text("\n".join(TEXTS))
-    code, out, err = run(capsys, "search-layerskip", "--target", str(folder), "--text", str(text), "-k", "3",
-                         "--prompts", "2", "--prompt-len", "16", "--new-tokens", "8")
+    code, out, err = run(
+        capsys,
+        "search-layerskip",
+        "--target",
+        str(folder),
+        "--text",
+        str(text),
+        "-k",
+        "3",
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "8",
+    )
     assert code == 0 and err == "" and "skip layer 1: acceptance 1.000" in out and "chosen: skip [" in out
     assert 1 in json.loads((folder / "layerskip.json").read_text())["skip"]
-    code, out, err = run(capsys, "generate", "def f(x):", "--target", str(folder), "--method", "layerskip",
-                         "--max-new-tokens", "12", "--ignore-eos", "--compare", "--color", "never")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "def f(x):",
+        "--target",
+        str(folder),
+        "--method",
+        "layerskip",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--compare",
+        "--color",
+        "never",
+    )
     assert code == 0 and err == "" and "identical to autoregressive: yes" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--skip", "1,x"], "--skip takes comma-separated layer indices"),
-    (["--skip", "7"], "cannot skip layer 7"),
-    (["--skip", "0,1,2"], "cannot skip all 3 layers"),
-    ([], "no layer-skip plan"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--skip", "1,x"], "--skip takes comma-separated layer indices"),
+        (["--skip", "7"], "cannot skip layer 7"),
+        (["--skip", "0,1,2"], "cannot skip all 3 layers"),
+        ([], "no layer-skip plan"),
+    ],
+)
 def test_cli_error_lines(capsys, pair_dirs, argv: list[str], message: str) -> None:
     code, out, err = run(capsys, "generate", "x", "--target", str(pair_dirs[0]), "--method", "layerskip", *argv)
     assert code == 2 and out == "" and err.startswith("verispec: error: ") and err.count("\n") == 1

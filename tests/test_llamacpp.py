@@ -14,8 +14,17 @@ from gguf import GGMLQuantizationType as GGML
 
 from verispec.bench import harness
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench
-from verispec.bench.llamacpp import (BINARIES, ENV, TRIES, LlamaCppPeer, Setup, command, find_llama_cpp,
-                                     llama_cpp_methods, parse_output)
+from verispec.bench.llamacpp import (
+    BINARIES,
+    ENV,
+    TRIES,
+    LlamaCppPeer,
+    Setup,
+    command,
+    find_llama_cpp,
+    llama_cpp_methods,
+    parse_output,
+)
 from verispec.bench.metrics import summarize
 from verispec.cli import main
 from verispec.errors import InvalidArgumentError, PeerError
@@ -33,11 +42,13 @@ def captured(kind: str) -> tuple[bytes, str]:
 
 
 # The captured runs' timings: decoded tokens, their seconds, and the prompt's prefill
-TIMES = {"plain": (15, 0.12140, 0.02800),  # eval time = 121.40 ms / 15 runs (the first token comes out of the
-         # prefill), prompt eval time = 28.00 ms
-         "speculative": (21, 21 / 198.005, 0.024),  # decoded 21 tokens ..., speed: 198.005 t/s (it overshoots 16),
-         # encoded 8 tokens in 0.024 seconds (not its perf print's prompt eval time, which counts verifying batches)
-         "lookup": (17, 17 / 123.008, 0.017)}
+TIMES = {
+    "plain": (15, 0.12140, 0.02800),  # eval time = 121.40 ms / 15 runs (the first token comes out of the
+    # prefill), prompt eval time = 28.00 ms
+    "speculative": (21, 21 / 198.005, 0.024),  # decoded 21 tokens ..., speed: 198.005 t/s (it overshoots 16),
+    # encoded 8 tokens in 0.024 seconds (not its perf print's prompt eval time, which counts verifying batches)
+    "lookup": (17, 17 / 123.008, 0.017),
+}
 
 
 @pytest.mark.parametrize("kind", BINARIES)
@@ -55,7 +66,7 @@ def test_output_cut_short_before_its_timing_is_none(kind) -> None:
     """llama.cpp's logger thread can lose the last lines at exit: no timing, so the run is repeated."""
     stdout, stderr = captured(kind)
     lines = stderr.splitlines(keepends=True)
-    cut = "".join(lines[:next(i for i, line in enumerate(lines) if "threadpool init" in line) + 1])
+    cut = "".join(lines[: next(i for i, line in enumerate(lines) if "threadpool init" in line) + 1])
     assert parse_output(kind, stdout[:20], cut, PROMPT) is None
 
 
@@ -63,8 +74,10 @@ def test_output_cut_short_before_its_timing_is_none(kind) -> None:
 def test_output_without_its_prefill_timing_is_none(kind, line) -> None:
     """A run whose prompt timing is missing cannot be charged its prefill: it is repeated like one cut short."""
     stdout, stderr = captured(kind)
-    assert parse_output(kind, stdout, "".join(l for l in stderr.splitlines(keepends=True) if line not in l),
-                        PROMPT) is None
+    assert (
+        parse_output(kind, stdout, "".join(l for l in stderr.splitlines(keepends=True) if line not in l), PROMPT)
+        is None
+    )
 
 
 def test_output_without_the_echoed_prompt_is_refused() -> None:
@@ -76,11 +89,39 @@ def test_output_without_the_echoed_prompt_is_refused() -> None:
 def test_command_lines() -> None:
     setup = Setup(Path("/bin/llama"), Path("t.gguf"), Path("d.gguf"), context=512, threads=1)
     plain, spec, lookup = (command(kind, setup, Path("p.txt"), 128) for kind in ("plain", "speculative", "lookup"))
-    shared = ["-m", "t.gguf", "--binary-file", "p.txt", "--no-escape", "-n", "128", "-c", "522", "-t", "1", "-tb",
-              "1", "--temp", "0", "--ignore-eos"]
+    shared = [
+        "-m",
+        "t.gguf",
+        "--binary-file",
+        "p.txt",
+        "--no-escape",
+        "-n",
+        "128",
+        "-c",
+        "522",
+        "-t",
+        "1",
+        "-tb",
+        "1",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]
     assert plain == ["/bin/llama/llama-completion", *shared, "-no-cnv", "--no-display-prompt"]
-    assert spec == ["/bin/llama/llama-speculative-simple", *shared, "-md", "d.gguf", "--spec-type", "draft-simple",
-                    "-td", "1", "-tbd", "1", "--spec-draft-n-max", "4"]
+    assert spec == [
+        "/bin/llama/llama-speculative-simple",
+        *shared,
+        "-md",
+        "d.gguf",
+        "--spec-type",
+        "draft-simple",
+        "-td",
+        "1",
+        "-tbd",
+        "1",
+        "--spec-draft-n-max",
+        "4",
+    ]
     assert lookup == ["/bin/llama/llama-lookup", *shared, "--spec-draft-n-max", "4"]
     with pytest.raises(InvalidArgumentError, match="needs a draft"):
         command("speculative", Setup(Path("/bin/llama"), Path("t.gguf"), None, 512), Path("p.txt"), 8)
@@ -174,11 +215,29 @@ def test_missing_binaries_and_float64_are_refused(pair_dirs, target, tmp_path) -
 
 
 def test_text_rows_count_the_baseline_and_compare_text() -> None:
-    base = {"method": "autoregressive", "id": "p", "category": "code", "repeat": 0, "tokens": [1, 2, 3],
-            "seconds": 3.0, "prefill_seconds": 0.0, "draft_seconds": 0.0, "verify_seconds": 0.0, "target_calls": 3,
-            "proposed_by_position": [], "accepted_by_position": [], "text": None}
-    same = base | {"method": "llama.cpp plain", "tokens": [], "seconds": 1.0, "prefill_seconds": 0.25,
-                   "target_calls": 0, "text": "abcd"}
+    base = {
+        "method": "autoregressive",
+        "id": "p",
+        "category": "code",
+        "repeat": 0,
+        "tokens": [1, 2, 3],
+        "seconds": 3.0,
+        "prefill_seconds": 0.0,
+        "draft_seconds": 0.0,
+        "verify_seconds": 0.0,
+        "target_calls": 3,
+        "proposed_by_position": [],
+        "accepted_by_position": [],
+        "text": None,
+    }
+    same = base | {
+        "method": "llama.cpp plain",
+        "tokens": [],
+        "seconds": 1.0,
+        "prefill_seconds": 0.25,
+        "target_calls": 0,
+        "text": "abcd",
+    }
     other = same | {"method": "llama.cpp lookup", "text": "abd"}
     decode = {(1, 2, 3): "abc\ufffd"}  # its last token leaves a character unfinished
     summary = summarize([base, same, other], {}, {}, lambda ids: decode[tuple(ids)])
@@ -194,9 +253,12 @@ def test_text_rows_count_the_baseline_and_compare_text() -> None:
 def test_bench_adds_the_rows_as_peers(pair_dirs, tmp_path) -> None:
     suite = quick_suite(per_category=1, max_new_tokens=8)
     only = ["autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"]
-    summary = run_bench(*pair_dirs, tmp_path / "out", suite,
-                        BenchOptions(repeats=1, peers=False, progress=False, only=only,
-                                     llama_cpp=fake_binaries(tmp_path / "bin")))
+    summary = run_bench(
+        *pair_dirs,
+        tmp_path / "out",
+        suite,
+        BenchOptions(repeats=1, peers=False, progress=False, only=only, llama_cpp=fake_binaries(tmp_path / "bin")),
+    )
     assert set(summary) == {"autoregressive", "ngram k=4", "llama.cpp plain", "llama.cpp speculative"}
     plain = summary["llama.cpp plain"]["all"]
     assert plain["tokens_per_second"] == pytest.approx(8 / (0.028 + 7 * 0.12140 / 15))  # its prefill counts too
@@ -249,9 +311,15 @@ def test_a_folder_the_writer_refuses_leaves_its_rows_out_with_a_note(pair_dirs, 
 
 def test_the_bench_runs_on_without_llama_cpp_rows_it_cannot_have(pair_dirs, tmp_path, capsys) -> None:
     target_dir = _refused_tokenizer(pair_dirs[0], tmp_path / "target")
-    summary = run_bench(target_dir, None, tmp_path / "out", quick_suite(per_category=1, max_new_tokens=4),
-                        BenchOptions(repeats=1, peers=False, only=["autoregressive", "ngram k=4"],
-                                     llama_cpp=fake_binaries(tmp_path / "bin")))
+    summary = run_bench(
+        target_dir,
+        None,
+        tmp_path / "out",
+        quick_suite(per_category=1, max_new_tokens=4),
+        BenchOptions(
+            repeats=1, peers=False, only=["autoregressive", "ngram k=4"], llama_cpp=fake_binaries(tmp_path / "bin")
+        ),
+    )
     assert set(summary) == {"autoregressive", "ngram k=4"}
     out = capsys.readouterr().out
     assert out.count("note: no llama.cpp rows") == 1 and "convert_hf_to_gguf.py" in out
@@ -260,11 +328,17 @@ def test_the_bench_runs_on_without_llama_cpp_rows_it_cannot_have(pair_dirs, tmp_
 
 def test_the_bench_takes_a_gguf_target(tmp_path) -> None:
     """Our rows, transformers' (through gguf_file=) and llama.cpp's all on the one file."""
-    file = write_random_gguf(tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1),
-                             by_name({}, GGML.Q8_0))
+    file = write_random_gguf(
+        tmp_path / "target.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1), by_name({}, GGML.Q8_0)
+    )
     only = ["autoregressive", "ngram k=4", "transformers greedy", "llama.cpp plain"]
-    summary = run_bench(file, None, tmp_path / "out", quick_suite(per_category=1, max_new_tokens=4),
-                        BenchOptions(repeats=1, progress=False, only=only, llama_cpp=fake_binaries(tmp_path / "bin")))
+    summary = run_bench(
+        file,
+        None,
+        tmp_path / "out",
+        quick_suite(per_category=1, max_new_tokens=4),
+        BenchOptions(repeats=1, progress=False, only=only, llama_cpp=fake_binaries(tmp_path / "bin")),
+    )
     assert list(summary) == only and summary["transformers greedy"]["all"]["exact_match"] == 1.0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["target"] == str(file) and results["info"]["notes"] == []

@@ -30,14 +30,17 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_window_layout_hand_checked() -> None:
     # 3 levels x 2 columns, level by level: (0,0) (0,1) (1,0) (1,1) (2,0) (2,1)
     mask, offsets = window_layout(3, 2)
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],  # (0,0): itself
-        [1, 1, 0, 0, 0, 0],  # (0,1): level 0 up to column 1
-        [1, 0, 1, 0, 0, 0],  # (1,0): (0,0), then its column
-        [1, 1, 0, 1, 0, 0],  # (1,1): (0,0) (0,1), then (1,1)
-        [1, 0, 1, 0, 1, 0],  # (2,0): its column
-        [1, 1, 0, 1, 0, 1],  # (2,1): (0,0) (0,1) (1,1) (2,1)
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],  # (0,0): itself
+            [1, 1, 0, 0, 0, 0],  # (0,1): level 0 up to column 1
+            [1, 0, 1, 0, 0, 0],  # (1,0): (0,0), then its column
+            [1, 1, 0, 1, 0, 0],  # (1,1): (0,0) (0,1), then (1,1)
+            [1, 0, 1, 0, 1, 0],  # (2,0): its column
+            [1, 1, 0, 1, 0, 1],  # (2,1): (0,0) (0,1) (1,1) (2,1)
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)
     assert offsets == [1, 2, 2, 3, 3, 4]  # each sees consecutive positions 1 .. its own
 
@@ -126,8 +129,10 @@ def test_the_jacobi_window_alone_finds_the_loops(target: NativeModel) -> None:
 
 
 def test_sampling_is_reproducible_with_a_seed(target: NativeModel) -> None:
-    runs = [generate(target, REPEATED, Lookahead(), max_new_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
-            for _ in range(2)]
+    runs = [
+        generate(target, REPEATED, Lookahead(), max_new_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
+        for _ in range(2)
+    ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 30
 
 
@@ -153,8 +158,15 @@ def test_sampling_follows_the_target_distribution(tmp_path: Path, reference_prob
     assert 0.2 < accept < 0.8  # non-degenerate: candidates both kept and rejected
     target, counts, drafted = load_model(folder), np.zeros((VOCAB, VOCAB)), 0
     for seed in range(DRAWS):
-        out = generate(target, SAMPLING_PROMPT, Lookahead(window=2, ngram=2, candidates=2), max_new_tokens=2,
-                       temperature=1.0, seed=seed, ignore_eos=True)
+        out = generate(
+            target,
+            SAMPLING_PROMPT,
+            Lookahead(window=2, ngram=2, candidates=2),
+            max_new_tokens=2,
+            temperature=1.0,
+            seed=seed,
+            ignore_eos=True,
+        )
         counts[out.tokens[0], out.tokens[1]] += 1
         drafted += out.drafted[0]
     expected = joint.ravel() * DRAWS
@@ -177,8 +189,26 @@ def test_bad_options_are_refused(options) -> None:
 
 
 def test_cli_lookahead_matches_autoregressive(capsys, pair_dirs) -> None:
-    code = main(["generate", "def f(x):", "--target", str(pair_dirs[0]), "--method", "lookahead", "--window", "3",
-                 "--ngram-size", "3", "--candidates", "2", "--max-new-tokens", "16", "--ignore-eos", "--compare"])
+    code = main(
+        [
+            "generate",
+            "def f(x):",
+            "--target",
+            str(pair_dirs[0]),
+            "--method",
+            "lookahead",
+            "--window",
+            "3",
+            "--ngram-size",
+            "3",
+            "--candidates",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--ignore-eos",
+            "--compare",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and "identical to autoregressive: yes" in out
 

@@ -55,8 +55,10 @@ def test_greedy_identity(target, heads, tokens) -> None:
     truth = generate(target, PROMPT, max_new_tokens=N, ignore_eos=True).tokens
     drafter = Medusa(heads, tokens=tokens)
     assert generate(target, PROMPT, drafter, max_new_tokens=N, ignore_eos=True).tokens == truth
-    assert generate(target, PROMPT[:1], drafter, max_new_tokens=N, ignore_eos=True).tokens == \
-        generate(target, PROMPT[:1], max_new_tokens=N, ignore_eos=True).tokens
+    assert (
+        generate(target, PROMPT[:1], drafter, max_new_tokens=N, ignore_eos=True).tokens
+        == generate(target, PROMPT[:1], max_new_tokens=N, ignore_eos=True).tokens
+    )
 
 
 def test_the_tree_reads_each_heads_ranked_guesses(target, heads) -> None:
@@ -96,12 +98,15 @@ def test_save_and_load_in_the_reference_layout(tmp_path, target, heads) -> None:
     from safetensors.torch import load_file
 
     keys = set(load_file(str(folder / "model.safetensors")))
-    assert keys == {f"medusa_head.{i}.{part}" for i in range(3)
-                    for part in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert keys == {
+        f"medusa_head.{i}.{part}" for i in range(3) for part in ("0.linear.weight", "0.linear.bias", "1.weight")
+    }
     assert json.loads((folder / "config.json").read_text())["medusa_num_heads"] == 3
     loaded, saved_accuracy = load_heads(folder, target.hidden_size, 257, torch.float32)
     assert saved_accuracy == accuracy
-    runs = [generate(target, PROMPT, Medusa(h, accuracy, 6), max_new_tokens=N, ignore_eos=True) for h in (heads, loaded)]
+    runs = [
+        generate(target, PROMPT, Medusa(h, accuracy, 6), max_new_tokens=N, ignore_eos=True) for h in (heads, loaded)
+    ]
     assert runs[0].drafted == runs[1].drafted
     via_registry = build_drafter(Method("medusa", None, {"tree_tokens": 6}), Resources(target=target, head_dir=folder))
     assert generate(target, PROMPT, via_registry, max_new_tokens=N, ignore_eos=True).drafted == runs[0].drafted
@@ -118,7 +123,7 @@ def test_training_lowers_the_loss_and_logs_accuracy(tmp_path, target) -> None:
     heads = random_heads(target, 2).train().requires_grad_(True)
     cfg = TrainConfig(hours=6 / 3600, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_every_minutes=3 / 60)
     loss, evaluate = medusa_loss(frozen), accuracy_evaluator(frozen, tokens, 32, windows=4)
-    batch = torch.from_numpy(tokens[:4 * 33].astype(np.int64)).view(4, 33)
+    batch = torch.from_numpy(tokens[: 4 * 33].astype(np.int64)).view(4, 33)
     with torch.no_grad():
         before = float(loss(heads, batch))
     train(heads, cfg, tmp_path, tokens, loss, evaluate)

@@ -73,24 +73,36 @@ def test_native_float32_matches_reference(name: str, tmp_path: Path) -> None:
 
 # --- parity with transformers ------------------------------------------------------------------------------------
 
-HF_COMMON = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                 bos_token_id=None, eos_token_id=None,
-                 # The default initializer_range 0.02 leaves logits so flat that greedy choices are near-ties
-                 # (top-2 gaps ~1e-4): 0.2 gives margins of ~1e-2, far above the float32 differences.
-                 initializer_range=0.2)
+HF_COMMON = dict(
+    vocab_size=BYTE_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    # The default initializer_range 0.02 leaves logits so flat that greedy choices are near-ties
+    # (top-2 gaps ~1e-4): 0.2 gives margins of ~1e-2, far above the float32 differences.
+    initializer_range=0.2,
+)
 
 HF_MODELS: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "llama_gqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_COMMON)),
     "llama_bias_head_dim": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**HF_COMMON, attention_bias=True, head_dim=24)),
+        transformers.LlamaConfig(**HF_COMMON, attention_bias=True, head_dim=24)
+    ),
     "llama_tied_mha": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**HF_COMMON | {"num_key_value_heads": 4}, tie_word_embeddings=True)),
+        transformers.LlamaConfig(**HF_COMMON | {"num_key_value_heads": 4}, tie_word_embeddings=True)
+    ),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_COMMON, use_sliding_window=False)),
     "mistral_gqa": lambda: transformers.MistralForCausalLM(
-        transformers.MistralConfig(**HF_COMMON | {"num_key_value_heads": 1}, sliding_window=64)),
-    "llama3_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **HF_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5} | LLAMA3_ROPE)),
+        transformers.MistralConfig(**HF_COMMON | {"num_key_value_heads": 1}, sliding_window=64)
+    ),
+    "llama3_rope": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**HF_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5} | LLAMA3_ROPE)
+    ),
 }
 
 
@@ -118,8 +130,14 @@ def test_native_matches_transformers_logits_and_greedy_tokens(name: str, tmp_pat
 
     prompt = TOKENS[:, :8]
     # No EOS in the config, so neither side stops early and min_new_tokens masks nothing.
-    hf_out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32,
-                         min_new_tokens=32, pad_token_id=0)
+    hf_out = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=32,
+        min_new_tokens=32,
+        pad_token_id=0,
+    )
     ours = generate(model, prompt[0].tolist(), max_new_tokens=32, ignore_eos=True)
     assert ours.stop_reason == "max_new_tokens"
     assert ours.tokens == hf_out[0, 8:].tolist()
@@ -175,12 +193,16 @@ def test_weights_file_missing(broken: Path) -> None:
         load_model(broken)
 
 
-@pytest.mark.parametrize("damage", [
-    lambda data: data[: len(data) // 2],
-    lambda data: data[:20],
-    lambda data: b"\x00garbage" * 64,
-    lambda data: b"",
-], ids=["truncated_half", "truncated_header", "garbage", "empty"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],
+        lambda data: data[:20],
+        lambda data: b"\x00garbage" * 64,
+        lambda data: b"",
+    ],
+    ids=["truncated_half", "truncated_header", "garbage", "empty"],
+)
 def test_weights_file_corrupt(broken: Path, damage: Callable[[bytes], bytes]) -> None:
     path = broken / "model.safetensors"
     path.write_bytes(damage(path.read_bytes()))
@@ -211,18 +233,32 @@ def test_no_tokenizer_json(broken: Path) -> None:
 
 
 def test_gpt2_is_unsupported_architecture(broken: Path) -> None:
-    write_config(broken, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 50257,
-                          "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024})
+    write_config(
+        broken,
+        {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": 50257,
+            "n_embd": 768,
+            "n_head": 12,
+            "n_layer": 12,
+            "n_positions": 1024,
+        },
+    )
     with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel") as err:
         load_model(broken)
     assert "gpt2" in str(err.value)
 
 
-@pytest.mark.parametrize("changes", [
-    {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
-    {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
-    {"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-], ids=["dynamic", "legacy_linear", "legacy_yarn"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
+        {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    ],
+    ids=["dynamic", "legacy_linear", "legacy_yarn"],
+)
 def test_unsupported_rope_scaling(broken: Path, changes: dict[str, Any]) -> None:
     edit_config(broken, **changes)
     with pytest.raises(UnsupportedArchitectureError, match="unsupported RoPE scaling"):
@@ -245,12 +281,15 @@ def test_mlp_bias_is_unsupported(broken: Path) -> None:
         load_model(broken)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
-    ({"vocab_size": "257"}, "vocab_size must be a positive integer"),
-    ({"head_dim": 7}, "even head dimension"),
-    ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"vocab_size": "257"}, "vocab_size must be a positive integer"),
+        ({"head_dim": 7}, "even head dimension"),
+        ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
+    ],
+)
 def test_invalid_config_values(broken: Path, changes: dict[str, Any], message: str) -> None:
     raw = json.loads((broken / "config.json").read_text()) | changes
     (broken / "config.json").write_text(json.dumps(raw))
@@ -297,8 +336,10 @@ def test_device_is_a_parameter(tiny: Path) -> None:
         assert model.device == torch.device("cpu") and model.new_cache().k.device == torch.device("cpu")
 
 
-@pytest.mark.parametrize("device, message", [("nonsense", "device 'nonsense' is not usable"),
-                                             ("meta", "it holds no data"), (0, "must be a string")])
+@pytest.mark.parametrize(
+    "device, message",
+    [("nonsense", "device 'nonsense' is not usable"), ("meta", "it holds no data"), (0, "must be a string")],
+)
 def test_unknown_device_is_an_invalid_argument(tiny: Path, device, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         load_model(tiny, device=device)
@@ -330,7 +371,7 @@ def shard(folder: Path) -> dict[str, str]:
     (folder / "model.safetensors").unlink()
     names = sorted(weights)
     weight_map = {}
-    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
         file = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({n: weights[n] for n in part}, folder / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(part, file)
@@ -345,8 +386,9 @@ def test_sharded_checkpoint_loads_identically(tiny: Path, broken: Path) -> None:
     assert len(set(weight_map.values())) == 2 and not (broken / "model.safetensors").exists()
     sharded, whole = load_model(broken), load_model(tiny)
     assert sharded.module.state_dict().keys() == whole.module.state_dict().keys()
-    assert all(torch.equal(a, b) for a, b in zip(sharded.module.state_dict().values(),
-                                                  whole.module.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(sharded.module.state_dict().values(), whole.module.state_dict().values())
+    )
     torch.testing.assert_close(logits(sharded), logits(whole), rtol=0, atol=0)
 
 
@@ -367,21 +409,40 @@ def test_unreadable_shard_index(broken: Path, index: str) -> None:
 
 # --- Mistral's sliding window ------------------------------------------------------------------------------------
 
-BASE_HF = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+BASE_HF = dict(
+    vocab_size=BYTE_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
-@pytest.mark.parametrize("model_type, extra, context", [
-    ("mistral", {"sliding_window": 64}, 64),  # Mistral uses its window unless told otherwise
-    ("mistral", {"sliding_window": 4096}, 256),  # a window longer than the context changes nothing
-    ("mistral", {"sliding_window": None}, 256),  # Mistral v0.2+: no window
-    ("mistral", {"sliding_window": 64, "use_sliding_window": False}, 256),
-    ("qwen2", {"sliding_window": 64, "use_sliding_window": True}, 64),
-    ("qwen2", {"sliding_window": 64, "use_sliding_window": False}, 256),
-    ("qwen2", {"sliding_window": 64}, 256),  # Qwen2's default is no sliding window
-    ("llama", {"sliding_window": 64}, 256),  # Llama has none: the key is ignored
-], ids=["mistral_window", "mistral_long_window", "mistral_no_window", "mistral_disabled", "qwen2_enabled",
-        "qwen2_disabled", "qwen2_default", "llama_ignored"])
+@pytest.mark.parametrize(
+    "model_type, extra, context",
+    [
+        ("mistral", {"sliding_window": 64}, 64),  # Mistral uses its window unless told otherwise
+        ("mistral", {"sliding_window": 4096}, 256),  # a window longer than the context changes nothing
+        ("mistral", {"sliding_window": None}, 256),  # Mistral v0.2+: no window
+        ("mistral", {"sliding_window": 64, "use_sliding_window": False}, 256),
+        ("qwen2", {"sliding_window": 64, "use_sliding_window": True}, 64),
+        ("qwen2", {"sliding_window": 64, "use_sliding_window": False}, 256),
+        ("qwen2", {"sliding_window": 64}, 256),  # Qwen2's default is no sliding window
+        ("llama", {"sliding_window": 64}, 256),  # Llama has none: the key is ignored
+    ],
+    ids=[
+        "mistral_window",
+        "mistral_long_window",
+        "mistral_no_window",
+        "mistral_disabled",
+        "qwen2_enabled",
+        "qwen2_disabled",
+        "qwen2_default",
+        "llama_ignored",
+    ],
+)
 def test_sliding_window_caps_context(model_type: str, extra: dict[str, Any], context: int) -> None:
     config = ModelConfig.from_hf(BASE_HF | {"model_type": model_type} | extra)
     assert config.max_position_embeddings == context

@@ -65,7 +65,21 @@ def test_sampling_with_lookup_is_reproducible(target) -> None:
 
 
 def test_cli_method_ngram(capsys, pair_dirs) -> None:
-    code = main(["generate", "abcabc", "--target", str(pair_dirs[0]), "--method", "ngram", "--max-ngram", "2",
-                 "--max-new-tokens", "12", "--ignore-eos", "--compare"])
+    code = main(
+        [
+            "generate",
+            "abcabc",
+            "--target",
+            str(pair_dirs[0]),
+            "--method",
+            "ngram",
+            "--max-ngram",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--compare",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "identical to autoregressive: yes" in out and "drafted" in out

@@ -26,8 +26,9 @@ from verispec.threads import torch_threads
 from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from tests.test_quantized_matmul import random_weight
 
-pytestmark = pytest.mark.skipif(not kernels.available(torch.float32),
-                                reason=f"verispec's kernels do not run here: {kernels.reason()}")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 THREADS = [1, 2, 3, 4]  # more than this machine's cores is fine: the bits cannot depend on the count
 ROWS = range(1, 17)
 
@@ -84,8 +85,10 @@ def test_attention_gives_the_same_bits_at_any_thread_count(cache: str, heads: tu
 def test_the_row_wise_kernels_give_the_same_bits_at_any_thread_count(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 96, generator=generator).to(dtype)  # enough rows to be split
-    weight, cos, sin = (torch.randn(96, generator=generator).to(dtype),
-                        *torch.randn(2, 64, 32, generator=generator).to(dtype))
+    weight, cos, sin = (
+        torch.randn(96, generator=generator).to(dtype),
+        *torch.randn(2, 64, 32, generator=generator).to(dtype),
+    )
 
     def compute() -> list[torch.Tensor]:
         rotated = x.clone().view(64, 3, 32).transpose(0, 1)
@@ -123,7 +126,7 @@ def test_a_models_logits_are_the_same_bits_at_any_thread_count(precision: str, k
             cache = model.new_cache()
             out.append(model(tokens[:, :rows], cache)[0])
             for i in range(rows, rows + 3):  # decoding steps: captured on the first shapes, replayed after
-                out.append(model(tokens[:, i: i + 1], cache)[0])
+                out.append(model(tokens[:, i : i + 1], cache)[0])
         return out
 
     assert_all_equal(at_each_count(compute))

@@ -28,8 +28,9 @@ def test_weight_bytes_count_what_a_forward_reads(tmp_path: Path, tied: bool) -> 
 def test_profile_labels_every_kind_of_work(pair_dirs, own: bool) -> None:
     if own and not kernels.available(torch.float32):
         pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
-    setting = profile_forward._Setting(profile_forward._load(pair_dirs[0], "float32", False, "own" if own else "fast"),
-                                       context=8)
+    setting = profile_forward._Setting(
+        profile_forward._load(pair_dirs[0], "float32", False, "own" if own else "fast"), context=8
+    )
     setting.time(2)
     setting.profile()
     wall, kinds = setting.result()
@@ -40,8 +41,11 @@ def test_profile_labels_every_kind_of_work(pair_dirs, own: bool) -> None:
 
 
 def test_bench_profile_writes_every_setting(tmp_path: Path, pair_dirs, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(profile_forward, "profile_all",
-                        lambda target_dir, rounds: ORIGINAL(target_dir, context=8, rounds=2, per_round=1))
+    monkeypatch.setattr(
+        profile_forward,
+        "profile_all",
+        lambda target_dir, rounds: ORIGINAL(target_dir, context=8, rounds=2, per_round=1),
+    )
     assert main(["bench", "--profile", "--target", str(pair_dirs[0]), "--out", str(tmp_path)]) == 0
     text = (tmp_path / "forward-profile.md").read_text()
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"

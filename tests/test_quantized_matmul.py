@@ -21,8 +21,9 @@ from verispec.threads import torch_threads
 from tests import quant_pack_reference
 from tests.gguf_files import random_blocks
 
-needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
-                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +69,16 @@ def test_a_quantized_matmul_is_ggmls_math_and_each_row_is_its_own(fmt: str, N: i
 
 
 # Where each format's block holds its quants (ggml's layouts): the byte ranges that test_the_largest_quants_... fills
-QUANT_BYTES = {"q8_0": [(2, 34)], "q4_0": [(2, 18)], "q4_1": [(4, 20)], "q5_0": [(2, 22)], "q5_1": [(4, 24)],
-               "q4_k": [(16, 144)], "q5_k": [(16, 176)], "q6_k": [(0, 192)]}
+QUANT_BYTES = {
+    "q8_0": [(2, 34)],
+    "q4_0": [(2, 18)],
+    "q4_1": [(4, 20)],
+    "q5_0": [(2, 22)],
+    "q5_1": [(4, 24)],
+    "q4_k": [(16, 144)],
+    "q5_k": [(16, 176)],
+    "q6_k": [(0, 192)],
+}
 
 
 @needs_kernels
@@ -97,14 +106,21 @@ def test_the_largest_quants_against_the_largest_inputs_sum_without_overflow(fmt:
 @needs_kernels
 def test_linears_of_several_formats_run_as_one_output_each_run_on_its_own_kernel() -> None:
     generator = torch.Generator().manual_seed(3)
-    weights = [random_weight(fmt, n, 256, generator) for fmt, n in (("q5_0", 32), ("q5_0", 16), ("q8_0", 20),
-                                                                   ("q4_k", 17))]
+    weights = [
+        random_weight(fmt, n, 256, generator) for fmt, n in (("q5_0", 32), ("q5_0", 16), ("q8_0", 20), ("q4_k", 17))
+    ]
     bias, x = torch.randn(85, generator=generator), torch.randn(9, 256, generator=generator)
     runs = FormatRuns(weights, bias)
     assert runs.kernel == "linear_q5_0+linear_q8_0+linear_q4_k" and runs.out_features == 85
     y, residual = runs(x), torch.randn(9, 85, generator=generator)
-    alone = [kernels.Matmul(torch.cat([w.blocks for w in ws]), b, fmt)(x) for fmt, ws, b in
-             (("q5_0", weights[:2], bias[:48]), ("q8_0", weights[2:3], bias[48:68]), ("q4_k", weights[3:], bias[68:]))]
+    alone = [
+        kernels.Matmul(torch.cat([w.blocks for w in ws]), b, fmt)(x)
+        for fmt, ws, b in (
+            ("q5_0", weights[:2], bias[:48]),
+            ("q8_0", weights[2:3], bias[48:68]),
+            ("q4_k", weights[3:], bias[68:]),
+        )
+    ]
     assert torch.equal(y, torch.cat(alone, -1))
     assert torch.equal(runs(x[3:5]), y[3:5]) and torch.equal(runs(x, residual), residual + y)
     assert torch.equal(runs(x.view(3, 3, 256), residual.view(3, 3, 85)), (residual + y).view(3, 3, 85))
@@ -123,16 +139,25 @@ def test_pack_quantized_puts_each_blocks_scales_then_groups_of_four_inputs_by_co
     assert torch.equal(packed[0, 1, :32].view(16, 2), raw[:16, 1, 0:2])  # column block 0, input block 1: scales
     assert torch.equal(packed[0, 1, 32:64].view(16, 2), raw[:16, 1, 2:4])  # mins
     groups = packed[0, 1, 64:].view(4, 16, 4)  # group g, column j: ggml's bytes 4g .. 4g + 3 of column j
-    assert torch.equal(groups[2, 5], raw[5, 1, 4 + 8: 4 + 12])
-    assert not packed[1, :, :].view(2, -1)[:, 4 * 2: 32].any()  # columns 20..31 padded with zero scales
+    assert torch.equal(groups[2, 5], raw[5, 1, 4 + 8 : 4 + 12])
+    assert not packed[1, :, :].view(2, -1)[:, 4 * 2 : 32].any()  # columns 20..31 padded with zero scales
     q8 = QuantizedWeight.of(torch.randn(16, 32), "q8_0")
-    assert torch.equal(kernels.pack_quantized("q8_0", q8.blocks)[0, 0, 32:].view(8, 16, 4)[1, 3],
-                       q8.blocks[3, 2 + 4: 2 + 8] ^ 0x80)  # int8 q stored as q + 128
+    assert torch.equal(
+        kernels.pack_quantized("q8_0", q8.blocks)[0, 0, 32:].view(8, 16, 4)[1, 3], q8.blocks[3, 2 + 4 : 2 + 8] ^ 0x80
+    )  # int8 q stored as q + 128
 
 
 # Where each format's block holds its float16 scales (d, and m or a K-quant's M)
-SCALE_BYTES = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
-               "q6_k": [208]}
+SCALE_BYTES = {
+    "q8_0": [0],
+    "q4_0": [0],
+    "q4_1": [0, 2],
+    "q5_0": [0],
+    "q5_1": [0, 2],
+    "q4_k": [0, 2],
+    "q5_k": [0, 2],
+    "q6_k": [208],
+}
 
 
 @needs_kernels
@@ -144,17 +169,23 @@ def test_pack_quantized_is_the_numpy_reference_bitwise(fmt: str) -> None:
     size = bytes_per_block(fmt)
     blocks = rng.integers(0, 256, (40, 3, 4, size), dtype=np.uint8)  # (rows, 3 weights side by side, blocks, bytes)
     for offset in SCALE_BYTES[fmt]:
-        blocks[..., offset:offset + 2] = (rng.uniform(-1, 1, blocks.shape[:3]) * 1e-3).astype(np.float16)[
-            ..., None].view(np.uint8)
+        blocks[..., offset : offset + 2] = (
+            (rng.uniform(-1, 1, blocks.shape[:3]) * 1e-3).astype(np.float16)[..., None].view(np.uint8)
+        )
     wide, plain = torch.from_numpy(blocks.reshape(40, -1)), torch.from_numpy(blocks[:, 0].reshape(40, -1))
-    cases = [plain[:16], plain, wide[:, 4 * size: 8 * size], wide[1::3, 8 * size:]]  # the last 13 rows, at 3 rows' stride
+    cases = [
+        plain[:16],
+        plain,
+        wide[:, 4 * size : 8 * size],
+        wide[1::3, 8 * size :],
+    ]  # the last 13 rows, at 3 rows' stride
     for threads in (1, 2):
         with torch_threads(threads):
             for weight in cases:
                 packed, reference = kernels.pack_quantized(fmt, weight), quant_pack_reference.pack(fmt, weight)
                 assert packed.shape == reference.shape and torch.equal(packed, reference), (threads, weight.shape)
             for cut in (16, 13):  # weights that make one matmul (q, k, v) packed as their rows stacked would be
-                parts = [plain[:cut], wide[cut:, 4 * size: 8 * size]]
+                parts = [plain[:cut], wide[cut:, 4 * size : 8 * size]]
                 assert torch.equal(kernels.pack_quantized(fmt, parts), kernels.pack_quantized(fmt, torch.cat(parts)))
 
 
@@ -179,8 +210,9 @@ def test_a_model_quantized_at_load_is_its_quantized_weights_and_stays_close_to_f
     bound = {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3, "q5_0": 0.2, "q5_1": 0.2}[fmt]
     assert float((a - b).abs().max() / a.abs().max()) < bound
     blocks = sum(m.quantized.nbytes for m in quantized.module.modules() if isinstance(m, QuantizedLinear))
-    assert weight_bytes(quantized) == blocks + sum(p.numel() * 4 for n, p in quantized.module.named_parameters()
-                                                    if "norm" in n)
+    assert weight_bytes(quantized) == blocks + sum(
+        p.numel() * 4 for n, p in quantized.module.named_parameters() if "norm" in n
+    )
     assert weight_bytes(quantized) < weight_bytes(plain) / 2
 
 
@@ -191,8 +223,12 @@ def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match="unknown quantization 'q4_k'"):
         load_model(folder, quantize="q4_k")
     with pytest.raises(InvalidArgumentError, match="multiple of 32 inputs"):
-        load_model(random_checkpoint(tmp_path / "narrow", tiny_config(hidden_size=48, num_attention_heads=3,
-                                                                      num_key_value_heads=1)), quantize="q8_0")
+        load_model(
+            random_checkpoint(
+                tmp_path / "narrow", tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+            ),
+            quantize="q8_0",
+        )
     if not kernels.available(torch.float32):
         with pytest.raises(InvalidArgumentError, match="kernels, which do not run here"):
             load_model(folder, quantize="q8_0")

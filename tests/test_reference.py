@@ -84,8 +84,8 @@ def use_float64_internals(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatc
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith("RMSNorm"):
-            module.forward = lambda x, m=module: m.weight * (
-                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+            module.forward = lambda x, m=module: (
+                m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
             )
         elif kind.endswith("RotaryEmbedding"):
             hd = module.inv_freq.shape[0] * 2

@@ -31,8 +31,11 @@ def shipped_on(own_kernels: bool, dtype: str = "bfloat16") -> NativeModel:
     return model
 
 
-@pytest.fixture(scope="module", params=[(True, "bfloat16"), (False, "bfloat16"), (False, "float32")],
-                ids=["own-kernels", "torch-kernels", "torch-kernels-float32"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, "bfloat16"), (False, "bfloat16"), (False, "float32")],
+    ids=["own-kernels", "torch-kernels", "torch-kernels-float32"],
+)
 def shipped_exact(request: pytest.FixtureRequest) -> NativeModel:
     return shipped_on(*request.param)
 
@@ -57,7 +60,7 @@ def in_chunks(model: NativeModel, cache: KVCache, tokens: torch.Tensor, sizes: l
     cache.truncate(start)
     out, at = [], start
     for n in sizes:
-        out.append(model(tokens[:, at: at + n], cache)[0])
+        out.append(model(tokens[:, at : at + n], cache)[0])
         at += n
     return torch.cat(out)
 
@@ -73,8 +76,9 @@ def code() -> torch.Tensor:
     return torch.tensor([load_tokenizer(default_paths()[0]).encode(text).ids[: START + 16]])
 
 
-def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(shipped_exact: NativeModel,
-                                                                                  code: torch.Tensor) -> None:
+def test_the_shipped_target_gives_a_position_the_same_logits_at_every_row_count(
+    shipped_exact: NativeModel, code: torch.Tensor
+) -> None:
     cache = prefilled(shipped_exact, code, START)
     alone = in_chunks(shipped_exact, cache, code, [1] * 16, START)
     for sizes in PARTITIONS:
@@ -86,16 +90,19 @@ def test_own_kernels_need_no_padding_and_pytorchs_pad_every_chunk() -> None:
     assert shipped_on(False).execution.row_floor(EXACT_ROWS) == EXACT_ROWS
 
 
-def test_unpadded_the_shipped_target_is_not_exact_on_pytorchs_kernels(shipped_torch: list[NativeModel],
-                                                                      code: torch.Tensor,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unpadded_the_shipped_target_is_not_exact_on_pytorchs_kernels(
+    shipped_torch: list[NativeModel], code: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """So the test above can fail: on PyTorch's kernels, forwards of fewer rows than a chunk's, unpadded, give some
     position other logits (in bfloat16 or in float32, by CPU)."""
     monkeypatch.setattr(execution.Execution, "row_floor", lambda self, rows: 1)
     caches = [prefilled(model, code, START) for model in shipped_torch]
     alone = [in_chunks(model, cache, code, [1] * 16, START) for model, cache in zip(shipped_torch, caches)]
-    assert any(not torch.equal(in_chunks(model, cache, code, sizes, START), one)
-               for model, cache, one in zip(shipped_torch, caches, alone) for sizes in PARTITIONS)
+    assert any(
+        not torch.equal(in_chunks(model, cache, code, sizes, START), one)
+        for model, cache, one in zip(shipped_torch, caches, alone)
+        for sizes in PARTITIONS
+    )
 
 
 @pytest.mark.parametrize("kind", ["own-kernels", "torch-packed", "plain"])

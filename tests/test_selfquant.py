@@ -29,14 +29,17 @@ from drafting import sampled_pairs, start_session
 from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from test_tree_draft import P_VALUE_MIN, compare, no_residual_verify_tree
 
-needs_kernels = pytest.mark.skipif(not kernels.available(torch.float32),
-                                   reason=f"verispec's kernels do not run here: {kernels.reason()}")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"
+)
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]  # "def(x):\n  def" as byte ids
 N = 24
-METHODS = {**{f"k={k}": Method("selfquant", k) for k in range(1, 7)},
-           "tree": Method("selfquant", 3, {"branch": 2, "branch_depth": 2}),
-           "skip": Method("selfquant", 4, {"skip": [1], "format": "q4_1", "head_format": "q4_0"}),
-           "auto": Method("selfquant", "auto", {"format": "q8_0"})}
+METHODS = {
+    **{f"k={k}": Method("selfquant", k) for k in range(1, 7)},
+    "tree": Method("selfquant", 3, {"branch": 2, "branch_depth": 2}),
+    "skip": Method("selfquant", 4, {"skip": [1], "format": "q4_1", "head_format": "q4_0"}),
+    "auto": Method("selfquant", "auto", {"format": "q8_0"}),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -55,16 +58,22 @@ def gguf_files(tmp_path_factory) -> dict[str, str]:
     """Every matrix in Q8_0; and Q4_1 projections with a Q8_0 embedding tied to the output, as SmolLM2's file."""
     folder = tmp_path_factory.mktemp("gguf")
     config = gguf_config(len(bpe_vocab()[0]), num_hidden_layers=3, tie_word_embeddings=True)
-    return {name: str(write_gguf(folder / f"{name}.gguf", config, by_name({"embed_tokens": GGML.Q8_0}, projections)))
-            for name, projections in (("q8_0", GGML.Q8_0), ("q4_1", GGML.Q4_1))}
+    return {
+        name: str(write_gguf(folder / f"{name}.gguf", config, by_name({"embed_tokens": GGML.Q8_0}, projections)))
+        for name, projections in (("q8_0", GGML.Q8_0), ("q4_1", GGML.Q4_1))
+    }
 
 
 @pytest.fixture(scope="module")
 def targets(pair_dirs, bf16_dir, gguf_files) -> dict:
     with torch_threads(1):
-        return {"float32": load_model(pair_dirs[0]), "float32 exact": load_model(pair_dirs[0], exact=True),
-                "bfloat16": load_model(bf16_dir, dtype="bfloat16"), "q8_0": load_model(pair_dirs[0], quantize="q8_0"),
-                **{f"gguf {name}": load_model(file, dtype="auto") for name, file in gguf_files.items()}}
+        return {
+            "float32": load_model(pair_dirs[0]),
+            "float32 exact": load_model(pair_dirs[0], exact=True),
+            "bfloat16": load_model(bf16_dir, dtype="bfloat16"),
+            "q8_0": load_model(pair_dirs[0], quantize="q8_0"),
+            **{f"gguf {name}": load_model(file, dtype="auto") for name, file in gguf_files.items()},
+        }
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +117,18 @@ def test_the_twin_shares_the_targets_tensors_and_holds_no_float_matrix(targets, 
         source = target.module
         assert twin.model.embed_tokens.weight is source.model.embed_tokens.weight, name
         norms = [(twin.model.norm, source.model.norm)] + [
-            (getattr(mine, norm), getattr(theirs, norm)) for mine, theirs in zip(twin.model.layers, source.model.layers)
-            for norm in ("input_layernorm", "post_attention_layernorm")]
+            (getattr(mine, norm), getattr(theirs, norm))
+            for mine, theirs in zip(twin.model.layers, source.model.layers)
+            for norm in ("input_layernorm", "post_attention_layernorm")
+        ]
         for mine, theirs in norms:  # the target's own, or float32 copies of a bfloat16 target's vectors
             assert (mine.weight is theirs.weight) == (target.dtype == torch.float32), name
             assert torch.equal(mine.weight, theirs.weight.float()), name
-        packed = [twin.head] + [p for block in twin.model.layers for p in (block.self_attn.qkv, block.self_attn.o,
-                                                                           block.mlp.gate_up, block.mlp.down)]
+        packed = [twin.head] + [
+            p
+            for block in twin.model.layers
+            for p in (block.self_attn.qkv, block.self_attn.o, block.mlp.gate_up, block.mlp.down)
+        ]
         assert all(p.weight is None and p.kernel.kernel.startswith("linear_q") for p in packed), name  # blocks only
         shared = getattr(source.lm_head, "quantized", None) is not None and source.lm_head.quantized.format == "q8_0"
         assert (twin.lm_head is source.lm_head and twin.head is source.head) == shared, name  # a Q8_0 head as it is
@@ -169,8 +183,9 @@ def test_the_server_drafts_with_the_twin(targets, pair_dirs) -> None:
     expected = generate(target, "def parse(line):", max_new_tokens=N, ignore_eos=True)
     with ServerThread(serving_app(target, drafter, pair_dirs[0], name="twin", adaptive=False)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        reply = client.completions.create(model="twin", prompt="def parse(line):", max_tokens=N, temperature=0,
-                                          extra_body={"ignore_eos": True})
+        reply = client.completions.create(
+            model="twin", prompt="def parse(line):", max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+        )
     assert reply.choices[0].text == expected.text
     assert reply.model_extra["verispec"]["drafted_tokens"] > 0
 
@@ -205,8 +220,9 @@ def test_sampling_keeps_the_target_distribution(enumerable, branch, monkeypatch)
     drafted at speculative sampling's (or SpecInfer's) rate, and a broken rule fails the same check."""
     target, joint, p = enumerable
     drafter = SelfQuant(target, TwinFormat(skip=(1,)), k=2, branch=branch)
-    proposal = start_session(drafter, target, E2E_PROMPT, SamplingParams(1.0), torch.Generator().manual_seed(0)
-                             ).propose(E2E_PROMPT, 1)
+    proposal = start_session(
+        drafter, target, E2E_PROMPT, SamplingParams(1.0), torch.Generator().manual_seed(0)
+    ).propose(E2E_PROMPT, 1)
     q = proposal.q[0].double().numpy()
     twin = drafter.model
     with torch.inference_mode():
@@ -242,8 +258,10 @@ def test_the_registry_builds_the_options(targets, tmp_path) -> None:
     assert check_method(Method("selfquant")).twin and check_method(Method("selfquant", 3, {"branch": 2})).tree_masks
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"skip": [0, 2], "k": 6}))
-    drafter = build_drafter(Method("selfquant", 3, {"skip": str(plan), "format": "q4_1", "head_format": SAME_HEAD}),
-                            Resources(target=target))
+    drafter = build_drafter(
+        Method("selfquant", 3, {"skip": str(plan), "format": "q4_1", "head_format": SAME_HEAD}),
+        Resources(target=target),
+    )
     assert drafter.spec == TwinFormat("q4_1", SAME_HEAD, (0, 2)) and drafter.k == 3 and drafter.model.num_layers == 1
     auto = build_drafter(Method("selfquant", "auto"), Resources(target=target))
     assert auto.drafter.spec == TwinFormat() and auto.drafter.batched and auto.needs.twin
@@ -253,18 +271,35 @@ def test_the_registry_builds_the_options(targets, tmp_path) -> None:
 def test_cli_generate_with_selfquant(pair_dirs, tmp_path, capsys) -> None:
     plan = tmp_path / "layerskip.json"
     plan.write_text(json.dumps({"skip": [1], "k": 4}))
-    base = ["generate", "abcabc", "--target", str(pair_dirs[0]), "--method", "selfquant", "--max-new-tokens", "12",
-            "--ignore-eos", "--threads", "1"]
-    for extra in ([], ["--format", "q4_1", "--head-format", "q4_0", "--skip", "1", "-k", "3", "--compare"],
-                  ["--skip", str(plan), "--branch", "2", "--compare"]):
+    base = [
+        "generate",
+        "abcabc",
+        "--target",
+        str(pair_dirs[0]),
+        "--method",
+        "selfquant",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--threads",
+        "1",
+    ]
+    for extra in (
+        [],
+        ["--format", "q4_1", "--head-format", "q4_0", "--skip", "1", "-k", "3", "--compare"],
+        ["--skip", str(plan), "--branch", "2", "--compare"],
+    ):
         assert main(base + extra) == 0
         out, err = capsys.readouterr()
         assert err == "" and ("--compare" not in extra or "identical to autoregressive: yes" in out)
-    for extra, message in ((["--format", "q6_k"], "argument --format: invalid choice: 'q6_k'"),
-                           (["--head-format", "f16"], "argument --head-format: invalid choice: 'f16'"),
-                           (["--skip", str(tmp_path / "none.json")], "no such layer-skip plan"),
-                           (["--skip", "3"], "cannot skip layer 3"), (["--skip", "0,1,2"], "cannot skip all 3"),
-                           (["--backend", "transformers"], "a twin of its weights")):
+    for extra, message in (
+        (["--format", "q6_k"], "argument --format: invalid choice: 'q6_k'"),
+        (["--head-format", "f16"], "argument --head-format: invalid choice: 'f16'"),
+        (["--skip", str(tmp_path / "none.json")], "no such layer-skip plan"),
+        (["--skip", "3"], "cannot skip layer 3"),
+        (["--skip", "0,1,2"], "cannot skip all 3"),
+        (["--backend", "transformers"], "a twin of its weights"),
+    ):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
     torch.set_num_threads(1)  # (main set the count the last run asked for)
@@ -275,13 +310,47 @@ def test_a_gguf_targets_layer_skip_plan_for_selfquant(gguf_files, tmp_path, caps
     """`search-layerskip --out PLAN.json` (a GGUF file has no folder for layerskip.json), then `--skip PLAN.json`."""
     text, plan = tmp_path / "valid.txt", tmp_path / "plan.json"
     text.write_text("the quick brown fox jumps over the lazy dog, and then the dog runs after the fox. " * 8)
-    search = ["search-layerskip", "--target", gguf_files["q8_0"], "--text", str(text), "--prompts", "2",
-              "--prompt-len", "16", "--new-tokens", "4", "--threads", "1"]
+    search = [
+        "search-layerskip",
+        "--target",
+        gguf_files["q8_0"],
+        "--text",
+        str(text),
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "4",
+        "--threads",
+        "1",
+    ]
     assert main(search) == 2 and "give --out PLAN.json" in capsys.readouterr().err
     assert main(search + ["--out", str(plan)]) == 0 and f"wrote {plan}" in capsys.readouterr().out
     skip = json.loads(plan.read_text())["skip"]
-    assert main(["generate", "the quick brown", "--target", gguf_files["q8_0"], "--method", "selfquant", "--skip",
-                 str(plan), "-k", "3", "--max-new-tokens", "12", "--ignore-eos", "--compare", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "the quick brown",
+                "--target",
+                gguf_files["q8_0"],
+                "--method",
+                "selfquant",
+                "--skip",
+                str(plan),
+                "-k",
+                "3",
+                "--max-new-tokens",
+                "12",
+                "--ignore-eos",
+                "--compare",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "identical to autoregressive: yes" in out and skip
 

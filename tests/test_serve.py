@@ -32,14 +32,17 @@ from verispec.serve.worker import EngineWorker
 from verispec.threads import torch_threads
 
 CONTEXT = 2048  # long enough that a stream with ignore_eos outlives the client killed in the middle of it
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeModel, NativeModel]:
-    target_dir, draft_dir = random_pair(tmp_path_factory.mktemp("serve"),
-                                        tiny_config(num_hidden_layers=3, max_position_embeddings=CONTEXT))
+    target_dir, draft_dir = random_pair(
+        tmp_path_factory.mktemp("serve"), tiny_config(num_hidden_layers=3, max_position_embeddings=CONTEXT)
+    )
     return target_dir, load_model(target_dir), load_model(draft_dir)
 
 
@@ -80,8 +83,9 @@ def test_completion(client: openai.OpenAI, models: tuple, caplog: pytest.LogCapt
     caplog.set_level(logging.INFO, logger="verispec.serve")  # each finished request's line, as chat prints a turn's
     target = models[1]
     expected = generate(target, "def parse(line):", max_new_tokens=12, ignore_eos=True)
-    reply = client.completions.create(model="tiny", prompt="def parse(line):", max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny", prompt="def parse(line):", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.object == "text_completion" and reply.model == "tiny"
     assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "length"
     prompt_tokens = len(target.tokenizer.encode("def parse(line):").ids)
@@ -91,22 +95,37 @@ def test_completion(client: openai.OpenAI, models: tuple, caplog: pytest.LogCapt
     assert stats["tau"] == pytest.approx(12 / stats["target_calls"]) and stats["drafted_tokens"] > 0
     assert 0 <= stats["acceptance_rate"] <= 1
     line = f"(max_new_tokens): [12 tokens, "
-    assert any(line in r.getMessage() and f"tau {stats['tau']:.2f}, acceptance " in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        line in r.getMessage() and f"tau {stats['tau']:.2f}, acceptance " in r.getMessage() for r in caplog.records
+    )
 
 
 def test_completion_stream(client: openai.OpenAI, server: ServerThread, models: tuple) -> None:
     expected = generate(models[1], "import os\n", max_new_tokens=20, ignore_eos=True)
-    chunks = list(client.completions.create(model="tiny", prompt="import os\n", max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="import os\n",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     *choices, last = chunks
     assert "".join(c.choices[0].text for c in choices) == expected.text
     assert [c.choices[0].finish_reason for c in choices][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in choices[:-1]) and all(c.usage is None for c in choices)
     assert last.choices == [] and last.usage.completion_tokens == 20
-    body = {"model": "tiny", "prompt": "import os\n", "max_tokens": 20, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": "import os\n",
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(e) for e in _sse(response)]
@@ -118,11 +137,18 @@ def test_completion_stream(client: openai.OpenAI, server: ServerThread, models: 
 def test_stop_strings_and_seeds(client: openai.OpenAI, models: tuple) -> None:
     full = generate(models[1], "x = ", max_new_tokens=30, ignore_eos=True).text
     stop = full[10:12]
-    reply = client.completions.create(model="tiny", prompt="x = ", max_tokens=30, temperature=0, stop=[stop],
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny", prompt="x = ", max_tokens=30, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == full[: full.index(stop)]
-    sampled = [client.completions.create(model="tiny", prompt="x = ", max_tokens=16, temperature=1.0, seed=7,
-                                         top_p=0.9, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
+    sampled = [
+        client.completions.create(
+            model="tiny", prompt="x = ", max_tokens=16, temperature=1.0, seed=7, top_p=0.9, extra_body={"top_k": 50}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -144,13 +170,22 @@ def test_chat_with_template(models: tuple, tmp_path: Path) -> None:
     expected = generate(target, prompt.ids, max_new_tokens=10, ignore_eos=True).text
     with torch_threads(1), ServerThread(serving_app(target, None, chat_dir, name="chat")) as srv:
         chat = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-        reply = chat.chat.completions.create(model="chat", messages=messages, max_tokens=10, temperature=0,
-                                             extra_body={"ignore_eos": True})
+        reply = chat.chat.completions.create(
+            model="chat", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
         assert reply.choices[0].message.content == expected
         assert reply.usage.prompt_tokens == len(prompt.ids) and reply.usage.completion_tokens == 10
-        chunks = list(chat.chat.completions.create(model="chat", messages=messages, max_completion_tokens=10,
-                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        chunks = list(
+            chat.chat.completions.create(
+                model="chat",
+                messages=messages,
+                max_completion_tokens=10,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
@@ -205,8 +240,12 @@ def test_client_killed_mid_stream(client: openai.OpenAI, server: ServerThread) -
 BAD = [  # (path, raw body, status, words of the message)
     ("completions", "{not json", 400, "not valid JSON"),
     ("completions", "[1, 2]", 400, "must be a JSON object"),
-    ("completions", '{"model": "tiny", "prompt": "a", "max_tokens": "8"}', 400,
-     "max_tokens: Input should be a valid integer"),
+    (
+        "completions",
+        '{"model": "tiny", "prompt": "a", "max_tokens": "8"}',
+        400,
+        "max_tokens: Input should be a valid integer",
+    ),
     ("completions", '{"model": "tiny", "prompt": "a", "temperature": true}', 400, "temperature"),
     ("completions", '{"model": "tiny", "prompt": "a", "top_k": 2.5}', 400, "top_k"),
     ("completions", '{"model": "tiny", "prompt": "a", "mystery": 1}', 400, "mystery: Extra inputs are not permitted"),
@@ -222,8 +261,12 @@ BAD = [  # (path, raw body, status, words of the message)
     ("completions", '{"model": "tiny", "prompt": "a", "temperature": -1}', 400, "temperature must be"),
     ("completions", '{"model": "tiny", "prompt": "a", "top_p": 0}', 400, "top_p must be in"),
     ("completions", '{"model": "tiny", "prompt": "a", "stop": [""]}', 400, "stop strings must not be empty"),
-    ("completions", '{"model": "tiny", "prompt": "a", "stream_options": {"include_usage": true}}', 400,
-     "only allowed with stream"),
+    (
+        "completions",
+        '{"model": "tiny", "prompt": "a", "stream_options": {"include_usage": true}}',
+        400,
+        "only allowed with stream",
+    ),
     ("completions", '{"model": "other", "prompt": "a"}', 404, "does not exist"),
     ("chat/completions", '{"model": "tiny", "messages": []}', 400, "messages must not be empty"),
     ("chat/completions", '{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', 400, "role"),
@@ -252,9 +295,15 @@ def test_health_and_metrics(server: ServerThread, client: openai.OpenAI) -> None
     client.completions.create(model="tiny", prompt="q", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     samples = _metrics(server.url)  # the parser raises on anything that is not Prometheus text
-    for name in ("verispec_requests_running", "verispec_requests_waiting", "verispec_generation_tokens_total",
-                 "verispec_acceptance_rate", "verispec_mean_tokens_per_target_call",
-                 "verispec_time_per_output_token_seconds_count", "verispec_time_to_first_token_seconds_count"):
+    for name in (
+        "verispec_requests_running",
+        "verispec_requests_waiting",
+        "verispec_generation_tokens_total",
+        "verispec_acceptance_rate",
+        "verispec_mean_tokens_per_target_call",
+        "verispec_time_per_output_token_seconds_count",
+        "verispec_time_to_first_token_seconds_count",
+    ):
         assert name in samples
     assert samples["verispec_generation_tokens_total"] >= 8 and samples["verispec_mean_tokens_per_target_call"] >= 1
     assert 0 < samples["verispec_acceptance_rate"] <= 1 and samples["verispec_time_per_output_token_seconds_count"] >= 1
@@ -269,8 +318,14 @@ def test_shutdown_finishes_or_ends_in_flight(models: tuple, grace: float, max_to
     app = serving_app(target, DraftModel(draft, 3), target_dir, name="tiny")
 
     def run(url: str) -> None:
-        body = {"model": "tiny", "prompt": "z", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": "z",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             for line in filter(None, response.iter_lines()):
                 started.set()
@@ -316,8 +371,9 @@ def test_failed_engine_step_fails_its_request_only(models: tuple, stream: bool) 
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
         failure = openai.APIError if stream else openai.InternalServerError  # an error event; a 500
         with pytest.raises(failure, match="the drafter broke"):
-            reply = client.completions.create(model="t", prompt="a", max_tokens=30, stream=stream,
-                                              extra_body={"ignore_eos": True})
+            reply = client.completions.create(
+                model="t", prompt="a", max_tokens=30, stream=stream, extra_body={"ignore_eos": True}
+            )
             if stream:
                 list(reply)
         assert client.completions.create(model="t", prompt="a", max_tokens=4).usage.completion_tokens >= 1

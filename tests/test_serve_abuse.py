@@ -56,8 +56,9 @@ class _Drafter(DraftModel):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeModel, NativeModel]:
     """A tiny random pair; the target's folder has a chat template, so chat requests get as far as generation."""
-    target_dir, draft_dir = random_pair(tmp_path_factory.mktemp("abuse"),
-                                        tiny_config(num_hidden_layers=3, max_position_embeddings=CONTEXT))
+    target_dir, draft_dir = random_pair(
+        tmp_path_factory.mktemp("abuse"), tiny_config(num_hidden_layers=3, max_position_embeddings=CONTEXT)
+    )
     config = json.loads((target_dir / "tokenizer_config.json").read_text())
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
     return target_dir, load_model(target_dir), load_model(draft_dir)
@@ -131,8 +132,9 @@ def test_a_vanishing_temperature_fails_nobody(server: ServerThread, models: tupl
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_row_failing_in_the_engine_ends_that_request_alone(server: ServerThread, models: tuple,
-                                                             monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+def test_a_row_failing_in_the_engine_ends_that_request_alone(
+    server: ServerThread, models: tuple, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
     """The acceptance rule raising for one row (top_k 13 marks it here) ends that request with a 500 (streamed or
     not: it fails before its first token), counted in /metrics; the streams beside it finish as they would alone."""
     break_the_rule_for(monkeypatch, 13)
@@ -193,11 +195,14 @@ def test_huge_requests_neither_fail_nor_stall_the_others(server: ServerThread, m
     assert stream.gap(start, end) < 2.0
 
 
-@pytest.mark.parametrize("path, body", [
-    ("completions", '{"model": "tiny", "prompt": "\\ud800"}'),
-    ("completions", '{"model": "tiny", "prompt": "ok", "stop": "\\udfff"}'),
-    ("chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("completions", '{"model": "tiny", "prompt": "\\ud800"}'),
+        ("completions", '{"model": "tiny", "prompt": "ok", "stop": "\\udfff"}'),
+        ("chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+    ],
+)
 def test_a_lone_surrogate_is_bad_input(server: ServerThread, path: str, body: str) -> None:
     response = httpx.post(f"{server.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
     error = response.json()["error"]
@@ -221,12 +226,16 @@ def test_health_fails_while_the_engine_is_stuck(models: tuple) -> None:
             session.propose = drafting
             return session
 
-    app = serving_app(target, Stuck(draft, 2), target_dir, name="t", adaptive=False,
-                      options=ServeOptions(stall_seconds=0.3))
+    app = serving_app(
+        target, Stuck(draft, 2), target_dir, name="t", adaptive=False, options=ServeOptions(stall_seconds=0.3)
+    )
     with torch_threads(1), ServerThread(app) as srv:
         assert httpx.get(f"{srv.url}/health").status_code == 200  # idle is not stuck
-        worker = threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",),
-                                  kwargs={"json": {"model": "t", "prompt": "a", "max_tokens": 3}, "timeout": 60})
+        worker = threading.Thread(
+            target=httpx.post,
+            args=(f"{srv.url}/v1/completions",),
+            kwargs={"json": {"model": "t", "prompt": "a", "max_tokens": 3}, "timeout": 60},
+        )
         worker.start()
         deadline = time.monotonic() + 20
         while (health := httpx.get(f"{srv.url}/health")).status_code == 200 and time.monotonic() < deadline:
@@ -248,8 +257,9 @@ def test_api_key_hosts_and_docs(models: tuple) -> None:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekrit", max_retries=0)
         assert client.completions.create(model="t", prompt="a", max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(f"{srv.url}/health").status_code == 200  # only /v1 needs the key
-        rebound = httpx.get(f"{srv.url}/v1/models", headers={"Host": "evil.example:80",
-                                                             "Authorization": "Bearer sekrit"})
+        rebound = httpx.get(
+            f"{srv.url}/v1/models", headers={"Host": "evil.example:80", "Authorization": "Bearer sekrit"}
+        )
         assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
         assert [httpx.get(f"{srv.url}{p}").status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
     with torch_threads(1), ServerThread(serving_app(target, None, target_dir, name="t")) as srv:
@@ -272,33 +282,87 @@ def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch: pytes
     assert api_key(None) is None
 
 
-def test_a_client_that_never_finishes_its_request_cannot_hold_shutdown_open(models: tuple,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_client_that_never_finishes_its_request_cannot_hold_shutdown_open(
+    models: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Half a body, and then nothing: uvicorn waits for that connection at shutdown, until the margin after the
     grace has passed (shortened here); without a graceful-shutdown timeout it would wait for ever."""
     monkeypatch.setattr("verispec.serve.server.SHUTDOWN_MARGIN", 0.5)
-    with (torch_threads(1), ServerThread(serving_app(models[1], None, name="t"), grace=0.0) as srv,
-          socket.create_connection(("127.0.0.1", srv.server.port)) as stalled):
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 100\r\n\r\n{\"model\":")
+    with (
+        torch_threads(1),
+        ServerThread(serving_app(models[1], None, name="t"), grace=0.0) as srv,
+        socket.create_connection(("127.0.0.1", srv.server.port)) as stalled,
+    ):
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model":'
+        )
         time.sleep(0.3)  # the request has begun: the app waits for the rest of its body
         start = time.monotonic()
         srv.shutdown(timeout=20)
         assert not srv.alive and time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("option", [["--max-body-bytes", "0"], ["--health-stall", "0"], ["--api-key", ""],
-                                    ["--health-stall", "nan"], ["--allowed-hosts", ","]])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--max-body-bytes", "0"],
+        ["--health-stall", "0"],
+        ["--api-key", ""],
+        ["--health-stall", "nan"],
+        ["--allowed-hosts", ","],
+    ],
+)
 def test_serve_cli_refuses_bad_security_options(option: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", "--target", "/nonexistent", *option]) == 2
     err = capsys.readouterr().err
     assert err.startswith("verispec: error: ") and err.count("\n") == 1
 
 
-HOSTILE = [float("nan"), float("inf"), float("-inf"), 5e-324, -5e-324, 1e-300, 1e308, -1e308, 0, -1, 2**63, 2**64,
-           -2**63, "", "\x00", "\ud800", "a\x00b", "\U0010ffff", [], {}, None, True, [[]], [None], "9" * 400, 3.5]
-FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n", "user", "model",
-          "logit_bias", "stream_options", "ignore_eos"]
+HOSTILE = [
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    5e-324,
+    -5e-324,
+    1e-300,
+    1e308,
+    -1e308,
+    0,
+    -1,
+    2**63,
+    2**64,
+    -(2**63),
+    "",
+    "\x00",
+    "\ud800",
+    "a\x00b",
+    "\U0010ffff",
+    [],
+    {},
+    None,
+    True,
+    [[]],
+    [None],
+    "9" * 400,
+    3.5,
+]
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "n",
+    "user",
+    "model",
+    "logit_bias",
+    "stream_options",
+    "ignore_eos",
+]
 
 
 def test_fuzz_every_field_with_hostile_values(server: ServerThread, models: tuple) -> None:

@@ -11,9 +11,15 @@ from verispec import generate, stream
 from verispec.drafters.registry import Method, Resources, build_drafter
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
-METHODS = [Method("autoregressive"), Method("draft", 3), Method("draft", 3, {"branch": 2}), Method("ngram", 3),
-           Method("layerskip", 2, {"skip": [1]}), Method("lookahead", None, {"window": 2, "ngram": 3, "candidates": 2}),
-           Method("suffix", 3, {"tree_tokens": 4, "history_tokens": 64})]  # its history rotating all the while
+METHODS = [
+    Method("autoregressive"),
+    Method("draft", 3),
+    Method("draft", 3, {"branch": 2}),
+    Method("ngram", 3),
+    Method("layerskip", 2, {"skip": [1]}),
+    Method("lookahead", None, {"window": 2, "ngram": 3, "candidates": 2}),
+    Method("suffix", 3, {"tree_tokens": 4, "history_tokens": 64}),
+]  # its history rotating all the while
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

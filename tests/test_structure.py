@@ -60,7 +60,7 @@ def a_cycle() -> list[str] | None:
         path.append(module)
         for other in sorted(GRAPH[module]):
             if state.get(other) == 1:
-                return path[path.index(other):] + [other]
+                return path[path.index(other) :] + [other]
             if other not in state and (cycle := visit(other)):
                 return cycle
         path.pop()
@@ -84,17 +84,26 @@ def upward(graph: dict[str, set[str]], layer: str) -> set[str]:
     """The imports out of `layer` (a package of verispec) into anything but itself and the modules below it."""
     allowed = tuple(f"verispec.{name}" for name in (layer, *BELOW[layer]))
     inside = lambda module, name: module == name or module.startswith(f"{name}.")
-    return {f"{module} -> {other}" for module in graph if inside(module, f"verispec.{layer}")
-            for other in graph[module] if not any(inside(other, name) for name in allowed)}
+    return {
+        f"{module} -> {other}"
+        for module in graph
+        if inside(module, f"verispec.{layer}")
+        for other in graph[module]
+        if not any(inside(other, name) for name in allowed)
+    }
 
 
 def test_the_upward_check_sees_any_module_above() -> None:
     """A model that imports sampling (above it, though neither drafters nor the loop) is caught, as is one that
     imports the package itself (whose __init__ loads every layer)."""
-    graph = {"verispec.models.execution": {"verispec.sampling", "verispec.models.llama", "verispec.kernels.capture"},
-             "verispec.models.native": {"verispec", "verispec.errors", "verispec.tokenizer"}}
-    assert upward(graph, "models") == {"verispec.models.execution -> verispec.sampling",
-                                       "verispec.models.native -> verispec"}
+    graph = {
+        "verispec.models.execution": {"verispec.sampling", "verispec.models.llama", "verispec.kernels.capture"},
+        "verispec.models.native": {"verispec", "verispec.errors", "verispec.tokenizer"},
+    }
+    assert upward(graph, "models") == {
+        "verispec.models.execution -> verispec.sampling",
+        "verispec.models.native -> verispec",
+    }
 
 
 def test_models_and_kernels_import_nothing_from_the_layers_above() -> None:

@@ -88,8 +88,13 @@ def test_a_sequences_own_matches_and_the_pruned_search_propose_what_the_full_sea
     for _ in range(30):
         tree.extend(sequence, [rng.randrange(alphabet) for _ in range(rng.randint(1, 4))])
         assert tree.own_matches(sequence) == tree.matches(sequence.tokens)
-        limits = Limits(rng.choice([1, 4, 8]), rng.choice([2, 8]), rng.choice([0.5, 1.0, 2.0]),
-                        rng.choice([0.0, 0.1, 0.3]), rng.random() < 0.5)
+        limits = Limits(
+            rng.choice([1, 4, 8]),
+            rng.choice([2, 8]),
+            rng.choice([0.5, 1.0, 2.0]),
+            rng.choice([0.0, 0.1, 0.3]),
+            rng.random() < 0.5,
+        )
         expected = unpruned(tree, sequence.tokens, limits)
         for got in (tree.speculate(sequence.tokens, limits), tree.speculate_own(sequence, limits)):
             assert got == expected or not got.tokens and not expected.tokens  # (nothing to propose: no match kept)
@@ -144,8 +149,11 @@ def test_the_tree_is_deepest_where_likeliest_and_bounded() -> None:
 
 def test_drafter_proposals_respect_k_and_the_tree_size(target) -> None:
     text = [7, 8, 9, 10, 11, 12, 13, 14] * 3 + [7, 8, 9, 10, 11, 12, 13, 14, 7, 8, 9]
-    for drafter, deepest, widest in ((SuffixDecoding(3), 3, 3), (SuffixDecoding(8), 8, 8),
-                                     (SuffixDecoding(3, tree_tokens=5), 3, 5)):
+    for drafter, deepest, widest in (
+        (SuffixDecoding(3), 3, 3),
+        (SuffixDecoding(8), 8, 8),
+        (SuffixDecoding(3, tree_tokens=5), 3, 5),
+    ):
         session = start_session(drafter, target, text)
         for k in (1, 2, drafter.k):
             proposal = session.propose(text, k)
@@ -232,12 +240,19 @@ def test_threads_and_an_engine_share_one_history(target, monkeypatch) -> None:
         try:
             for _ in range(3):
                 if batched:
-                    outs = [r.tokens for r in generate_batch(target, prompts, drafter, max_new_tokens=16,
-                                                             ignore_eos=True, adaptive=False)]
+                    outs = [
+                        r.tokens
+                        for r in generate_batch(
+                            target, prompts, drafter, max_new_tokens=16, ignore_eos=True, adaptive=False
+                        )
+                    ]
                 else:
                     outs = [generate(target, p, drafter, max_new_tokens=16, ignore_eos=True).tokens for p in prompts]
-                failures.extend(f"{'engine' if batched else 'generate'}: prompt {i}"
-                                for i, (out, want) in enumerate(zip(outs, truth)) if out != want)
+                failures.extend(
+                    f"{'engine' if batched else 'generate'}: prompt {i}"
+                    for i, (out, want) in enumerate(zip(outs, truth))
+                    if out != want
+                )
         except Exception as error:  # noqa: BLE001 (reported below, with the threads' other failures)
             failures.append(repr(error))
 
@@ -252,8 +267,9 @@ def shipped():
     return load_default()[0]
 
 
-@pytest.mark.parametrize("method", [Method("suffix"), Method("suffix", 6, {"tree_tokens": 8}),
-                                    Method("suffix", "auto")])
+@pytest.mark.parametrize(
+    "method", [Method("suffix"), Method("suffix", 6, {"tree_tokens": 8}), Method("suffix", "auto")]
+)
 def test_greedy_identity_on_the_shipped_pair(shipped, method) -> None:
     target, drafter = shipped, build_drafter(method)
     prompt = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n"
@@ -265,20 +281,44 @@ def test_greedy_identity_on_the_shipped_pair(shipped, method) -> None:
         assert runs[1].stats.target_calls < runs[0].stats.target_calls  # the first one's text, from the history
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(k=0), "k"), (dict(tree_tokens=0), "tree_tokens"),
-    (dict(options=SuffixOptions(spec_factor=0)), "spec_factor"), (dict(options=SuffixOptions(min_prob=1.5)), "min_prob"),
-    (dict(options=SuffixOptions(min_prob="x")), "min_prob"), (dict(options=SuffixOptions(suffix_depth=1)), "suffix_depth"),
-    (dict(options=SuffixOptions(history_tokens=-1)), "history_tokens"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(k=0), "k"),
+        (dict(tree_tokens=0), "tree_tokens"),
+        (dict(options=SuffixOptions(spec_factor=0)), "spec_factor"),
+        (dict(options=SuffixOptions(min_prob=1.5)), "min_prob"),
+        (dict(options=SuffixOptions(min_prob="x")), "min_prob"),
+        (dict(options=SuffixOptions(suffix_depth=1)), "suffix_depth"),
+        (dict(options=SuffixOptions(history_tokens=-1)), "history_tokens"),
+    ],
+)
 def test_bad_options_are_refused(options, message) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         SuffixDecoding(**options)
 
 
 def test_cli_suffix_matches_autoregressive_and_refuses_bad_options(capsys, pair_dirs) -> None:
-    code = main(["generate", "abcabcabc", "--target", str(pair_dirs[0]), "--method", "suffix", "--tree-tokens", "4",
-                 "--spec-factor", "2", "--min-prob", "0.2", "--max-new-tokens", "16", "--ignore-eos", "--compare"])
+    code = main(
+        [
+            "generate",
+            "abcabcabc",
+            "--target",
+            str(pair_dirs[0]),
+            "--method",
+            "suffix",
+            "--tree-tokens",
+            "4",
+            "--spec-factor",
+            "2",
+            "--min-prob",
+            "0.2",
+            "--max-new-tokens",
+            "16",
+            "--ignore-eos",
+            "--compare",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and "identical to autoregressive: yes" in out
     assert main(["generate", "x", "--target", str(pair_dirs[0]), "--method", "suffix", "--min-prob", "2"]) == 2
@@ -341,8 +381,9 @@ def test_the_eagle_combination_drafts_with_the_head_where_matches_are_short(tmp_
     prompt = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 9, 9]
     truth = generate(target, prompt, max_new_tokens=16, ignore_eos=True).tokens
     for below in (0, 3, 50):
-        drafter = build_drafter(Method("suffix", 3, {"eagle_below": below, "history_tokens": 0}),
-                                Resources(target=target, head_dir=folder))
+        drafter = build_drafter(
+            Method("suffix", 3, {"eagle_below": below, "history_tokens": 0}), Resources(target=target, head_dir=folder)
+        )
         assert drafter.needs.hidden_states and not drafter.batched
         assert generate(target, prompt, drafter, max_new_tokens=16, ignore_eos=True).tokens == truth
         session = start_session(drafter, target, prompt[:9])

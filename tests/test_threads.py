@@ -101,7 +101,9 @@ def test_import_sets_openmps_wait_policy_unless_given_and_llama_cpp_gets_its_own
     env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
-    code = ("import os, verispec; from verispec.openmp import child_environment; "
-            "print(os.environ['OMP_WAIT_POLICY'], child_environment().get('OMP_WAIT_POLICY'))")
+    code = (
+        "import os, verispec; from verispec.openmp import child_environment; "
+        "print(os.environ['OMP_WAIT_POLICY'], child_environment().get('OMP_WAIT_POLICY'))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.split() == (["PASSIVE", "None"] if given is None else [given, given])

@@ -46,7 +46,9 @@ def test_manifest_lists_python_files_outside_site_packages(tmp_path) -> None:
     write_manifest(entries, tmp_path / "manifest.jsonl")
     assert read_manifest(tmp_path / "manifest.jsonl") == entries
     (root / entries[0].path).write_text("changed")  # a file that no longer matches its sha256 is skipped
-    texts = {split: load_split(split, tmp_path / "manifest.jsonl", root) for split in ("train", "validation", "benchmark")}
+    texts = {
+        split: load_split(split, tmp_path / "manifest.jsonl", root) for split in ("train", "validation", "benchmark")
+    }
     assert sum(len(t) for t, _ in texts.values()) == len(SOURCES) - 1
     assert sum(skipped for _, skipped in texts.values()) == 1
 
@@ -70,13 +72,23 @@ def test_tokenizer_round_trips_and_loads_in_transformers(tmp_path) -> None:
 
 
 def tiny_run(run_dir: Path, seconds: float) -> tuple[LlamaForCausalLM, dict]:
-    config = replace(TARGET_CONFIG, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = replace(
+        TARGET_CONFIG,
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     init_weights(model)
     tokens = np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16)
-    cfg = TrainConfig(hours=seconds / 3600, batch_size=2, seq_len=16, warmup_steps=2, eval_every_minutes=1e-4, bf16=False)
+    cfg = TrainConfig(
+        hours=seconds / 3600, batch_size=2, seq_len=16, warmup_steps=2, eval_every_minutes=1e-4, bf16=False
+    )
     return model, train(model, cfg, run_dir, tokens, lm_loss, lambda m: {"val_loss": 0.0})
 
 
@@ -139,7 +151,9 @@ def test_cards_state_measured_numbers(tmp_path, pair_dirs) -> None:
     target, draft = load_model(pair_dirs[0]), load_model(pair_dirs[1])
     for run, extra in (("t", {"val_loss": 2.0, "val_bpb": 0.9}), ("d", {"val_kl": 0.5, "val_top1_agreement": 0.6})):
         (tmp_path / run).mkdir()
-        (tmp_path / run / "log.jsonl").write_text(json.dumps({"tokens_seen": 10**6, "hours": 2.0, "train_loss": 2.1} | extra))
+        (tmp_path / run / "log.jsonl").write_text(
+            json.dumps({"tokens_seen": 10**6, "hours": 2.0, "train_loss": 2.1} | extra)
+        )
     dirs = [tmp_path / "target", tmp_path / "draft"]
     for d in dirs:
         d.mkdir()

@@ -22,14 +22,17 @@ def test_layout_sees_root_ancestors_and_self_only() -> None:
     # root -> 0 -> 2, root -> 1; a side branch of two tokens, the second seeing the first
     side = SideBranch([7, 8], [1, 2], torch.tensor([[True, False], [True, True]]))
     mask, positions = layout(Proposal([5, 6, 9], parents=[-1, -1, 0], side=side), 10, torch.device("cpu"))
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],  # root
-        [1, 1, 0, 0, 0, 0],  # token 0
-        [1, 0, 1, 0, 0, 0],  # token 1: not its sibling
-        [1, 1, 0, 1, 0, 0],  # token 2: its parent 0
-        [1, 0, 0, 0, 1, 0],  # side 0: nothing of the proposal
-        [1, 0, 0, 0, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],  # root
+            [1, 1, 0, 0, 0, 0],  # token 0
+            [1, 0, 1, 0, 0, 0],  # token 1: not its sibling
+            [1, 1, 0, 1, 0, 0],  # token 2: its parent 0
+            [1, 0, 0, 0, 1, 0],  # side 0: nothing of the proposal
+            [1, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)
     assert positions.tolist() == [10, 11, 11, 12, 11, 12]
     assert layout(Proposal([5, 6]), 10, torch.device("cpu")) == (None, None)

@@ -66,19 +66,42 @@ def test_tree_drafting_is_identical_to_greedy(target, draft, unrelated, which, k
 
 def test_cli_generate_with_branch(capsys, pair_dirs) -> None:
     target, draft = map(str, pair_dirs)
-    code = main(["generate", "def f(x):", "--target", target, "--draft", draft, "-k", "3", "--branch", "2",
-                 "--branch-depth", "2", "--max-new-tokens", "16", "--ignore-eos", "--color", "never", "--compare"])
+    code = main(
+        [
+            "generate",
+            "def f(x):",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "-k",
+            "3",
+            "--branch",
+            "2",
+            "--branch-depth",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--ignore-eos",
+            "--color",
+            "never",
+            "--compare",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and "16 tokens" in out and "identical to autoregressive: yes" in out
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--branch", "0"], "branch (candidates per tree node) must be an integer >= 1"),
-    (["--branch-depth", "-1"], "branch_depth (depths that branch) must be an integer >= 1"),
-    (["--branch", "2", "--method", "ngram"], "method ngram takes no option branch"),
-    (["--branch", "2", "--no-draft"], "method draft needs a draft model (--draft DIR)"),
-    (["--branch", "2", "--backend", "transformers"], "native runtime"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--branch", "0"], "branch (candidates per tree node) must be an integer >= 1"),
+        (["--branch-depth", "-1"], "branch_depth (depths that branch) must be an integer >= 1"),
+        (["--branch", "2", "--method", "ngram"], "method ngram takes no option branch"),
+        (["--branch", "2", "--no-draft"], "method draft needs a draft model (--draft DIR)"),
+        (["--branch", "2", "--backend", "transformers"], "native runtime"),
+    ],
+)
 def test_cli_rejects_bad_branch_options(capsys, pair_dirs, extra, message) -> None:
     target, draft = map(str, pair_dirs)
     draft_args = [] if "--no-draft" in extra else ["--draft", draft]
@@ -114,7 +137,7 @@ def test_verdicts_after_an_end_of_sequence_cut_are_in_the_drafters_numbering(tar
 
     assert generate(eos_target, PROMPT, Checking(target, k=3, branch=2), max_new_tokens=30).tokens == truth
     assert verdicts[0][2] == [0, 2, 4]  # nodes 3 and 5 (beneath the EOS at node 1) were cut before verification
-    assert all(tokens == truth[at: at + len(tokens)] for at, tokens, _ in verdicts)
+    assert all(tokens == truth[at : at + len(tokens)] for at, tokens, _ in verdicts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,8 +186,7 @@ def deep_unrelated(tmp_path_factory: pytest.TempPathFactory) -> NativeModel:
 
 
 @pytest.mark.parametrize("which, temperature", [("partial", 0.0), ("deep_unrelated", 1.0)])
-def test_draft_cache_after_compaction_equals_a_plain_forward(target, draft, deep_unrelated, which,
-                                                            temperature) -> None:
+def test_draft_cache_after_compaction_equals_a_plain_forward(target, draft, deep_unrelated, which, temperature) -> None:
     recorder = Recorder(draft if which == "partial" else deep_unrelated, k=3, branch=2, branch_depth=2)
     generate(target, PROMPT, recorder, max_new_tokens=30, temperature=temperature, seed=0, ignore_eos=True)
     assert recorder.steps > 3 and recorder.moved > 0  # some accepted paths had to be moved into place
@@ -258,12 +280,17 @@ def compare(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
         return 0.0, tv
     expected = exact * total
     small = expected < 5
-    observed, expected = np.append(counts[~small], counts[small].sum()), np.append(expected[~small], expected[small].sum())
+    observed, expected = (
+        np.append(counts[~small], counts[small].sum()),
+        np.append(expected[~small], expected[small].sum()),
+    )
     keep = expected > 0
     return float(stats.chisquare(observed[keep], expected[keep]).pvalue), tv
 
 
-def rule_statistics(rule, kind: str, sampling: SamplingParams, branch: int, distinct: bool = False) -> tuple[float, float]:
+def rule_statistics(
+    rule, kind: str, sampling: SamplingParams, branch: int, distinct: bool = False
+) -> tuple[float, float]:
     t = tables(kind, sampling)
     exact = (t.p1.double()[:, None] * t.p2.double()).reshape(-1).numpy()
     return compare(outcome_counts(rule, t, branch, distinct), exact / exact.sum())
@@ -284,8 +311,9 @@ def test_specinfer_rule_on_trees_keeps_the_target_distribution(case: str) -> Non
     assert tv < TV_THRESHOLD, (pvalue, tv)
 
 
-def no_residual_verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
-                            generator: torch.Generator) -> tuple[list[int], int]:
+def no_residual_verify_tree(
+    proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], int]:
     """BROKEN: SpecInfer's walk, except that a rejected sibling leaves p as it was for the next one."""
     children: dict[int, list[int]] = {}
     for i, parent in enumerate(proposal.parents):

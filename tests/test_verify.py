@@ -252,8 +252,9 @@ def test_speculative_sampling_sequences_follow_target(draft: str, setting: str) 
     assert tv < TV_THRESHOLD, (pvalue, tv)
 
 
-def _accepted_prefix(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                     generator: torch.Generator | None) -> torch.Tensor:
+def _accepted_prefix(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
     """The correct acceptance test: the number of leading drafts passing r < p(x) / q(x)."""
     px = p[:, : draft.shape[1]].gather(-1, draft[..., None])[..., 0]
     qx = q.gather(-1, draft[..., None])[..., 0]
@@ -261,15 +262,17 @@ def _accepted_prefix(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     return (r * qx < px).long().cumprod(1).sum(1)
 
 
-def no_residual_rule(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def no_residual_rule(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BROKEN: correct acceptance, but a rejection resamples from p instead of norm(max(0, p - q))."""
     n = _accepted_prefix(draft, q, p, generator)
     return n, sample(p[torch.arange(len(n)), n], generator)
 
 
-def accept_always_rule(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_always_rule(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BROKEN: every draft is kept and the bonus token comes from p."""
     return torch.full((len(draft),), draft.shape[1], dtype=torch.long), sample(p[:, -1], generator)
 
@@ -334,8 +337,9 @@ class FixedDrafter(OwnSession):
         self.verdicts.append(verdict.num_accepted)
 
 
-def generations(target: NativeModel, drafter: DraftModel | FixedDrafter, num_draws: int,
-                **options) -> Iterator[Generation]:
+def generations(
+    target: NativeModel, drafter: DraftModel | FixedDrafter, num_draws: int, **options
+) -> Iterator[Generation]:
     """`generate` from PROMPT with seeds 0, 1, ..., num_draws - 1, EOS ignored; `options` go to `generate`."""
     for seed in range(num_draws):
         yield generate(target, PROMPT, drafter, seed=seed, ignore_eos=True, **options)
@@ -391,8 +395,15 @@ def test_generate_is_reproducible_per_seed(tiny_models: TinyModels, kind: str) -
     drafter = DraftModel(tiny_models.draft, k=2) if kind == "draft_model" else FixedDrafter(k=2)
 
     def run(seed: int) -> tuple[list[int], list[bool]]:
-        out = generate(tiny_models.target, PROMPT, drafter, max_new_tokens=12, temperature=E2E_TEMPERATURE,
-                       seed=seed, ignore_eos=True)
+        out = generate(
+            tiny_models.target,
+            PROMPT,
+            drafter,
+            max_new_tokens=12,
+            temperature=E2E_TEMPERATURE,
+            seed=seed,
+            ignore_eos=True,
+        )
         assert len(out.tokens) == 12 and all(0 <= t < E2E_VOCAB for t in out.tokens)
         assert out.stop_reason == "max_new_tokens" and out.stats.drafter_calls > 0
         return out.tokens, out.drafted
@@ -461,9 +472,15 @@ def sample_triples(m: MultiModels, num_draws: int) -> tuple[np.ndarray, int, int
     """Over `num_draws` generations with seeds 0, 1, ...: (V, V, V) counts of the three new tokens; how many
     steps drafted 2 tokens; and in how many of those both were accepted."""
     counts, two_proposed, two_accepted = np.zeros(m.exact.shape, dtype=np.int64), 0, 0
-    for out in generations(m.target, DraftModel(m.draft, k=3), num_draws, max_new_tokens=MULTI_NEW_TOKENS,
-                           temperature=MULTI_SAMPLING.temperature, top_k=MULTI_SAMPLING.top_k,
-                           top_p=MULTI_SAMPLING.top_p):
+    for out in generations(
+        m.target,
+        DraftModel(m.draft, k=3),
+        num_draws,
+        max_new_tokens=MULTI_NEW_TOKENS,
+        temperature=MULTI_SAMPLING.temperature,
+        top_k=MULTI_SAMPLING.top_k,
+        top_p=MULTI_SAMPLING.top_p,
+    ):
         counts[tuple(out.tokens)] += 1
         if len(out.stats.proposed_by_position) > 1:
             two_proposed += out.stats.proposed_by_position[1]

@@ -40,8 +40,9 @@ def unicode_text(text: str, name: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise InvalidArgumentError(f"{name} is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
-                                   f"{err.start}") from None
+        raise InvalidArgumentError(
+            f"{name} is not valid Unicode: a lone surrogate {text[err.start]!r} at character {err.start}"
+        ) from None
     return text
 
 
@@ -51,11 +52,15 @@ def prompt_ids(target: CausalLM, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         ids = target.tokenizer.encode(unicode_text(prompt, "the prompt"), add_special_tokens=True).ids
     elif isinstance(prompt, (torch.Tensor, np.ndarray)):
-        integer = (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray)
-                   else not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool))
+        integer = (
+            prompt.dtype.kind in "iu"
+            if isinstance(prompt, np.ndarray)
+            else not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+        )
         if prompt.ndim != 1 or not integer:
-            raise InvalidArgumentError(f"the prompt must be {PROMPT_TYPES}; got a {prompt.ndim}-D "
-                                       f"{type(prompt).__name__} of {prompt.dtype}")
+            raise InvalidArgumentError(
+                f"the prompt must be {PROMPT_TYPES}; got a {prompt.ndim}-D {type(prompt).__name__} of {prompt.dtype}"
+            )
         ids = prompt.tolist()
     elif isinstance(prompt, (list, tuple, range)):
         # bool is an int to Python, but [True] is a mistake, not token 1

@@ -27,8 +27,15 @@ class Chat:
     `max_new_tokens` a reply runs to the end of its turn (the room left in the context).
     """
 
-    def __init__(self, target: CausalLM, render: Callable[[Messages], str], drafter: Drafter | None = None, *,
-                 system: str | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        target: CausalLM,
+        render: Callable[[Messages], str],
+        drafter: Drafter | None = None,
+        *,
+        system: str | None = None,
+        **options: Any,
+    ) -> None:
         self.target, self.render, self.drafter, self.options = target, render, drafter, options
         self.system = system
         width = 0 if drafter is None else drafter.width
@@ -50,8 +57,10 @@ class Chat:
         ids = self.target.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
         budget = self.options.get("max_new_tokens") or self.target.context_length  # None: to the end of the turn
         if len(ids) + 1 > self.target.context_length:
-            raise InvalidArgumentError(f"the conversation has {len(ids)} tokens: no room left in the model's "
-                                       f"context of {self.target.context_length}; /reset to start over")
+            raise InvalidArgumentError(
+                f"the conversation has {len(ids)} tokens: no room left in the model's "
+                f"context of {self.target.context_length}; /reset to start over"
+            )
         self.cache.truncate(min(self.cache.length, _common(self._cached, ids), len(ids) - 1))
         options = self.options | {"max_new_tokens": min(budget, self.target.context_length - len(ids))}
         steps = stream(self.target, ids, self.drafter, cache=self.cache, **options)
@@ -68,8 +77,10 @@ class Chat:
         finally:
             steps.close()
             result = steps.result
-            self.messages = [*messages, {"role": "assistant",
-                                         "content": result.text if result is not None else "".join(pieces)}]
+            self.messages = [
+                *messages,
+                {"role": "assistant", "content": result.text if result is not None else "".join(pieces)},
+            ]
             held = [*ids, *result.tokens] if result is not None else ids  # a closed stream's tokens are not known
             self.cache.truncate(min(self.cache.length, len(held) - 1))
             self._cached = held[: self.cache.length]

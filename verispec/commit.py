@@ -16,8 +16,9 @@ class Committed:
     stop_reason: str | None  # "eos" or "stop_string" when the step ends the generation
 
 
-def commit_step(new: list[int], drafted: list[bool], proposed: int, eos: frozenset[int], text: TextTracker,
-                stats: GenerationStats) -> Committed:
+def commit_step(
+    new: list[int], drafted: list[bool], proposed: int, eos: frozenset[int], text: TextTracker, stats: GenerationStats
+) -> Committed:
     """The verdict's tokens (`new`, the accepted proposal and the target's own token; `proposed`: the proposal's
     depth), cut after an end-of-sequence token and at a stop string, added to the text and counted in the stats."""
     reason = None

@@ -20,8 +20,9 @@ from verispec.proposal import Proposal
 from verispec.sampling import constrain
 from verispec.tree import chain_parents, subset, through_eos
 
-STUCK = ("the grammar allows none of this model's tokens after the output so far: it cannot be completed in this "
-         "vocabulary")
+STUCK = (
+    "the grammar allows none of this model's tokens after the output so far: it cannot be completed in this vocabulary"
+)
 
 
 class Constraint:
@@ -89,9 +90,11 @@ class Constraint:
     def _check_q(q: torch.Tensor, allowed: torch.Tensor) -> None:
         """q (n, V) of drafted tokens, drawn where the grammar allowed `allowed` (n, V): none of its mass elsewhere."""
         if bool((q.masked_fill(allowed.to(q.device), 0) > 0).any()):
-            raise DrafterError("the drafter sampled from a q that gives tokens the grammar forbids some mass; "
-                               "speculative sampling stays exact only with the grammar's mask on q as on p "
-                               "(Constraint.constrain)")
+            raise DrafterError(
+                "the drafter sampled from a q that gives tokens the grammar forbids some mass; "
+                "speculative sampling stays exact only with the grammar's mask on q as on p "
+                "(Constraint.constrain)"
+            )
 
     def commit(self, tokens: Sequence[int]) -> None:
         """`tokens` join the committed output: the matcher rolls back from wherever drafting left it to the prefix it
@@ -118,8 +121,10 @@ class Constraint:
         self._at += rest[:consumed]
         self._raise_if_error()
         if consumed < len(rest):
-            raise GrammarError(f"the grammar does not allow token {rest[consumed]} after the output so far and "
-                               f"{list(prefix[:common + consumed])}")
+            raise GrammarError(
+                f"the grammar does not allow token {rest[consumed]} after the output so far and "
+                f"{list(prefix[: common + consumed])}"
+            )
 
     def _raise_if_error(self) -> None:
         if not self._matcher.is_error():

@@ -44,7 +44,9 @@ PROBE_WAIT_MAX = 128  # plain steps between probes at most, however costly they 
 
 CALIBRATION_BINS, CALIBRATION_WEIGHT, CALIBRATION_DECAY = 10, 4.0, 0.99
 
-Costs = tuple[float, Callable[[int], float]]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
+Costs = tuple[
+    float, Callable[[int], float]
+]  # (c, r): draft token cost and target cost of n tokens, per 1-token forward
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -56,8 +58,15 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return total
 
 
-def best_k(acceptance: Sequence[float], c: float, r: Callable[[int], float], choices: Sequence[int],
-           width: Callable[[int], int] = lambda k: k, overhead: float = 0.0, start: float = 0.0) -> int:
+def best_k(
+    acceptance: Sequence[float],
+    c: float,
+    r: Callable[[int], float],
+    choices: Sequence[int],
+    width: Callable[[int], int] = lambda k: k,
+    overhead: float = 0.0,
+    start: float = 0.0,
+) -> int:
     """The k in `choices` with the highest predicted speed E(k) / (start + k c + r(width(k) + 1) + overhead), the
     smaller on a tie; k = 0 is a plain step (speed 1 / (1 + overhead)). `overhead` is what every step costs besides
     drafting and the target's forward (the loop's own work), so it favours steps that yield more tokens; `start` is
@@ -90,8 +99,9 @@ class Calibration:
     estimate itself. Suffix decoding's estimates are counts in the text so far, and a continuation seen once is
     "certain"; what the target then accepts says what such certainty is worth."""
 
-    def __init__(self, bins: int = CALIBRATION_BINS, weight: float = CALIBRATION_WEIGHT,
-                 decay: float = CALIBRATION_DECAY) -> None:
+    def __init__(
+        self, bins: int = CALIBRATION_BINS, weight: float = CALIBRATION_WEIGHT, decay: float = CALIBRATION_DECAY
+    ) -> None:
         self.bins, self.weight, self.decay = bins, weight, decay
         self.tried, self.hits = [0.0] * bins, [0.0] * bins
 
@@ -112,8 +122,9 @@ class Acceptance:
     """a_j, the chance that draft position j is accepted once positions 1..j-1 were: a Beta posterior over decayed
     counts, whose prior mean is the estimate at j - 1, so depths not yet tried look like the deepest one that was."""
 
-    def __init__(self, k: int, prior: float = PRIOR_ACCEPTANCE, weight: float = PRIOR_WEIGHT,
-                 decay: float = DECAY) -> None:
+    def __init__(
+        self, k: int, prior: float = PRIOR_ACCEPTANCE, weight: float = PRIOR_WEIGHT, decay: float = DECAY
+    ) -> None:
         self.prior, self.weight, self.decay = prior, weight, decay
         self.tried, self.hits = [0.0] * k, [0.0] * k
 
@@ -191,7 +202,7 @@ class Timings:
         if not seen:
             return PRIOR_C, lambda n: 1.0 + PRIOR_SLOPE * (n - 1), 0.0
         if len(seen) == 1:
-            (m, t), = seen.items()
+            ((m, t),) = seen.items()
             one = t / (1 + PRIOR_SLOPE * (m - 1))
             slope = PRIOR_SLOPE * one
             fit = lambda n: one + slope * (n - 1)
@@ -206,8 +217,9 @@ class Timings:
         # width (float32's 2-token forward takes another kernel) would otherwise price every wider step out unseen,
         # and a step never tried is never measured.
         widest = max(seen)
-        line = lambda n: seen.get(n, min(fit(n), seen[widest] + PRIOR_SLOPE * one * (n - widest))
-                                  if n > widest else fit(n))
+        line = lambda n: seen.get(
+            n, min(fit(n), seen[widest] + PRIOR_SLOPE * one * (n - widest)) if n > widest else fit(n)
+        )
         start, per_token = self.drafting() or (0.0, PRIOR_C * one)
         c = per_token / one
         # Verifying n tokens never costs more than n one-token forwards: a stalled timing must not price speculation

@@ -49,13 +49,13 @@ class TextTracker:
 
     def _next_text(self, token: int) -> str:
         self._all.append(token)
-        window = self._all[self._window_start:]
+        window = self._all[self._window_start :]
         before = self.tokenizer.decode(window[: self._read - self._window_start], skip_special_tokens=True)
         after = self.tokenizer.decode(window, skip_special_tokens=True)
         if after.endswith("\ufffd") or len(after) <= len(before):  # mid-character, or nothing printable yet
             return ""
         self._window_start, self._read = self._read, len(self._all)
-        return after[len(before):]
+        return after[len(before) :]
 
     def _cut(self, at: int) -> None:
         """End the text where the stop string starts; every token up to the one that completed it stays."""
@@ -72,4 +72,4 @@ class TextTracker:
         while self.emitted < len(self.pieces) and self._emitted_chars + len(self.pieces[self.emitted].text) <= boundary:
             self._emitted_chars += len(self.pieces[self.emitted].text)
             self.emitted += 1
-        return self.pieces[start:self.emitted]
+        return self.pieces[start : self.emitted]

@@ -48,11 +48,23 @@ class Stream:
         self._steps.close()
 
 
-def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | None = None, *,
-           max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-           cache: Cache | None = None, json_schema: dict | str | None = None, regex: str | None = None,
-           grammar: str | Grammar | TokenGrammar | None = None) -> Stream:
+def stream(
+    target: CausalLM,
+    prompt: str | Sequence[int],
+    drafter: Drafter | None = None,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    cache: Cache | None = None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    grammar: str | Grammar | TokenGrammar | None = None,
+) -> Stream:
     """Speculative (or, with no drafter, plain autoregressive) decoding of one prompt, streamed.
 
     `cache`: the target's cache from an earlier generation, holding the first `cache.length` tokens of this prompt
@@ -64,8 +76,9 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     at every position (greedy: their argmax; sampling: the masked, renormalised distribution), and ends with the
     end-of-sequence token once the grammar is complete."""
     sampling = SamplingParams(temperature, top_k, top_p)
-    ids, max_new_tokens, seed, stop = generation_args(target, prompt, max_new_tokens=max_new_tokens, seed=seed,
-                                                      stop=stop)
+    ids, max_new_tokens, seed, stop = generation_args(
+        target, prompt, max_new_tokens=max_new_tokens, seed=seed, stop=stop
+    )
     bound = bind(grammar_option(json_schema, regex, grammar), target, ignore_eos)
     generator = seeded_generator(target.device, seed)
     if drafter is not None:  # here, not in the loop, so that an incompatible drafter fails before any output
@@ -78,12 +91,24 @@ def stream(target: CausalLM, prompt: str | Sequence[int], drafter: Drafter | Non
     if cache is None:
         cache = target.new_cache(size)
     elif cache.length >= len(ids) or cache.max_len < size:
-        raise InvalidArgumentError(f"the cache holds {cache.length} of {cache.max_len} positions; this prompt of "
-                                   f"{len(ids)} tokens needs it to hold fewer, with room for {size}")
+        raise InvalidArgumentError(
+            f"the cache holds {cache.length} of {cache.max_len} positions; this prompt of "
+            f"{len(ids)} tokens needs it to hold fewer, with room for {size}"
+        )
     elif drafter is not None and drafter.needs.hidden_states:
         cache.truncate(0)  # the drafter reads the target's features of the whole prompt: prefill it all
-    run = _Run(target, drafter, ids, sampling, generator, max_new_tokens, eos, cache,
-               TextTracker(target.tokenizer, ids, stop), None if bound is None else bound.start())
+    run = _Run(
+        target,
+        drafter,
+        ids,
+        sampling,
+        generator,
+        max_new_tokens,
+        eos,
+        cache,
+        TextTracker(target.tokenizer, ids, stop),
+        None if bound is None else bound.start(),
+    )
     return Stream(_decode(run), run.stats)
 
 
@@ -119,15 +144,16 @@ def _begin(run: _Run) -> DraftSession | None:
     layers = () if run.drafter is None else run.drafter.needs.hidden_states
     hidden = torch.empty(0, len(layers), target.hidden_size) if layers else None
     if len(tokens) - 1 > run.cache.length:  # its logits are not used: one row's LM head where the model can skip
-        x = torch.tensor([tokens[run.cache.length:-1]], device=target.device)
+        x = torch.tensor([tokens[run.cache.length : -1]], device=target.device)
         if layers:
             hidden = target(x, run.cache, hidden=layers, logits_to_keep=1)[1][0]
         else:
             target(x, run.cache, logits_to_keep=1)
     if run.drafter is None:
         return None
-    return run.drafter.begin(DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden,
-                                          run.grammar))
+    return run.drafter.begin(
+        DraftContext(target, list(tokens), run.sampling, run.generator, run.cache, hidden, run.grammar)
+    )
 
 
 def _decode(run: _Run) -> Generator[Piece, None, Generation]:
@@ -153,11 +179,15 @@ def _decode(run: _Run) -> Generator[Piece, None, Generation]:
                 _check(drafter, proposal, k)
             proposal, kept = cut_after_eos(proposal, eos)
             t1 = time.perf_counter()
-            step = speculative_step(target, cache, tokens[-1], proposal, run.sampling, run.generator, layers,
-                                    run.grammar)
+            step = speculative_step(
+                target, cache, tokens[-1], proposal, run.sampling, run.generator, layers, run.grammar
+            )
             if asked:
                 session.accepted(Verdict([kept[i] for i in step.path], step.side_logits, step.hidden))
-            stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + time.perf_counter() - t1
+            stats.draft_time, stats.verify_time = (
+                stats.draft_time + t1 - t0,
+                stats.verify_time + time.perf_counter() - t1,
+            )
             stats.target_calls += 1
             new = [*(proposal.tokens[i] for i in step.path), step.next_token]
             committed = commit_step(new, [True] * len(step.path) + [False], depth(proposal), eos, text, stats)
@@ -170,7 +200,7 @@ def _decode(run: _Run) -> Generator[Piece, None, Generation]:
         cache.truncate(min(cache.length, len(tokens) - 1))
         stats.total_time = time.perf_counter() - start
     yield from text.ready(final=True)
-    generated = tokens[len(run.prompt):]
+    generated = tokens[len(run.prompt) :]
     return Generation(text.text, generated, [p.drafted for p in text.pieces], stop_reason, stats)
 
 
@@ -178,5 +208,7 @@ def _check(drafter: Drafter, proposal: Proposal, k: int) -> None:
     """A proposal deeper than asked, or wider than the drafter declared, would overrun the cache or the context."""
     side = 0 if proposal.side is None else len(proposal.side.tokens)
     if depth(proposal) > k or len(proposal.tokens) + side > drafter.width:
-        raise DrafterError(f"drafter {drafter.name} proposed {len(proposal.tokens) + side} tokens {depth(proposal)} "
-                           f"deep; it may propose at most {drafter.width} tokens {k} deep")
+        raise DrafterError(
+            f"drafter {drafter.name} proposed {len(proposal.tokens) + side} tokens {depth(proposal)} "
+            f"deep; it may propose at most {drafter.width} tokens {k} deep"
+        )

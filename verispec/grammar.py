@@ -88,8 +88,9 @@ def _text(value: Any, what: str) -> None:
         raise GrammarError(f"{what} must be a non-empty string, got {value!r}")
 
 
-def grammar_option(json_schema: dict | str | None = None, regex: str | None = None,
-                   grammar: str | Grammar | TokenGrammar | None = None) -> Grammar | TokenGrammar | None:
+def grammar_option(
+    json_schema: dict | str | None = None, regex: str | None = None, grammar: str | Grammar | TokenGrammar | None = None
+) -> Grammar | TokenGrammar | None:
     """The one constraint that `generate`'s options ask for (None: none): `json_schema` (a dict or its JSON text),
     `regex`, or `grammar` (Lark or GBNF text, or an already compiled `Grammar` / `TokenGrammar`); at most one."""
     given = [name for name, value in zip(KINDS, (json_schema, regex, grammar)) if value is not None]
@@ -112,8 +113,10 @@ class TokenGrammar:
         self.grammar, self.tokenizer, self.vocab_size, self.eos = grammar, tokenizer, vocab_size, eos
         self._matcher = llguidance.LLMatcher(_vocabulary(tokenizer, vocab_size, eos), grammar.compiled, log_level=0)
         if self._matcher.is_error():
-            raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot be used with this model's tokenizer: "
-                               f"{one_line(self._matcher.get_error())}")
+            raise GrammarError(
+                f"the {grammar.kind.replace('_', ' ')} cannot be used with this model's tokenizer: "
+                f"{one_line(self._matcher.get_error())}"
+            )
 
     def start(self) -> Constraint:
         """A new generation's state: nothing generated yet."""
@@ -126,8 +129,10 @@ def bind(grammar: Grammar | TokenGrammar | None, target: CausalLM, ignore_eos: b
     if grammar is None:
         return None
     if ignore_eos:
-        raise InvalidArgumentError("ignore_eos cannot be combined with a grammar: a constrained output ends with the "
-                                   "end-of-sequence token once the grammar is complete")
+        raise InvalidArgumentError(
+            "ignore_eos cannot be combined with a grammar: a constrained output ends with the "
+            "end-of-sequence token once the grammar is complete"
+        )
     eos = frozenset(t for t in target.eos_token_ids if t < target.vocab_size)
     if isinstance(grammar, TokenGrammar):
         if grammar.tokenizer is not target.tokenizer or grammar.vocab_size != target.vocab_size or grammar.eos != eos:
@@ -136,8 +141,9 @@ def bind(grammar: Grammar | TokenGrammar | None, target: CausalLM, ignore_eos: b
     if not isinstance(grammar, Grammar):
         raise InvalidArgumentError(f"a grammar must be a verispec Grammar, got {type(grammar).__name__}")
     if not eos:
-        raise GrammarError(f"{target.name} has no end-of-sequence token in its vocabulary, which a constrained "
-                           "output ends with")
+        raise GrammarError(
+            f"{target.name} has no end-of-sequence token in its vocabulary, which a constrained output ends with"
+        )
     return TokenGrammar(grammar, target.tokenizer, target.vocab_size, eos)
 
 

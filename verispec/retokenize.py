@@ -57,7 +57,7 @@ class DraftText:
     def update(self, context: Sequence[int]) -> int:
         """Bring `ids` up to `context` (every committed target token: the last one's context and more). Returns how
         many leading `ids` are as before."""
-        self._bytes += b"".join(self.target.pieces[t] or b"" for t in context[self._seen:])
+        self._bytes += b"".join(self.target.pieces[t] or b"" for t in context[self._seen :])
         self._seen = len(context)
         keep = max(0, len(self.ids) - LOOKBEHIND) if self._exact else 0
         start = self._ends[keep - 1] if keep else 0

@@ -38,8 +38,10 @@ class SamplingParams:
         if self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if not LEAST_TOP_P <= self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in [{LEAST_TOP_P:.4g}, 1] (float32's smallest normal number: "
-                                       f"less rounds to 0), got {self.top_p}")
+            raise InvalidArgumentError(
+                f"top_p must be in [{LEAST_TOP_P:.4g}, 1] (float32's smallest normal number: "
+                f"less rounds to 0), got {self.top_p}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -82,8 +84,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def draw(logits: torch.Tensor, params: SamplingParams,
-         generator: torch.Generator | None = None) -> tuple[int, torch.Tensor | None]:
+def draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[int, torch.Tensor | None]:
     """A drafter's next token from its logits (V,): the argmax when greedy (no q needed), else a sample and its q."""
     if params.greedy:
         return int(argmax(logits)), None

@@ -24,9 +24,16 @@ class StepResult:
     hidden: torch.Tensor | None  # (1 + len(path), len(layers), D) at the last committed token and the accepted ones
 
 
-def speculative_step(target: CausalLM, cache: Cache, last: int, proposal: Proposal, sampling: SamplingParams,
-                     generator: torch.Generator, hidden: Sequence[int] = (),
-                     grammar: Constraint | None = None) -> StepResult:
+def speculative_step(
+    target: CausalLM,
+    cache: Cache,
+    last: int,
+    proposal: Proposal,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    hidden: Sequence[int] = (),
+    grammar: Constraint | None = None,
+) -> StepResult:
     """`cache` holds every committed token but `last`. One forward over [last, proposal, side branch] gives the
     target's p at the root and at every proposed token; greedy match, speculative sampling with the draft's q
     (a chain) or SpecInfer's walk (a tree) picks the accepted path and the next token; the cache keeps `last` and
@@ -59,5 +66,9 @@ def speculative_step(target: CausalLM, cache: Cache, last: int, proposal: Propos
     if grammar is not None:  # the matcher rolls back with the cache: to the kept path, then on by the next token
         grammar.commit([*(proposal.tokens[i] for i in path), next_token])
     rows = [0, *(1 + i for i in path)]
-    return StepResult(path if kept is None else [kept[i] for i in path], next_token,
-                      logits[0, nodes:, :V] if side else None, None if states is None else states[0, rows])
+    return StepResult(
+        path if kept is None else [kept[i] for i in path],
+        next_token,
+        logits[0, nodes:, :V] if side else None,
+        None if states is None else states[0, rows],
+    )

@@ -34,8 +34,14 @@ def save_tokenizer(tokenizer: Tokenizer, folder: str | Path, context_length: int
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     eot = EOT if tokenizer.token_to_id(EOT) is not None else None
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "unk_token": eot,
-              "model_max_length": context_length, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eot,
+        "bos_token": eot,
+        "unk_token": eot,
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -56,7 +62,9 @@ def as_id_set(value: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
-def eos_token_ids(tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: int | Sequence[int] | None) -> frozenset[int]:
+def eos_token_ids(
+    tokenizer: Tokenizer, checkpoint_dir: str | Path, config_eos: int | Sequence[int] | None
+) -> frozenset[int]:
     """End-of-sequence ids: config.json's and generation_config.json's (instruct models list several), else a
     conventional special token."""
     ids = as_id_set(config_eos)
@@ -80,8 +88,10 @@ def check_tokenizer_fits(tokens: int, rows: int, name: str | Path) -> None:
     A table padded larger than the tokenizer is common and fine: the loop scores only the tokenizer's ids.
     """
     if tokens > rows:
-        raise CheckpointError(f"{name}: the tokenizer has {tokens} tokens but the model's embedding table only "
-                              f"{rows} rows; ids {rows} and up could never be generated")
+        raise CheckpointError(
+            f"{name}: the tokenizer has {tokens} tokens but the model's embedding table only "
+            f"{rows} rows; ids {rows} and up could never be generated"
+        )
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:

@@ -53,7 +53,7 @@ def layout(proposal: Proposal, start: int, device: torch.device) -> tuple[torch.
         mask[i + 1, i + 1] = True
     offsets = [0, *depths(parents)]
     if side is not None:
-        mask[1 + n:, 1 + n:] = side.mask
+        mask[1 + n :, 1 + n :] = side.mask
         offsets += side.offsets
     return mask.to(device), start + torch.tensor(offsets, device=device)
 
@@ -89,8 +89,9 @@ def cut_after_eos(proposal: Proposal, eos: frozenset[int]) -> tuple[Proposal, li
     return subset(proposal, keep), keep
 
 
-def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
+def verify_tree(
+    proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], int]:
     """Walk from the root: (indices of the accepted tokens, the target's next token).
 
     logits (1 + n, V) at the root and at each proposal token. Greedy: follow the child equal to the
@@ -115,8 +116,10 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
         else:
             p, child, kids = logits_to_probs(row, sampling), None, children[node + 1]
             if proposal.q is not None and any(not torch.equal(proposal.q[c], proposal.q[kids[0]]) for c in kids):
-                raise DrafterError("sampled siblings must be independent draws from one q (SpecInfer's rule); "
-                                   "these have different q rows")
+                raise DrafterError(
+                    "sampled siblings must be independent draws from one q (SpecInfer's rule); "
+                    "these have different q rows"
+                )
             for c in kids:
                 x = proposal.tokens[c]
                 q = None if proposal.q is None else proposal.q[c].to(p.dtype)

@@ -24,8 +24,9 @@ def greedy_match(draft: list[int], target_logits: torch.Tensor) -> tuple[int, in
     return n, choice[n]
 
 
-def speculative_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_sampling(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan et al. 2023 / Chen et al. 2023: every output token is distributed exactly as under p.
 
     draft (B, k) tokens drawn from q (B, k, V); p (B, k+1, V) the target's probabilities.
@@ -53,8 +54,13 @@ def one_hot_probs(draft: torch.Tensor, vocab_size: int, dtype: torch.dtype = tor
     return F.one_hot(draft, vocab_size).to(dtype)
 
 
-def verify(draft: list[int], q: torch.Tensor | None, target_logits: torch.Tensor, sampling: SamplingParams,
-           generator: torch.Generator) -> tuple[int, int]:
+def verify(
+    draft: list[int],
+    q: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
     """One sequence: greedy exact match, or speculative sampling with q (k, V) (one-hot when None)."""
     if sampling.greedy:
         return greedy_match(draft, target_logits[0])

@@ -60,8 +60,9 @@ def _kind(spec: dict) -> str | None:
     types = {part.get("type") for part in parts}
     if "ByteLevel" in types:
         return "byte_level"
-    replaces_meta = any(part.get("type") == "Replace" and part.get("pattern", {}).get("String") == "▁"
-                        for part in parts)
+    replaces_meta = any(
+        part.get("type") == "Replace" and part.get("pattern", {}).get("String") == "▁" for part in parts
+    )
     if types & {"Metaspace", "ByteFallback"} or replaces_meta:
         return "sentencepiece"
     return None

@@ -30,7 +30,11 @@ def weight_bytes(model: NativeModel) -> int:
     embedding = None if getattr(table, "quantized", None) is not None else table.weight  # (a table kept in blocks)
     head = module.lm_head
     read_whole = getattr(head, "quantized", None) is None and head.weight is embedding
-    blocks = sum(m.quantized.nbytes for m in module.modules()
-                 if getattr(m, "quantized", None) is not None and m is not table)
-    return blocks + sum(param.numel() * param.element_size() for param in module.parameters()  # a shared one once
-                        if param is not embedding or read_whole)
+    blocks = sum(
+        m.quantized.nbytes for m in module.modules() if getattr(m, "quantized", None) is not None and m is not table
+    )
+    return blocks + sum(
+        param.numel() * param.element_size()
+        for param in module.parameters()  # a shared one once
+        if param is not embedding or read_whole
+    )

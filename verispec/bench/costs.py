@@ -26,11 +26,15 @@ from verispec.models.options import VocabHead
 from verispec.models.native import NativeModel
 from verispec.models.timing import forward_seconds, head_step_seconds, medusa_step_seconds
 
-LOOKAHEAD_NOTE = ("no prediction: its forward holds the Jacobi window and a trie of the pool's n-grams after the last "
-                  "token (up to candidates x (ngram - 1) tokens), a size the run does not record, and r(n) varies over "
-                  "that range")
-SUFFIX_NOTE = ("no prediction: the run does not record its trees' sizes (at most spec_factor x each step's match, and "
-               "tree_tokens), nor, with eagle_below, which steps the EAGLE head drafted")
+LOOKAHEAD_NOTE = (
+    "no prediction: its forward holds the Jacobi window and a trie of the pool's n-grams after the last "
+    "token (up to candidates x (ngram - 1) tokens), a size the run does not record, and r(n) varies over "
+    "that range"
+)
+SUFFIX_NOTE = (
+    "no prediction: the run does not record its trees' sizes (at most spec_factor x each step's match, and "
+    "tree_tokens), nor, with eagle_below, which steps the EAGLE head drafted"
+)
 NO_PRICE = {"lookahead": LOOKAHEAD_NOTE, "suffix": SUFFIX_NOTE}  # why a family's rows may have no prediction
 
 
@@ -43,8 +47,9 @@ class Prices:
     one: float
     _seen: dict = field(default_factory=dict)
 
-    def forward(self, model: NativeModel, tokens: int, layers: Sequence[int] | None = None,
-                head: VocabHead | None = None) -> float:
+    def forward(
+        self, model: NativeModel, tokens: int, layers: Sequence[int] | None = None, head: VocabHead | None = None
+    ) -> float:
         key = ("forward", id(model), tokens, None if layers is None else tuple(layers), id(head))
         if key not in self._seen:
             self._seen[key] = forward_seconds(model, tokens, layers=layers, head=head) / self.one
@@ -62,8 +67,9 @@ class Prices:
         return medusa_step_seconds(self.target, drafter.heads, drafter.vocab) / self.one
 
 
-def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod],
-           skip: Sequence[int] | None = None) -> dict:
+def timing(
+    target: NativeModel, draft: NativeModel | None, methods: list[BenchMethod], skip: Sequence[int] | None = None
+) -> dict:
     """c per chain method (prompt lookup runs no model; layer skip runs the target without the layers `skip`), a
     table per tree method (TREE_COSTS), and r(n) for n = 1 .. the widest forward of any row (max chain k + 1 at
     least)."""
@@ -88,8 +94,14 @@ def timing(target: NativeModel, draft: NativeModel | None, methods: list[BenchMe
         elif family == "ngram" or (family == "suffix" and not m.drafter.needs.hidden_states):
             c[m.label] = 0.0  # no model (a suffix tree's lookups, as prompt lookup's, are left out)
     widest = max([max(DRAFT_KS) + 1, *(n for tree in trees.values() for n in tree["tokens"])])
-    return {"c": c, "trees": trees, "r": {1: 1.0} | {n: prices.forward(target, n) for n in range(2, widest + 1)},
-            "target_step_seconds": prices.one, "weight_bytes": weight_bytes(target), "read_bandwidth": bandwidth}
+    return {
+        "c": c,
+        "trees": trees,
+        "r": {1: 1.0} | {n: prices.forward(target, n) for n in range(2, widest + 1)},
+        "target_step_seconds": prices.one,
+        "weight_bytes": weight_bytes(target),
+        "read_bandwidth": bandwidth,
+    }
 
 
 def step_and_bandwidth(target: NativeModel, rounds: int = 7) -> tuple[float, float]:
@@ -114,8 +126,9 @@ def _draft_tree(drafter: DraftModel, prices: Prices) -> dict:
     nodes at depth i) for i < d; the target verifies the tree_size(d) nodes and the root."""
     b, bd = drafter.branch, drafter.branch_depth
     frontier = [b ** min(i, bd) for i in range(drafter.k)]  # [i]: nodes at depth i, each a row of a draft forward
-    draft = [sum(prices.forward(drafter.model, w, head=drafter.head) for w in frontier[:d])
-             for d in range(drafter.k + 1)]
+    draft = [
+        sum(prices.forward(drafter.model, w, head=drafter.head) for w in frontier[:d]) for d in range(drafter.k + 1)
+    ]
     return {"draft": draft, "tokens": [1 + tree_size(d, b, bd) for d in range(drafter.k + 1)]}
 
 
@@ -138,8 +151,10 @@ def _medusa_tree(drafter: Medusa, prices: Prices) -> dict:
     """Priced by the recorded depth: the recorded depth d is the k asked, capped at the deepest path, and the tree
     holds every path up to d deep (paths are prefix-closed), all verified with the root; drafting is one call of
     every head, whatever d."""
-    return {"draft": [0.0] + [prices.medusa(drafter)] * drafter.k,
-            "tokens": [1 + sum(len(path) <= d for path in drafter.paths) for d in range(drafter.k + 1)]}
+    return {
+        "draft": [0.0] + [prices.medusa(drafter)] * drafter.k,
+        "tokens": [1 + sum(len(path) <= d for path in drafter.paths) for d in range(drafter.k + 1)],
+    }
 
 
 # Per tree family: {"draft": [d] drafting in target steps, "tokens": [d] tokens in the target's forward}, for

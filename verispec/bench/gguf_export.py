@@ -23,11 +23,18 @@ from verispec.models.precision import HEAD_FORMAT
 from verispec.models.quant import FORMATS
 
 GGUF_DTYPES = ("float32", "bfloat16", "float16", *FORMATS)  # llama.cpp has no float64 weights
-TYPES = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16,
-         "float16": gguf.GGMLQuantizationType.F16, **FORMATS}
-FILE_TYPES = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
-              "float16": gguf.LlamaFileType.MOSTLY_F16,
-              **{name: gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in FORMATS}}
+TYPES = {
+    "float32": gguf.GGMLQuantizationType.F32,
+    "bfloat16": gguf.GGMLQuantizationType.BF16,
+    "float16": gguf.GGMLQuantizationType.F16,
+    **FORMATS,
+}
+FILE_TYPES = {
+    "float32": gguf.LlamaFileType.ALL_F32,
+    "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
+    "float16": gguf.LlamaFileType.MOSTLY_F16,
+    **{name: gguf.LlamaFileType[f"MOSTLY_{name.upper()}"] for name in FORMATS},
+}
 GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}  # GPT-2's split regex, no prefix space
 
 
@@ -42,8 +49,9 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
         raise CheckpointError(f"llama.cpp takes weights in {', '.join(GGUF_DTYPES)}, not {dtype}")
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type") != "llama":
-        raise UnsupportedArchitectureError(f"{checkpoint}: only Llama checkpoints are written as GGUF, "
-                                           f"not {config.get('model_type')!r}")
+        raise UnsupportedArchitectureError(
+            f"{checkpoint}: only Llama checkpoints are written as GGUF, not {config.get('model_type')!r}"
+        )
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") not in ("default", "llama3"):
         raise UnsupportedArchitectureError(f"{checkpoint}: RoPE scaling {rope['rope_type']!r} is not written as GGUF")
@@ -95,8 +103,13 @@ def write_gguf(checkpoint: Path, out: Path, dtype: str = "float32") -> Path:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise CheckpointError(f"{checkpoint}: tensor {name} has no GGUF name")
-        qtype = TYPES[HEAD_FORMAT if blocks and name == "lm_head.weight" else
-                      "float32" if blocks and name == "model.embed_tokens.weight" else dtype]
+        qtype = TYPES[
+            HEAD_FORMAT
+            if blocks and name == "lm_head.weight"
+            else "float32"
+            if blocks and name == "model.embed_tokens.weight"
+            else dtype
+        ]
         data = tensor.float().numpy()
         if name.endswith("q_proj.weight"):
             data = llama_cpp_rows(data, heads)
@@ -122,10 +135,16 @@ def _vocab(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], lis
         raise CheckpointError(f"{checkpoint}: no tokenizer.json")
     spec = json.loads(path.read_text())
     model, pre = spec.get("model", {}), spec.get("pre_tokenizer") or {}
-    if (model.get("type") != "BPE" or spec.get("normalizer") or spec.get("post_processor")
-            or {k: pre.get(k) for k in GPT2_PRE} != GPT2_PRE):
-        raise CheckpointError(f"{path}: only a byte-level BPE tokenizer with GPT-2's pre-tokenizer, no normalizer and "
-                              "no post-processor is written as GGUF")
+    if (
+        model.get("type") != "BPE"
+        or spec.get("normalizer")
+        or spec.get("post_processor")
+        or {k: pre.get(k) for k in GPT2_PRE} != GPT2_PRE
+    ):
+        raise CheckpointError(
+            f"{path}: only a byte-level BPE tokenizer with GPT-2's pre-tokenizer, no normalizer and "
+            "no post-processor is written as GGUF"
+        )
     by_id = {i: text for text, i in model["vocab"].items()}
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     by_id |= {i: t["content"] for i, t in added.items()}
@@ -134,7 +153,14 @@ def _vocab(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], lis
     tokens, types = [], []
     for i in range(vocab_size):  # rows without a token stay as unused padding, as llama.cpp's converter writes them
         tokens.append(by_id.get(i, f"[PAD{i}]"))
-        types.append(TokenType.UNUSED if i not in by_id else TokenType.NORMAL if i not in added
-                     else TokenType.CONTROL if added[i].get("special") else TokenType.USER_DEFINED)
+        types.append(
+            TokenType.UNUSED
+            if i not in by_id
+            else TokenType.NORMAL
+            if i not in added
+            else TokenType.CONTROL
+            if added[i].get("special")
+            else TokenType.USER_DEFINED
+        )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     return tokens, types, merges

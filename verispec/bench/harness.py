@@ -52,12 +52,13 @@ def prompts_for(target: NativeModel, suite: list[dict]) -> list[tuple[dict, list
         ids = target.tokenizer.encode(item["prompt"], add_special_tokens=True).ids
         if "json_schema" in item:
             item = item | {"grammar": bind(Grammar.json_schema(item["json_schema"]), target)}
-        out.append((item, ids[-(target.context_length - item["max_new_tokens"] - 1):]))
+        out.append((item, ids[-(target.context_length - item["max_new_tokens"] - 1) :]))
     return out
 
 
-def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[dict, list[int]]],
-                  count: int = 8) -> dict:
+def float64_check(
+    target_dir: Path, draft_dir: Path | None, prompts: list[tuple[dict, list[int]]], count: int = 8
+) -> dict:
     """Greedy speculation against autoregressive decoding with every model in float64, on `count` prompts:
     where rounding cannot flip a near-tie, the outputs must be identical. With a draft, the draft model at k = 4
     (among the shared tokens for a draft with another tokenizer); without one, suffix decoding, which needs no
@@ -71,9 +72,11 @@ def float64_check(target_dir: Path, draft_dir: Path | None, prompts: list[tuple[
         label = "draft k=4" + (" vocab_map=intersection" if cross else "")
         drafter = DraftModel(draft, 4, translation=translation_for(target, draft, INTERSECTION) if cross else None)
     chosen = sorted(prompts, key=lambda prompt: len(prompt[1]))[:count]
-    same = sum(generate(target, ids, drafter, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
-               == generate(target, ids, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
-               for item, ids in chosen)
+    same = sum(
+        generate(target, ids, drafter, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
+        == generate(target, ids, max_new_tokens=item["max_new_tokens"], ignore_eos=True).tokens
+        for item, ids in chosen
+    )
     return {"method": label, "prompts": len(chosen), "exact_match": same / len(chosen)}
 
 
@@ -86,8 +89,13 @@ def vocab_overlap(target: NativeModel, draft: NativeModel, records: list[dict]) 
         return None
     shared = shared_tokens(*tables, target.vocab_size, draft.vocab_size)
     answers = [t for r in records if r["method"] == BASELINE and r["repeat"] == 0 for t in r["tokens"]]
-    return {"shared": len(shared), "target_vocab": target.vocab_size, "draft_vocab": draft.vocab_size,
-            "share_of_target": len(shared) / target.vocab_size, "answer_tokens_shared": shared.covered(answers)}
+    return {
+        "shared": len(shared),
+        "target_vocab": target.vocab_size,
+        "draft_vocab": draft.vocab_size,
+        "share_of_target": len(shared) / target.vocab_size,
+        "answer_tokens_shared": shared.covered(answers),
+    }
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,9 @@ class BenchOptions:
     max_new_tokens: int | None = None  # every prompt's, where given; a Spec-Bench turn's at most (default 1024)
 
 
-def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
-              options: BenchOptions = BenchOptions()) -> dict:
+def run_bench(
+    target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], options: BenchOptions = BenchOptions()
+) -> dict:
     """Time every method on `suite`, write the report into `out`; returns the summary."""
     if any("json_schema" in item for item in suite):
         options = replace(options, peers=False, llama_cpp=None, unrelated=False)
@@ -132,8 +141,14 @@ def run_bench(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[d
         return _run(target_dir, draft_dir, out, suite, options, unrelated_dir)
 
 
-def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict], options: BenchOptions,
-         unrelated_dir: Path | None) -> dict:
+def _run(
+    target_dir: Path,
+    draft_dir: Path | None,
+    out: Path,
+    suite: list[dict],
+    options: BenchOptions,
+    unrelated_dir: Path | None,
+) -> dict:
     dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
     target = load_model(target_dir, dtype=dtype, exact=exact, quantize=options.quantize)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
@@ -145,13 +160,22 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     eagle_vocab = default_size(head_dir) if head_dir is not None else 0
     eagle_default = head_dir is not None and bool(head_section(head_dir).get("method"))  # the folder's own draft
     medusa = options.medusa_dir
-    methods = [ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
-               for method in our_methods(draft, layerskip=skip is not None, eagle=head_dir is not None,
-                                         eagle_vocab=eagle_vocab, medusa=medusa is not None,
-                                         eagle_default=eagle_default,
-                                         medusa_vocab=default_size(medusa) if medusa is not None else 0,
-                                         draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
-                                         selfquant=twin_refusal(target) is None, skip=skip, cross=cross)]
+    methods = [
+        ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
+        for method in our_methods(
+            draft,
+            layerskip=skip is not None,
+            eagle=head_dir is not None,
+            eagle_vocab=eagle_vocab,
+            medusa=medusa is not None,
+            eagle_default=eagle_default,
+            medusa_vocab=default_size(medusa) if medusa is not None else 0,
+            draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
+            selfquant=twin_refusal(target) is None,
+            skip=skip,
+            cross=cross,
+        )
+    ]
     if unrelated_dir is not None:
         never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods(cross)]
@@ -159,24 +183,40 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype, cross=cross)
     notes = []  # what could not run, and why: printed, and in the report
     if options.llama_cpp is not None:
-        rows, notes = llama_cpp_methods(options.llama_cpp, target_dir, None if cross else draft_dir, target,
-                                        options.quantize or dtype, options.threads)
+        rows, notes = llama_cpp_methods(
+            options.llama_cpp,
+            target_dir,
+            None if cross else draft_dir,
+            target,
+            options.quantize or dtype,
+            options.threads,
+        )
         methods += rows
-        notes += ["llama.cpp speculative left out: its draft-model speculation needs the target's vocabulary, "
-                  "and this draft has another tokenizer"] if cross else []
+        notes += (
+            [
+                "llama.cpp speculative left out: its draft-model speculation needs the target's vocabulary, "
+                "and this draft has another tokenizer"
+            ]
+            if cross
+            else []
+        )
     for note in notes if options.progress else ():
         print(f"note: {note}", flush=True)
     labels = [m.label for m in methods]
     if only is not None:
         if "autoregressive" not in only:
-            raise InvalidArgumentError(f"--methods must name the baseline \"autoregressive\"; the default rows here: "
-                                       f"{', '.join(labels)}")
+            raise InvalidArgumentError(
+                f'--methods must name the baseline "autoregressive"; the default rows here: {", ".join(labels)}'
+            )
         wanted = set()
         for label in only:  # any other method too, by its label: "suffix min_prob=0.3"
             method = None if label in labels else method_named(label)
             if method is not None and method.label not in labels:
-                methods.append(ours(target, method, replace(resources, head_dir=medusa)
-                                    if method.family == "medusa" else resources))
+                methods.append(
+                    ours(
+                        target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources
+                    )
+                )
                 labels.append(method.label)
             wanted.add(label if method is None else method.label)
         methods = [m for m in methods if m.label in wanted]
@@ -188,23 +228,37 @@ def _run(target_dir: Path, draft_dir: Path | None, out: Path, suite: list[dict],
     records = run_suite({m.label: m.run for m in methods}, prompts, options.repeats, options.progress)
     summary = summarize(records, times["c"], times["r"], target.tokenizer.decode, times["trees"])
     summary = {m.label: summary[m.label] for m in methods}  # the methods' own order, not the runs' random one
-    info = {"command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench", "machine": machine(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "repeats": options.repeats,
-            "prompts": len(suite), "spec_bench": questions, "dtype": dtype, "formats": formats(target.module),
-            "exact": exact, "notes": notes, "constrained": any("json_schema" in item for item in suite),
-            "float64_check": float64_check(target_dir, draft_dir, prompts, options.float64_prompts)
-            if options.float64_prompts else None,
-            "vocab_overlap": vocab_overlap(target, draft, records) if cross else None,
-            "target": str(target_dir), "draft": str(draft_dir),
-            "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
-            "methods": {m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})
-                        for m in methods}}
+    info = {
+        "command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench",
+        "machine": machine(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "repeats": options.repeats,
+        "prompts": len(suite),
+        "spec_bench": questions,
+        "dtype": dtype,
+        "formats": formats(target.module),
+        "exact": exact,
+        "notes": notes,
+        "constrained": any("json_schema" in item for item in suite),
+        "float64_check": float64_check(target_dir, draft_dir, prompts, options.float64_prompts)
+        if options.float64_prompts
+        else None,
+        "vocab_overlap": vocab_overlap(target, draft, records) if cross else None,
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
+        "methods": {
+            m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})
+            for m in methods
+        },
+    }
     write_report(out, summary, records, times, info)
     return summary
 
 
-def _turns(target: NativeModel, target_dir: Path, suite: list[dict],
-           max_new_tokens: int | None) -> tuple[list[dict], dict | None]:
+def _turns(
+    target: NativeModel, target_dir: Path, suite: list[dict], max_new_tokens: int | None
+) -> tuple[list[dict], dict | None]:
     """The suite's prompts: a Spec-Bench suite's questions become a prompt per turn, through the target's chat
     template (`spec_bench.py`), with a note of how; another suite's items as they are, at `max_new_tokens` if
     given."""
@@ -216,8 +270,13 @@ def _turns(target: NativeModel, target_dir: Path, suite: list[dict],
     items, skipped = turn_prompts(target, None if template is None else template.render, suite, limit)
     if not items:
         raise InvalidArgumentError(f"no question of the suite fits the context of {target.context_length} tokens")
-    return items, {"questions": len(suite), "turns": len(items), "max_new_tokens": limit, "skipped": skipped,
-                   "parses": parsed(items)}
+    return items, {
+        "questions": len(suite),
+        "turns": len(items),
+        "max_new_tokens": limit,
+        "skipped": skipped,
+        "parses": parsed(items),
+    }
 
 
 def quick_suite(per_category: int = 2, max_new_tokens: int = 16) -> list[dict]:
@@ -242,11 +301,15 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
         torch.manual_seed(0)
         head = EagleHead(head_config(target.config))  # random: its rows check the machinery, not acceptance
         head_dir = save_head(head, Path(tmp) / "eagle", target_dir.name)
-        medusa_dir = save_heads(MedusaHeads.from_target(target.lm_head_weight.detach().float(), 3), Path(tmp) / "medusa",
-                                target_dir.name)
-        return run_bench(target_dir, draft_dir, out, quick_suite(),
-                         BenchOptions(repeats=2, progress=progress, threads=threads, head_dir=head_dir,
-                                      medusa_dir=medusa_dir, unrelated=True))
-
-
-
+        medusa_dir = save_heads(
+            MedusaHeads.from_target(target.lm_head_weight.detach().float(), 3), Path(tmp) / "medusa", target_dir.name
+        )
+        return run_bench(
+            target_dir,
+            draft_dir,
+            out,
+            quick_suite(),
+            BenchOptions(
+                repeats=2, progress=progress, threads=threads, head_dir=head_dir, medusa_dir=medusa_dir, unrelated=True
+            ),
+        )

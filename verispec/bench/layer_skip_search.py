@@ -30,9 +30,11 @@ from verispec.generate import generate
 from verispec.models.native import NativeModel
 from verispec.models.timing import forward_seconds
 
-METHOD = ("greedy: add the layer that most raises tau / (k c + r), stop when none does; tau and acceptance from "
-          "greedy speculative runs; c = f + (1 - f) kept / layers with f measured; r = measured time of k + 1 "
-          "tokens / 1 token")
+METHOD = (
+    "greedy: add the layer that most raises tau / (k c + r), stop when none does; tau and acceptance from "
+    "greedy speculative runs; c = f + (1 - f) kept / layers with f measured; r = measured time of k + 1 "
+    "tokens / 1 token"
+)
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,12 @@ def text_prompts(target: NativeModel, texts: Sequence[str], count: int, length: 
     length = min(length, len(ids), target.context_length - 1)
     if count < 1 or length < 1:
         raise InvalidArgumentError(f"need at least one prompt of one token; got {count} of {length} tokens")
-    return [ids[s: s + length] for s in np.linspace(0, len(ids) - length, count).astype(int)]
+    return [ids[s : s + length] for s in np.linspace(0, len(ids) - length, count).astype(int)]
 
 
-def measure(target: NativeModel, prompts: Sequence[Sequence[int]], skip: Sequence[int], k: int,
-            new_tokens: int) -> tuple[float, float]:
+def measure(
+    target: NativeModel, prompts: Sequence[Sequence[int]], skip: Sequence[int], k: int, new_tokens: int
+) -> tuple[float, float]:
     """(acceptance, tau) of greedy speculative runs with `LayerSkip(skip, k)` over the prompts."""
     drafter, proposed, accepted, tokens, calls = LayerSkip(skip, k), 0, 0, 0, 0
     for prompt in prompts:
@@ -93,9 +96,17 @@ def measured_costs(target: NativeModel, k: int) -> tuple[float, float]:
     return fixed, max(1.0, forward_seconds(target, k + 1, repeats=repeats) / full)
 
 
-def search_skip(target: NativeModel, data: Sequence[str] | torch.Tensor | None = None, k: int = 4, *,
-                prompts: int = 8, prompt_len: int = 64, new_tokens: int = 32, r: float | None = None,
-                fixed_share: float | None = None) -> SkipPlan:
+def search_skip(
+    target: NativeModel,
+    data: Sequence[str] | torch.Tensor | None = None,
+    k: int = 4,
+    *,
+    prompts: int = 8,
+    prompt_len: int = 64,
+    new_tokens: int = 32,
+    r: float | None = None,
+    fixed_share: float | None = None,
+) -> SkipPlan:
     """The skip set with the best predicted speedup at k drafts per step, found greedily (see the module doc).
 
     `data`: texts to cut `prompts` prompts of `prompt_len` tokens from, or the prompts' token ids (N, T); by
@@ -103,8 +114,9 @@ def search_skip(target: NativeModel, data: Sequence[str] | torch.Tensor | None =
     `fixed_share` are measured unless given (giving both makes the search independent of timing).
     """
     if not target.capabilities.layer_subsets:
-        raise InvalidArgumentError("the layer-skip search runs the target with layers left out, which only the "
-                                   "native runtime can do")
+        raise InvalidArgumentError(
+            "the layer-skip search runs the target with layers left out, which only the native runtime can do"
+        )
     if k < 1 or new_tokens < 1:
         raise InvalidArgumentError(f"k and new_tokens must be >= 1, got {k} and {new_tokens}")
     layers = target.num_layers
@@ -131,8 +143,10 @@ def search_skip(target: NativeModel, data: Sequence[str] | torch.Tensor | None =
     best: tuple[float, float, float] | None = None
     steps = []
     while len(skip) < layers - 1:
-        scored, layer = max(((score(sorted(skip + [i])), i) for i in range(layers) if i not in skip),
-                            key=lambda item: (item[0][0], -item[1]))
+        scored, layer = max(
+            ((score(sorted(skip + [i])), i) for i in range(layers) if i not in skip),
+            key=lambda item: (item[0][0], -item[1]),
+        )
         if best is not None and scored[0] <= best[0]:
             break
         skip, best = sorted(skip + [layer]), scored

@@ -67,16 +67,42 @@ def command(kind: str, setup: Setup, prompt_file: Path, max_new_tokens: int) -> 
     unescaped nowhere (`--no-escape`: a backslash in code stays a backslash). The context has room for the tokens
     that the speculative binaries decode past max_new_tokens (their last step's accepted drafts), which are cut."""
     context = setup.context + 2 * (setup.draft_max + 1)
-    common = [str(setup.bin_dir / BINARIES[kind]), "-m", str(setup.target), "--binary-file", str(prompt_file),
-              "--no-escape", "-n", str(max_new_tokens), "-c", str(context), "-t", str(setup.threads),
-              "-tb", str(setup.threads), "--temp", "0", "--ignore-eos"]
+    common = [
+        str(setup.bin_dir / BINARIES[kind]),
+        "-m",
+        str(setup.target),
+        "--binary-file",
+        str(prompt_file),
+        "--no-escape",
+        "-n",
+        str(max_new_tokens),
+        "-c",
+        str(context),
+        "-t",
+        str(setup.threads),
+        "-tb",
+        str(setup.threads),
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]
     if kind == "plain":
         return common + ["-no-cnv", "--no-display-prompt"]
     if kind == "speculative":
         if setup.draft is None:
             raise InvalidArgumentError("llama.cpp speculative needs a draft model")
-        return common + ["-md", str(setup.draft), "--spec-type", "draft-simple", "-td", str(setup.threads),
-                         "-tbd", str(setup.threads), "--spec-draft-n-max", str(setup.draft_max)]
+        return common + [
+            "-md",
+            str(setup.draft),
+            "--spec-type",
+            "draft-simple",
+            "-td",
+            str(setup.threads),
+            "-tbd",
+            str(setup.threads),
+            "--spec-draft-n-max",
+            str(setup.draft_max),
+        ]
     if kind == "lookup":
         return common + ["--spec-draft-n-max", str(setup.draft_max)]
     raise InvalidArgumentError(f"unknown llama.cpp method {kind!r}; known: {', '.join(BINARIES)}")
@@ -123,7 +149,7 @@ def parse_output(kind: str, stdout: bytes, stderr: str, prompt: bytes) -> Output
         return None
     if not stdout.startswith(head):
         raise PeerError(f"{BINARIES[kind]} did not echo the prompt as this version of verispec expects")
-    return Output(stdout[len(head):].removesuffix(TRAILER[kind]), tokens, seconds, prefill_seconds)
+    return Output(stdout[len(head) :].removesuffix(TRAILER[kind]), tokens, seconds, prefill_seconds)
 
 
 def _last_line(stderr: str) -> str:
@@ -131,8 +157,10 @@ def _last_line(stderr: str) -> str:
     return f": {lines[-1].strip()}" if lines else ""
 
 
-CONVERTER_HINT = ("convert it with llama.cpp's own converter (python convert_hf_to_gguf.py {folder} --outtype {dtype} "
-                  "--outfile {stem}.gguf, from llama.cpp's source tree) and give the bench that file")
+CONVERTER_HINT = (
+    "convert it with llama.cpp's own converter (python convert_hf_to_gguf.py {folder} --outtype {dtype} "
+    "--outfile {stem}.gguf, from llama.cpp's source tree) and give the bench that file"
+)
 
 
 def as_gguf(checkpoint: Path, out: Path, dtype: str) -> Path:
@@ -155,16 +183,24 @@ class LlamaCppPeer:
     target, whose tokenizer and context the prompts go through. `notes` says what could not run (a draft folder
     the GGUF writer refuses: no speculative row)."""
 
-    def __init__(self, bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM,
-                 dtype: str = "float32", threads: int = 1) -> None:
+    def __init__(
+        self,
+        bin_dir: Path,
+        target: Path,
+        draft: Path | None,
+        target_model: CausalLM,
+        dtype: str = "float32",
+        threads: int = 1,
+    ) -> None:
         folders = [path for path in (target, draft) if path is not None and not is_gguf(path)]
         if folders and dtype not in GGUF_DTYPES:
             raise InvalidArgumentError(f"--llama-cpp runs a checkpoint folder in {', '.join(GGUF_DTYPES)}, not {dtype}")
         self.kinds = ["plain", *(["speculative"] if draft is not None else []), "lookup"]
         missing = [BINARIES[k] for k in self.kinds if not (bin_dir / BINARIES[k]).is_file()]
         if missing:
-            raise PeerError(f"{bin_dir}: no {', '.join(missing)} (build llama.cpp's tools and examples: "
-                            "docs/bench/llama-cpp.md)")
+            raise PeerError(
+                f"{bin_dir}: no {', '.join(missing)} (build llama.cpp's tools and examples: docs/bench/llama-cpp.md)"
+            )
         self._folder = tempfile.TemporaryDirectory(prefix="verispec-gguf-")
         work = Path(self._folder.name)
         self.notes: list[str] = []
@@ -191,8 +227,13 @@ class LlamaCppPeer:
         self.prompt_file.write_bytes(text.encode())
         for _ in range(TRIES):
             try:
-                done = subprocess.run(command(kind, self.setup, self.prompt_file, max_new_tokens),
-                                      capture_output=True, timeout=TIMEOUT_S, check=False, env=child_environment())
+                done = subprocess.run(
+                    command(kind, self.setup, self.prompt_file, max_new_tokens),
+                    capture_output=True,
+                    timeout=TIMEOUT_S,
+                    check=False,
+                    env=child_environment(),
+                )
             except subprocess.TimeoutExpired as err:
                 raise PeerError(f"{BINARIES[kind]} ran past {TIMEOUT_S} s on one prompt") from err
             stderr = done.stderr.decode(errors="replace")
@@ -201,14 +242,16 @@ class LlamaCppPeer:
             if (out := parse_output(kind, done.stdout, stderr, text.encode())) is not None:
                 break
         else:
-            raise PeerError(f"{BINARIES[kind]} ended {TRIES} times without its timing (prefill or decode)"
-                            + _last_line(stderr))
+            raise PeerError(
+                f"{BINARIES[kind]} ended {TRIES} times without its timing (prefill or decode)" + _last_line(stderr)
+            )
         decode = (max_new_tokens - FROM_PREFILL[kind]) * out.seconds / out.tokens
         return Run([], out.prefill_seconds + decode, out.prefill_seconds, text=out.text.decode(errors="replace"))
 
 
-def llama_cpp_methods(bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM,
-                      dtype: str = "float32", threads: int = 1) -> tuple[list[BenchMethod], list[str]]:
+def llama_cpp_methods(
+    bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM, dtype: str = "float32", threads: int = 1
+) -> tuple[list[BenchMethod], list[str]]:
     """The peer rows ("llama.cpp plain", "llama.cpp speculative" with a draft, "llama.cpp lookup") and notes on
     what could not run; a target that llama.cpp cannot be given leaves no rows and one note."""
     try:

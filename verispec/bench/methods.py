@@ -58,11 +58,20 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
     def run(prompt: list[int], max_new_tokens: int, grammar: TokenGrammar | None = None) -> Run:
         """With a grammar (a JSON suite's rows), decoding is constrained and ends where the grammar does."""
         start = time.perf_counter()
-        result = generate(target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=grammar is None,
-                          grammar=grammar)
+        result = generate(
+            target, prompt, drafter, max_new_tokens=max_new_tokens, ignore_eos=grammar is None, grammar=grammar
+        )
         s = result.stats
-        return Run(result.tokens, time.perf_counter() - start, s.prefill_time, s.draft_time, s.verify_time,
-                   s.target_calls, s.proposed_by_position, s.accepted_by_position)
+        return Run(
+            result.tokens,
+            time.perf_counter() - start,
+            s.prefill_time,
+            s.draft_time,
+            s.verify_time,
+            s.target_calls,
+            s.proposed_by_position,
+            s.accepted_by_position,
+        )
 
     label = f"{method.family} (unrelated) k={method.k}" if unrelated else method.label
     return BenchMethod(label, run, method, unrelated, drafter)
@@ -78,10 +87,19 @@ EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
 SUFFIX_TREE, SUFFIX_EAGLE = {"tree_tokens": 8}, {"eagle_below": 3}
 
 
-def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool = False,
-                eagle_vocab: int = 0, medusa: bool = False, medusa_vocab: int = 0, draft_vocab: int = 0,
-                selfquant: bool = False, skip: Sequence[int] | None = None, eagle_default: bool = False,
-                cross: bool = False) -> list[Method]:
+def our_methods(
+    draft: NativeModel | None,
+    layerskip: bool = False,
+    eagle: bool = False,
+    eagle_vocab: int = 0,
+    medusa: bool = False,
+    medusa_vocab: int = 0,
+    draft_vocab: int = 0,
+    selfquant: bool = False,
+    skip: Sequence[int] | None = None,
+    eagle_default: bool = False,
+    cross: bool = False,
+) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
     a tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
@@ -101,8 +119,13 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
         methods += [Method("draft", k, vocab) for k in (*DRAFT_KS, AUTO)] + [Method("draft", 4, {"branch": 2} | vocab)]
         if draft_vocab:
             methods.append(Method("draft", 4, {"draft_vocab": 0}))
-    methods += [Method("ngram", 4), Method("ngram", AUTO), Method("suffix"), Method("suffix", None, SUFFIX_TREE),
-                Method("suffix", AUTO)]
+    methods += [
+        Method("ngram", 4),
+        Method("ngram", AUTO),
+        Method("suffix"),
+        Method("suffix", None, SUFFIX_TREE),
+        Method("suffix", AUTO),
+    ]
     if layerskip:
         methods.append(Method("layerskip", 4))
     if selfquant:
@@ -111,8 +134,11 @@ def our_methods(draft: NativeModel | None, layerskip: bool = False, eagle: bool 
     if eagle:
         vocab = {"draft_vocab": eagle_vocab} if eagle_vocab else {}
         methods += [Method("eagle")] if eagle_default else []
-        methods += [Method("eagle", AUTO, vocab), Method("eagle", 4, vocab),
-                    Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE | vocab)]
+        methods += [
+            Method("eagle", AUTO, vocab),
+            Method("eagle", 4, vocab),
+            Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE | vocab),
+        ]
         if eagle_vocab:
             methods.append(Method("eagle", 4, {"draft_vocab": 0}))
         methods.append(Method("suffix", 4, SUFFIX_EAGLE))
@@ -128,8 +154,9 @@ def cross_methods(draft_vocab: int = 0) -> list[Method]:
     and at auto, over the draft vocabulary its folder chooses (`draft_vocab` tokens, 0: the full one); the
     intersection as a tree too (two candidates for the first token), and over the draft's full vocabulary."""
     vocab = {"draft_vocab": draft_vocab} if draft_vocab else {}
-    methods = [Method("draft", k, {"vocab_map": way} | vocab) for way in (INTERSECTION, REENCODE)
-               for k in (*CROSS_KS, AUTO)]
+    methods = [
+        Method("draft", k, {"vocab_map": way} | vocab) for way in (INTERSECTION, REENCODE) for k in (*CROSS_KS, AUTO)
+    ]
     methods.append(Method("draft", 4, {"vocab_map": INTERSECTION, "branch": 2} | vocab))
     if draft_vocab:
         methods.append(Method("draft", 4, {"vocab_map": INTERSECTION, "draft_vocab": 0}))
@@ -144,8 +171,9 @@ def unrelated_methods(cross: bool = False) -> list[Method]:
     return [Method("draft", 4, options), Method("draft", AUTO, options)]
 
 
-def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32",
-                         cross: bool = False) -> list[BenchMethod]:
+def transformers_methods(
+    target_dir: Path, draft_dir: Path | None, k: int = 4, dtype: str = "float32", cross: bool = False
+) -> list[BenchMethod]:
     """transformers' greedy generate, its assisted generation (its defaults, and at our k) and its prompt lookup
     (our n-gram sizes), on the same checkpoints; with a draft of another tokenizer (`cross`), its universal assisted
     generation, given both tokenizers. EOS is switched off as in our runs, so every method produces exactly
@@ -156,24 +184,34 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
     logging.set_verbosity_error()  # its notes on generation arguments would interleave with the progress bar
     logging.disable_progress_bar()
     target = AutoModelForCausalLM.from_pretrained(**pretrained_source(target_dir), dtype=parse_dtype(dtype)).eval()
-    assistant = (AutoModelForCausalLM.from_pretrained(**pretrained_source(draft_dir), dtype=parse_dtype(dtype)).eval()
-                 if draft_dir else None)
+    assistant = (
+        AutoModelForCausalLM.from_pretrained(**pretrained_source(draft_dir), dtype=parse_dtype(dtype)).eval()
+        if draft_dir
+        else None
+    )
 
     config = copy.deepcopy(target.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False
     tokenizers = {}  # universal assisted generation re-encodes between the two
     if cross and assistant is not None:
-        tokenizers = {"tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(target_dir)),
-                      "assistant_tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(draft_dir))}
+        tokenizers = {
+            "tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(target_dir)),
+            "assistant_tokenizer": AutoTokenizer.from_pretrained(**pretrained_source(draft_dir)),
+        }
 
     def peer(label: str, **options) -> BenchMethod:
         @torch.inference_mode()
         def run(prompt: list[int], max_new_tokens: int) -> Run:
             ids = torch.tensor([prompt])
             start = time.perf_counter()
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                  max_new_tokens=max_new_tokens, **options)
-            return Run(out[0, len(prompt):].tolist(), time.perf_counter() - start)
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                max_new_tokens=max_new_tokens,
+                **options,
+            )
+            return Run(out[0, len(prompt) :].tolist(), time.perf_counter() - start)
 
         return BenchMethod(label, run)
 
@@ -181,8 +219,15 @@ def transformers_methods(target_dir: Path, draft_dir: Path | None, k: int = 4, d
     if assistant is not None:
         assistant.generation_config.eos_token_id = None
         methods.append(peer("transformers assisted", assistant_model=assistant, **tokenizers))  # its defaults
-        methods.append(peer(f"transformers assisted k={k}", assistant_model=assistant, num_assistant_tokens=k,
-                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
-                            **tokenizers))
+        methods.append(
+            peer(
+                f"transformers assisted k={k}",
+                assistant_model=assistant,
+                num_assistant_tokens=k,
+                num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0,
+                **tokenizers,
+            )
+        )
     methods.append(peer("transformers prompt lookup", prompt_lookup_num_tokens=k, max_matching_ngram_size=3))
     return methods

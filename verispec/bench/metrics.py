@@ -18,8 +18,13 @@ def per_prompt(records: list[dict]) -> dict[tuple[str, str], dict]:
     return {key: runs[0] | {t: statistics.median(r[t] for r in runs) for t in times} for key, runs in groups.items()}
 
 
-def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
-              detokenize: Callable[[list[int]], str] | None = None, trees: dict[str, dict] | None = None) -> dict:
+def summarize(
+    records: list[dict],
+    c: dict[str, float],
+    r: dict[int, float],
+    detokenize: Callable[[list[int]], str] | None = None,
+    trees: dict[str, dict] | None = None,
+) -> dict:
     """Per method and per category ("all" included, and the groups records name): speed, speedup, tau, acceptance,
     exactness, prediction.
 
@@ -32,14 +37,20 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
     rows = per_prompt(records)
     methods = list(dict.fromkeys(r_["method"] for r_ in records))
     # Each prompt's category, and the report's groups it belongs to besides (a Spec-Bench multi-turn question's turn)
-    categories = ["all", *dict.fromkeys(r_["category"] for r_ in records),
-                  *dict.fromkeys(group for r_ in records for group in r_.get("groups", ()))]
+    categories = [
+        "all",
+        *dict.fromkeys(r_["category"] for r_ in records),
+        *dict.fromkeys(group for r_ in records for group in r_.get("groups", ())),
+    ]
     out: dict = {}
     for method in methods:
         out[method] = {}
         for category in categories:
-            ids = [i for (m, i), row in rows.items()
-                   if m == method and (category in ("all", row["category"]) or category in row.get("groups", ()))]
+            ids = [
+                i
+                for (m, i), row in rows.items()
+                if m == method and (category in ("all", row["category"]) or category in row.get("groups", ()))
+            ]
             mine, base = [rows[method, i] for i in ids], [rows[BASELINE, i] for i in ids]
             new = sum(_new_tokens(x, b) for x, b in zip(mine, base))
             calls = sum(x["target_calls"] for x in mine)
@@ -56,27 +67,37 @@ def summarize(records: list[dict], c: dict[str, float], r: dict[int, float],
             if prefill:  # ours and llama.cpp's rows time their prefill apart (transformers' do not)
                 entry["decode_tokens_per_second"] = new / (total - prefill)
             if calls:  # our loop: counts and a split of its time exist
-                split = {part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")}
-                entry |= {"tau": new / calls, "time_split": split | {"other": 1 - sum(split.values())},
-                          "steps_by_depth": _width_histogram(proposed, calls)}  # [d]: steps that verified d drafts
+                split = {
+                    part: sum(x[f"{part}_seconds"] for x in mine) / total for part in ("prefill", "draft", "verify")
+                }
+                entry |= {
+                    "tau": new / calls,
+                    "time_split": split | {"other": 1 - sum(split.values())},
+                    "steps_by_depth": _width_histogram(proposed, calls),
+                }  # [d]: steps that verified d drafts
             if sum(proposed):
-                entry |= {"acceptance_rate": sum(accepted) / sum(proposed),
-                          "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)]}
+                entry |= {
+                    "acceptance_rate": sum(accepted) / sum(proposed),
+                    "acceptance_by_position": [a / p for a, p in zip(accepted, proposed)],
+                }
                 price = _step_price(method, c, trees or {}, r)
                 if price is not None:
                     widths = _width_histogram(proposed, calls)  # widths[j]: steps that verified j drafts
                     step_cost = sum(w * price(j) for j, w in enumerate(widths)) / calls
                     decode = lambda rows: sum(x["seconds"] - x["prefill_seconds"] for x in rows)
-                    entry |= {"mean_draft_width": sum(j * w for j, w in enumerate(widths)) / calls,
-                              "predicted_speedup": entry["tau"] / step_cost,
-                              "decode_speedup": decode(base) / decode(mine)}
+                    entry |= {
+                        "mean_draft_width": sum(j * w for j, w in enumerate(widths)) / calls,
+                        "predicted_speedup": entry["tau"] / step_cost,
+                        "decode_speedup": decode(base) / decode(mine),
+                    }
                     entry["efficiency"] = entry["decode_speedup"] / entry["predicted_speedup"]
             out[method][category] = entry
     return out
 
 
-def _step_price(method: str, c: dict[str, float], trees: dict[str, dict],
-                r: dict[int, float]) -> Callable[[int], float] | None:
+def _step_price(
+    method: str, c: dict[str, float], trees: dict[str, dict], r: dict[int, float]
+) -> Callable[[int], float] | None:
     """A step's cost in target steps by the depth j recorded for it: j c + r(j + 1) for a chain; for a tree, its
     drafting at depth j and r of the tokens its forward verifies; None where there is no model of the method."""
     if method in c:

@@ -22,12 +22,27 @@ from verispec.models import llama
 from verispec.models.native import NativeModel, load_model
 
 MARK = "verispec/"  # the prefix of our labels among the profiler's events
-MATMULS = {"q_proj": "matmul q, k, v", "k_proj": "matmul q, k, v", "v_proj": "matmul q, k, v", "qkv": "matmul q, k, v",
-           "o_proj": "matmul o", "o": "matmul o", "gate_proj": "matmul gate, up", "up_proj": "matmul gate, up",
-           "gate_up": "matmul gate, up", "down_proj": "matmul down", "down": "matmul down", "lm_head": "matmul LM head",
-           "head": "matmul LM head"}
-BY_CLASS = {llama.RMSNorm: "norms", llama.Attention: "attention (scores, softmax, values, cache writes)",
-            llama.MLP: "silu(gate) * up", nn.Embedding: "embedding"}
+MATMULS = {
+    "q_proj": "matmul q, k, v",
+    "k_proj": "matmul q, k, v",
+    "v_proj": "matmul q, k, v",
+    "qkv": "matmul q, k, v",
+    "o_proj": "matmul o",
+    "o": "matmul o",
+    "gate_proj": "matmul gate, up",
+    "up_proj": "matmul gate, up",
+    "gate_up": "matmul gate, up",
+    "down_proj": "matmul down",
+    "down": "matmul down",
+    "lm_head": "matmul LM head",
+    "head": "matmul LM head",
+}
+BY_CLASS = {
+    llama.RMSNorm: "norms",
+    llama.Attention: "attention (scores, softmax, values, cache writes)",
+    llama.MLP: "silu(gate) * up",
+    nn.Embedding: "embedding",
+}
 OTHER = "other ops (exact mode's row layout and padding, slicing)"
 OVERHEAD = "Python, dispatch and the profiler (the profiled forward less its ops)"
 REST = "wall time less all ops (Python and dispatch, at least)"
@@ -35,10 +50,23 @@ FORWARD = "forward"
 KERNEL = "kernel"  # a call into verispec's own kernels (ctypes: no PyTorch op of its own to time)
 KERNEL_CALLS = ("attend", "rms_norm", "rotary_", "silu_mul", "gather")  # and each `kernels.Matmul` call
 REPLAY = "replayed kernel calls (a captured forward's kernels in one C call)"
-KINDS = {"plain": "plain", "fast": "packed (PyTorch's kernels)", "own": "own kernels, op by op",
-         "captured": "own kernels, captured and replayed"}
-ORDER = [*dict.fromkeys(MATMULS.values()), BY_CLASS[llama.Attention], "rotary", "norms", "silu(gate) * up",
-         "embedding", REPLAY, OTHER, OVERHEAD]
+KINDS = {
+    "plain": "plain",
+    "fast": "packed (PyTorch's kernels)",
+    "own": "own kernels, op by op",
+    "captured": "own kernels, captured and replayed",
+}
+ORDER = [
+    *dict.fromkeys(MATMULS.values()),
+    BY_CLASS[llama.Attention],
+    "rotary",
+    "norms",
+    "silu(gate) * up",
+    "embedding",
+    REPLAY,
+    OTHER,
+    OVERHEAD,
+]
 
 
 @dataclass
@@ -62,9 +90,11 @@ def _label(name: str, module: nn.Module) -> str | None:
 
 def _labelled(model: NativeModel, stack: ExitStack) -> None:
     """Wrap each module's forward, and the rotary functions, in a profiler range named for its kind of work."""
+
     def enter(label: str):
         def hook(*_) -> None:
             ranges.append(record_function(MARK + label).__enter__())
+
         return hook
 
     def leave(*_) -> None:
@@ -74,6 +104,7 @@ def _labelled(model: NativeModel, stack: ExitStack) -> None:
         def call(*args, **kwargs):
             with record_function(MARK + label):
                 return function(*args, **kwargs)
+
         return call
 
     ranges: list = []
@@ -88,8 +119,9 @@ def _labelled(model: NativeModel, stack: ExitStack) -> None:
     stack.enter_context(mock.patch.object(Program, "__call__", wrapped(Program.__call__, REPLAY)))
     for function in KERNEL_CALLS:
         call = wrapped(getattr(kernels, function), KERNEL)
-        stack.enter_context(mock.patch.object(kernels, function, wrapped(call, "rotary") if function == "rotary_"
-                                              else call))
+        stack.enter_context(
+            mock.patch.object(kernels, function, wrapped(call, "rotary") if function == "rotary_" else call)
+        )
 
 
 def _labelled_parent(event):
@@ -112,7 +144,7 @@ def _kinds(events) -> dict[str, float]:
         parent = _labelled_parent(event)
         if not whole and parent is not None and parent.name in (MARK + KERNEL, MARK + REPLAY):
             continue  # counted with its kernel call
-        label = OTHER if parent is None or parent.name == MARK + FORWARD else parent.name[len(MARK):]
+        label = OTHER if parent is None or parent.name == MARK + FORWARD else parent.name[len(MARK) :]
         if event.name == MARK + REPLAY:
             label = REPLAY
         spent = (event.cpu_time_total if whole else event.self_cpu_time_total) / 1e3
@@ -156,16 +188,21 @@ class _Setting:
         return statistics.median(self.walls), kinds
 
 
-def profile_all(target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
-                ) -> tuple[list[ForwardProfile], float]:
+def profile_all(
+    target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
+) -> tuple[list[ForwardProfile], float]:
     """Every setting (float32 and bfloat16, ordinary and exact mode; plain, packed on PyTorch's kernels and on
     verispec's own where this machine has them), loaded side by side and
     measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
     measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
     Returns the settings' profiles and the read bandwidth (bytes per second)."""
     own = ["own", "captured"] if kernels.available(torch.float32) else []
-    keys = [(dtype, exact, kind) for dtype in ("float32", "bfloat16") for exact in (False, True)
-            for kind in ["plain", "fast", *own]]
+    keys = [
+        (dtype, exact, kind)
+        for dtype in ("float32", "bfloat16")
+        for exact in (False, True)
+        for kind in ["plain", "fast", *own]
+    ]
     settings = {key: _Setting(_load(target_dir, *key), context) for key in keys}
     bandwidths = []
     for _ in range(rounds):
@@ -188,37 +225,44 @@ def _load(target_dir: Path, dtype: str, exact: bool, kind: str) -> NativeModel:
     return model
 
 
-def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], bandwidth: float,
-                  command: str) -> Path:
+def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], bandwidth: float, command: str) -> Path:
     """forward-profile.md: the settings side by side, ms per kind of work, and each against its weight-read time."""
     m = machine()
     names = [f"{p.dtype} {'exact' if p.exact else 'ordinary'} {p.kind}" for p in profiles]
-    lines = ["# The 1-token forward, profiled\n", f"Command: `{command}`  ",
-             f"Target: {target_dir.name}; machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} thread(s), "
-             f"torch {m['torch']}.  ",
-             f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, at the run's "
-             "threads; the median over the rounds below).\n",
-             f"One token after 256 cached ones; the {len(profiles)} settings loaded side by side and measured in turns (each "
-             "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
-             "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
-             "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
-             "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
-             "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. A call "
-             "into verispec's kernels counts whole for the kind of work around it; the residual adds count with the "
-             "o and down projections, which add them. Plain: eager F.linear per "
-             "projection; fast: prepacked and fused matmuls on PyTorch's kernels (oneDNN, MKL; models/linear.py); "
-             "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary, silu(gate) * up, "
-             "embedding rows), called one by one from Python; captured: the same kernel calls, captured once and "
-             "replayed by one C call (models/captured.py), what `load_model(fast=True)` runs where the CPU has "
-             "them (" + kernels.reason() + ").\n",
-             "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "# The 1-token forward, profiled\n",
+        f"Command: `{command}`  ",
+        f"Target: {target_dir.name}; machine: {cpu_line(m)}, {m['cores']} cores, {m['torch_threads']} thread(s), "
+        f"torch {m['torch']}.  ",
+        f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, at the run's "
+        "threads; the median over the rounds below).\n",
+        f"One token after 256 cached ones; the {len(profiles)} settings loaded side by side and measured in turns (each "
+        "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
+        "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
+        "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "
+        "profiler's own cost inflates the ops and sits in the profiled forward's time less its ops', an upper "
+        "bound on Python and dispatch; the unprofiled wall time less the ops' time is a lower bound. A call "
+        "into verispec's kernels counts whole for the kind of work around it; the residual adds count with the "
+        "o and down projections, which add them. Plain: eager F.linear per "
+        "projection; fast: prepacked and fused matmuls on PyTorch's kernels (oneDNN, MKL; models/linear.py); "
+        "own: verispec's kernels (verispec/kernels: matmuls, attention, RMSNorm, rotary, silu(gate) * up, "
+        "embedding rows), called one by one from Python; captured: the same kernel calls, captured once and "
+        "replayed by one C call (models/captured.py), what `load_model(fast=True)` runs where the CPU has "
+        "them (" + kernels.reason() + ").\n",
+        "| setting | ms per forward | weights | weight-read time | forward / weight-read |",
+        "|---|---|---|---|---|",
+    ]
     for name, p in zip(names, profiles):
         read_ms = p.weight_bytes / bandwidth * 1e3
-        lines.append(f"| {name} | {p.wall_ms:.2f} | {p.weight_bytes / 1e6:.0f} MB | {read_ms:.2f} ms | "
-                     f"{p.wall_ms / read_ms:.1f}x |")
-    lines += ["\n## ms per forward by kind of work\n", "| kind | " + " | ".join(names) + " |",
-              "|---|" + "---|" * len(names)]
+        lines.append(
+            f"| {name} | {p.wall_ms:.2f} | {p.weight_bytes / 1e6:.0f} MB | {read_ms:.2f} ms | "
+            f"{p.wall_ms / read_ms:.1f}x |"
+        )
+    lines += [
+        "\n## ms per forward by kind of work\n",
+        "| kind | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     for kind in ORDER:
         lines.append(f"| {kind} | " + " | ".join(f"{p.kinds_ms[kind]:.2f}" for p in profiles) + " |")
     rest = [max(0.0, p.wall_ms - sum(v for k, v in p.kinds_ms.items() if k != OVERHEAD)) for p in profiles]

@@ -11,8 +11,13 @@ from tqdm import tqdm
 from verispec.bench.methods import Runner
 
 
-def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]], repeats: int = 3,
-              progress: bool = True, seed: int = 0) -> list[dict]:
+def run_suite(
+    methods: dict[str, Runner],
+    prompts: list[tuple[dict, list[int]]],
+    repeats: int = 3,
+    progress: bool = True,
+    seed: int = 0,
+) -> list[dict]:
     """A record per (repeat, prompt, method). The methods run in a fresh seeded random order for each prompt,
     so that drift in the machine's speed, and whatever one run leaves behind for the next, fall on all alike."""
     names, rng = list(methods), random.Random(seed)
@@ -31,8 +36,16 @@ def run_suite(methods: dict[str, Runner], prompts: list[tuple[dict, list[int]]],
                     gc.collect()  # outside the timed call, so no run pays for another's garbage
                     constrained = {"grammar": item["grammar"]} if "grammar" in item else {}  # a JSON suite's schema
                     run = methods[name](ids, item["max_new_tokens"], **constrained)
-                    records.append({"method": name, "id": item["id"], "category": item["category"],
-                                    "groups": item.get("groups", []), "repeat": repeat, **asdict(run)})
+                    records.append(
+                        {
+                            "method": name,
+                            "id": item["id"],
+                            "category": item["category"],
+                            "groups": item.get("groups", []),
+                            "repeat": repeat,
+                            **asdict(run),
+                        }
+                    )
                     bar.update()
         bar.close()
     finally:

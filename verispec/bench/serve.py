@@ -79,8 +79,15 @@ class Level:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Timing:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     arrivals, tokens, text = [], 0, []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -123,9 +130,17 @@ async def _level(url: str, model: str, work: Workload, concurrency: int, referen
     tokens = sum(t.tokens for t in timings)
     for t in timings:
         reference.setdefault(t.prompt, t.text)
-    return Level(concurrency, len(timings), tokens, wall, tokens / wall, *np.percentile(ttft, [50, 99]),
-                 *np.percentile(gaps, [50, 99]), float(np.mean(tpot)),
-                 sum(t.text == reference[t.prompt] for t in timings))
+    return Level(
+        concurrency,
+        len(timings),
+        tokens,
+        wall,
+        tokens / wall,
+        *np.percentile(ttft, [50, 99]),
+        *np.percentile(gaps, [50, 99]),
+        float(np.mean(tpot)),
+        sum(t.text == reference[t.prompt] for t in timings),
+    )
 
 
 def served_model(url: str) -> str:
@@ -156,9 +171,18 @@ def measure(url: str, work: Workload, reference: dict[str, str] | None = None) -
         raise ServerBenchError(f"{url}: {type(err).__name__}: {err}") from None
 
 
-def measure_local(target: CausalLM, drafter: Drafter, label: str, work: Workload, *, max_batch: int,
-                  threads: int, adaptive: bool, context: int | None = None, kv_memory: int | None = None
-                  ) -> dict[str, list[Level]]:
+def measure_local(
+    target: CausalLM,
+    drafter: Drafter,
+    label: str,
+    work: Workload,
+    *,
+    max_batch: int,
+    threads: int,
+    adaptive: bool,
+    context: int | None = None,
+    kv_memory: int | None = None,
+) -> dict[str, list[Level]]:
     """Plain decoding, then `drafter`'s speculation (`adaptive`: k chosen per step), each served from `target` on
     this machine (`context` tokens a request, `kv_memory` bytes of keys and values: engine/kv_budget.py) and
     measured."""
@@ -181,38 +205,61 @@ def verdict(results: dict[str, list[Level]]) -> list[str]:
         ratios = {b.concurrency: level.throughput / b.throughput for b, level in zip(base, levels)}
         shown = ", ".join(f"{c}: {r:.2f}x" for c, r in ratios.items())
         losing = [c for c, r in ratios.items() if r < 1]
-        where = (f"it stops paying at {losing[0]} concurrent client{'s' if losing[0] > 1 else ''}" if losing
-                 else f"it pays at every level measured (up to {max(ratios)} clients)")
+        where = (
+            f"it stops paying at {losing[0]} concurrent client{'s' if losing[0] > 1 else ''}"
+            if losing
+            else f"it pays at every level measured (up to {max(ratios)} clients)"
+        )
         lines.append(f"{name} vs {base_name}, output-token throughput by concurrency: {shown}; {where}.")
     return lines
 
 
 def format_table(results: dict[str, list[Level]]) -> str:
-    rows = ["| server | clients | requests | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT mean (ms) | "
-            "identical to alone |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| server | clients | requests | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT mean (ms) | "
+        "identical to alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, levels in results.items():
-        rows += [f"| {name} | {v.concurrency} | {v.requests} | {v.throughput:.1f} | {1e3 * v.ttft_p50:.0f} / "
-                 f"{1e3 * v.ttft_p99:.0f} | {1e3 * v.itl_p50:.1f} / {1e3 * v.itl_p99:.1f} | {1e3 * v.tpot_mean:.1f} | "
-                 f"{v.identical}/{v.requests} |" for v in levels]
+        rows += [
+            f"| {name} | {v.concurrency} | {v.requests} | {v.throughput:.1f} | {1e3 * v.ttft_p50:.0f} / "
+            f"{1e3 * v.ttft_p99:.0f} | {1e3 * v.itl_p50:.1f} / {1e3 * v.itl_p99:.1f} | {1e3 * v.tpot_mean:.1f} | "
+            f"{v.identical}/{v.requests} |"
+            for v in levels
+        ]
     return "\n".join(rows)
 
 
 def write_report(out: Path, results: dict[str, list[Level]], work: Workload, setup: dict) -> Path:
     """report.md (table and verdict) and results.json under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    data = {"setup": setup, "workload": {"concurrency": list(work.concurrency), "requests": work.requests,
-                                         "max_tokens": work.max_tokens, "prompts": len(work.prompts)},
-            "results": {name: [asdict(v) for v in levels] for name, levels in results.items()}}
+    data = {
+        "setup": setup,
+        "workload": {
+            "concurrency": list(work.concurrency),
+            "requests": work.requests,
+            "max_tokens": work.max_tokens,
+            "prompts": len(work.prompts),
+        },
+        "results": {name: [asdict(v) for v in levels] for name, levels in results.items()},
+    }
     (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    lines = ["# verispec bench-serve", "",
-             f"{work.requests} streamed greedy completions of {work.max_tokens} tokens (EOS ignored) per level, "
-             f"clients sending back to back; setup: " + ", ".join(f"{k}: {v}" for k, v in setup.items()) + ".", "",
-             format_table(results), ""]
+    lines = [
+        "# verispec bench-serve",
+        "",
+        f"{work.requests} streamed greedy completions of {work.max_tokens} tokens (EOS ignored) per level, "
+        f"clients sending back to back; setup: " + ", ".join(f"{k}: {v}" for k, v in setup.items()) + ".",
+        "",
+        format_table(results),
+        "",
+    ]
     if len(results) > 1:
         lines += verdict(results) + [""]
-    lines += ["TTFT: from sending a request to its first text. ITL: the gap between streamed chunks (one per engine "
-              "step; a speculative chunk carries several tokens). TPOT: a request's time per output token after the "
-              "first. Identical to alone: answers whose text is the one their prompt got from the first server at "
-              f"{work.concurrency[0]} client{'s' if work.concurrency[0] > 1 else ''}."]
+    lines += [
+        "TTFT: from sending a request to its first text. ITL: the gap between streamed chunks (one per engine "
+        "step; a speculative chunk carries several tokens). TPOT: a request's time per output token after the "
+        "first. Identical to alone: answers whose text is the one their prompt got from the first server at "
+        f"{work.concurrency[0]} client{'s' if work.concurrency[0] > 1 else ''}."
+    ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"

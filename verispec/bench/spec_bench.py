@@ -47,24 +47,34 @@ def is_spec_bench(items: list[dict]) -> bool:
     seen = set()
     for number, item in enumerate(items, 1):
         turns = item.get("turns")
-        if ("question_id" not in item or not isinstance(item.get("category"), str) or not isinstance(turns, list)
-                or not turns or not all(isinstance(turn, str) and turn for turn in turns)):
-            raise InvalidArgumentError(f"suite line {number}: a Spec-Bench question needs question_id, a category "
-                                       "and turns (a list of non-empty strings)")
+        if (
+            "question_id" not in item
+            or not isinstance(item.get("category"), str)
+            or not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(turn, str) and turn for turn in turns)
+        ):
+            raise InvalidArgumentError(
+                f"suite line {number}: a Spec-Bench question needs question_id, a category "
+                "and turns (a list of non-empty strings)"
+            )
         if str(item["question_id"]) in seen:  # (its turns' results are kept by it)
             raise InvalidArgumentError(f"suite line {number}: question_id {item['question_id']} again")
         seen.add(str(item["question_id"]))
     return True
 
 
-def turn_prompts(target: CausalLM, render: Render | None, questions: list[dict],
-                 max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[dict], list]:
+def turn_prompts(
+    target: CausalLM, render: Render | None, questions: list[dict], max_new_tokens: int = MAX_NEW_TOKENS
+) -> tuple[list[dict], list]:
     """The suite's items, a turn each (id "QUESTION/TURN", the token ids of the rendered conversation in
     `prompt_ids`, `max_new_tokens` the length of the target's plain greedy answer), and the ids of the questions
     left out because a turn does not fit the context or has an empty answer."""
     if render is None:
-        raise InvalidArgumentError(f"{target.name} has no chat template: a Spec-Bench suite is a set of chat "
-                                   "questions, rendered by the target's own template")
+        raise InvalidArgumentError(
+            f"{target.name} has no chat template: a Spec-Bench suite is a set of chat "
+            "questions, rendered by the target's own template"
+        )
     items, skipped = [], []
     for question in questions:
         turns = _answered(target, render, question, max_new_tokens)
@@ -75,9 +85,17 @@ def turn_prompts(target: CausalLM, render: Render | None, questions: list[dict],
         for turn, (ids, answer) in enumerate(turns, 1):
             groups = [MULTI_TURN, f"{MULTI_TURN} turn {turn}"] if two else []
             code = {"parses": parses_as_python(answer.text)} if question["category"] in CODE_CATEGORIES else {}
-            items.append({"id": f"{question['question_id']}/{turn}", "category": question["category"],
-                          "turn": turn, "groups": groups, "prompt_ids": ids, "max_new_tokens": len(answer.tokens)}
-                         | code)
+            items.append(
+                {
+                    "id": f"{question['question_id']}/{turn}",
+                    "category": question["category"],
+                    "turn": turn,
+                    "groups": groups,
+                    "prompt_ids": ids,
+                    "max_new_tokens": len(answer.tokens),
+                }
+                | code
+            )
     return items, skipped
 
 
@@ -92,8 +110,9 @@ def parsed(items: list[dict]) -> dict[str, list[int]]:
     return counts
 
 
-def _answered(target: CausalLM, render: Render, question: dict,
-              max_new_tokens: int) -> list[tuple[list[int], Generation]] | None:
+def _answered(
+    target: CausalLM, render: Render, question: dict, max_new_tokens: int
+) -> list[tuple[list[int], Generation]] | None:
     """(prompt ids, the plain greedy answer) per turn, each turn after the earlier ones and their answers; None if a
     turn leaves no room in the context for its answer, or is answered by EOS at once."""
     messages, out = [], []

@@ -29,11 +29,39 @@ CONTEXT = 4096  # llama.cpp's -c: the cache it allocates (the issue that set the
 
 def commands(target: Path, threads: int, llama_cpp: Path | None) -> dict[str, list[str]]:
     """The command lines timed, by row."""
-    rows = {"verispec": [sys.executable, "-m", "verispec.cli", "generate", "--target", str(target), "--threads",
-                         str(threads), "--max-new-tokens", "1", PROMPT]}
+    rows = {
+        "verispec": [
+            sys.executable,
+            "-m",
+            "verispec.cli",
+            "generate",
+            "--target",
+            str(target),
+            "--threads",
+            str(threads),
+            "--max-new-tokens",
+            "1",
+            PROMPT,
+        ]
+    }
     if llama_cpp is not None:
-        rows["llama.cpp"] = [str(llama_cpp / BINARIES["plain"]), "-m", str(target), "-p", PROMPT, "-n", "1", "-t",
-                             str(threads), "-tb", str(threads), "-c", str(CONTEXT), "-no-cnv", "--no-warmup"]
+        rows["llama.cpp"] = [
+            str(llama_cpp / BINARIES["plain"]),
+            "-m",
+            str(target),
+            "-p",
+            PROMPT,
+            "-n",
+            "1",
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(CONTEXT),
+            "-no-cnv",
+            "--no-warmup",
+        ]
     return rows
 
 
@@ -52,8 +80,9 @@ def run_once(command: list[str]) -> tuple[float, int]:
     return seconds, usage.ru_maxrss * 1024
 
 
-def run_startup(target: Path, out: Path, command: str, threads: int = 1, repeats: int = 5,
-                llama_cpp: Path | None = None) -> Path:
+def run_startup(
+    target: Path, out: Path, command: str, threads: int = 1, repeats: int = 5, llama_cpp: Path | None = None
+) -> Path:
     """Time each row `repeats` times, interleaved, after one untimed run each; write startup.md."""
     if llama_cpp is not None and not is_gguf(target):
         raise InvalidArgumentError(f"--startup with llama.cpp times a GGUF file, which both run; {target} is a folder")
@@ -66,22 +95,30 @@ def run_startup(target: Path, out: Path, command: str, threads: int = 1, repeats
             runs[label].append(run_once(line))
     out.mkdir(parents=True, exist_ok=True)
     m = machine()
-    md = ["# verispec bench --startup\n", f"Command: `{command}`  ",
-          f"Machine: {cpu_line(m)}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}\n",
-          f"From a process's start to its exit after one generated token (`{PROMPT}`), {threads} thread(s), the page "
-          f"cache warm, {repeats} runs each, interleaved; median (min-max). Peak RSS: the process's maximum "
-          f"resident set. llama.cpp at `-c {CONTEXT} --no-warmup`.\n",
-          "| row | start to first token (s) | peak RSS (MB) | command |", "|---|---|---|---|"]
+    md = [
+        "# verispec bench --startup\n",
+        f"Command: `{command}`  ",
+        f"Machine: {cpu_line(m)}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}\n",
+        f"From a process's start to its exit after one generated token (`{PROMPT}`), {threads} thread(s), the page "
+        f"cache warm, {repeats} runs each, interleaved; median (min-max). Peak RSS: the process's maximum "
+        f"resident set. llama.cpp at `-c {CONTEXT} --no-warmup`.\n",
+        "| row | start to first token (s) | peak RSS (MB) | command |",
+        "|---|---|---|---|",
+    ]
     medians = {}
     for label, results in runs.items():
         seconds, rss = [s for s, _ in results], [r / 2**20 for _, r in results]
         medians[label] = statistics.median(seconds), statistics.median(rss)
-        md.append(f"| {label} | {medians[label][0]:.2f} ({min(seconds):.2f}-{max(seconds):.2f}) | "
-                  f"{medians[label][1]:.0f} ({min(rss):.0f}-{max(rss):.0f}) | `{' '.join(rows[label][1:])}` |")
+        md.append(
+            f"| {label} | {medians[label][0]:.2f} ({min(seconds):.2f}-{max(seconds):.2f}) | "
+            f"{medians[label][1]:.0f} ({min(rss):.0f}-{max(rss):.0f}) | `{' '.join(rows[label][1:])}` |"
+        )
     if "llama.cpp" in medians:
         (ours_s, ours_rss), (theirs_s, theirs_rss) = medians["verispec"], medians["llama.cpp"]
-        md.append(f"\nverispec against llama.cpp: {ours_s / theirs_s:.2f}x its time to the first token, "
-                  f"{ours_rss / theirs_rss:.2f}x its peak RSS.")
+        md.append(
+            f"\nverispec against llama.cpp: {ours_s / theirs_s:.2f}x its time to the first token, "
+            f"{ours_rss / theirs_rss:.2f}x its peak RSS."
+        )
     path = out / "startup.md"
     path.write_text("\n".join(md) + "\n")
     return path

@@ -23,7 +23,7 @@ CONTEXT_CHARS = 1000  # about 260 tokens: prompt and 128 new tokens fit a 512-to
 
 def _shingle_overlap(prompt: str, continuation: str, size: int = 8) -> float:
     """Share of the continuation's character 8-grams that already occur in the prompt."""
-    grams = [continuation[i: i + size] for i in range(max(1, len(continuation) - size + 1))]
+    grams = [continuation[i : i + size] for i in range(max(1, len(continuation) - size + 1))]
     return sum(g in prompt for g in grams) / len(grams)
 
 
@@ -45,14 +45,18 @@ def _cut_points(text: str, category: str) -> list[int]:
         elif category == "docstring" and line.rstrip().endswith(('"""', "'''")) and _is_code(lines[i + 1]):
             points.append(starts[i + 1])
         elif category == "repetition" and re.match(r"\s*(def |[\w.]+\(|\(|\[|\{)", lines[i + 1]):
-            prompt, continuation = text[max(0, starts[i + 1] - CONTEXT_CHARS): starts[i + 1]], text[starts[i + 1]: starts[i + 1] + 300]
+            prompt, continuation = (
+                text[max(0, starts[i + 1] - CONTEXT_CHARS) : starts[i + 1]],
+                text[starts[i + 1] : starts[i + 1] + 300],
+            )
             if len(continuation) > 200 and _shingle_overlap(prompt, continuation) >= 0.6:
                 points.append(starts[i + 1])
     return [p for p in points if p >= CONTEXT_CHARS // 2]
 
 
-def build_suite(files: list[tuple[str, str]], per_category: int = 14, max_new_tokens: int = 128,
-                seed: int = 0) -> list[dict]:
+def build_suite(
+    files: list[tuple[str, str]], per_category: int = 14, max_new_tokens: int = 128, seed: int = 0
+) -> list[dict]:
     """Files in a seeded random order; each file gives at most one prompt in all, so categories share no text."""
     rng, suite, used = random.Random(seed), [], set()
     order = rng.sample(files, len(files))
@@ -64,8 +68,15 @@ def build_suite(files: list[tuple[str, str]], per_category: int = 14, max_new_to
             used.add(path)
             end = rng.choice(points)
             start = text.find("\n", max(0, end - CONTEXT_CHARS)) + 1  # begin on a line boundary
-            suite.append({"id": f"{category}-{chosen:02d}", "category": category, "source": path,
-                          "prompt": text[start:end], "max_new_tokens": max_new_tokens})
+            suite.append(
+                {
+                    "id": f"{category}-{chosen:02d}",
+                    "category": category,
+                    "source": path,
+                    "prompt": text[start:end],
+                    "max_new_tokens": max_new_tokens,
+                }
+            )
             chosen += 1
     return sorted(suite, key=lambda item: (CATEGORIES.index(item["category"]), item["id"]))
 
@@ -110,9 +121,11 @@ def check_items(items: list[dict]) -> None:
     for number, item in enumerate(items, 1):
         missing = [key for key in ("id", "category", "prompt", "max_new_tokens") if key not in item]
         if missing:
-            raise InvalidArgumentError(f"suite line {number} lacks {', '.join(missing)} (a prompt suite's line has "
-                                       "id, category, prompt and max_new_tokens; a Spec-Bench question's "
-                                       "question_id, category and turns)")
+            raise InvalidArgumentError(
+                f"suite line {number} lacks {', '.join(missing)} (a prompt suite's line has "
+                "id, category, prompt and max_new_tokens; a Spec-Bench question's "
+                "question_id, category and turns)"
+            )
 
 
 def build_from_manifest(manifest: Path = MANIFEST) -> list[dict]:

@@ -31,10 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.dtype = auto_dtype(getattr(args, "device", "cpu"), getattr(args, "target", None))
                 if args.dtype == "bfloat16" and getattr(args, "kv_dtype", None) == "float16":
                     args.dtype = "float32"  # a float16 cache goes with float32 activations
-        code = {"generate": decode.generate_command, "chat": decode.chat_command, "serve": decode.serve_command,
-                "bench": bench.bench_command, "bench-serve": bench.bench_serve_command,
-                "search-layerskip": bench.search_layerskip_command, "train": train.train_command,
-                "init-random": train.init_random_command, "export": train.export_command}[args.command](args)
+        code = {
+            "generate": decode.generate_command,
+            "chat": decode.chat_command,
+            "serve": decode.serve_command,
+            "bench": bench.bench_command,
+            "bench-serve": bench.bench_serve_command,
+            "search-layerskip": bench.search_layerskip_command,
+            "train": train.train_command,
+            "init-random": train.init_random_command,
+            "export": train.export_command,
+        }[args.command](args)
     except (VerispecError, OSError) as err:
         if isinstance(err, BrokenPipeError):  # the reader went away (e.g. `| head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

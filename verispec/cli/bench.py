@@ -54,8 +54,16 @@ def bench_command(args: argparse.Namespace) -> None:
         from verispec.bench.startup import run_startup
 
         command = " ".join(["verispec", *sys.argv[1:]])
-        print(run_startup(Path(args.target), out, command, threads=args.threads, repeats=args.repeats or 5,
-                          llama_cpp=find_llama_cpp(args.llama_cpp)).read_text())
+        print(
+            run_startup(
+                Path(args.target),
+                out,
+                command,
+                threads=args.threads,
+                repeats=args.repeats or 5,
+                llama_cpp=find_llama_cpp(args.llama_cpp),
+            ).read_text()
+        )
         return
     if args.profile:
         from verispec.bench.profile_forward import run_profile
@@ -69,12 +77,21 @@ def bench_command(args: argparse.Namespace) -> None:
     else:
         suite = read_suite(Path(args.suite) if args.suite else SUITE, args.per_category)
         only = [name.strip() for name in args.methods.split(",")] if args.methods else None
-        options = BenchOptions(args.repeats or 3, not args.no_peers, threads=args.threads, dtype=args.dtype,
-                               quantize=args.quantize,
-                               exact=args.exact, only=only, head_dir=Path(args.head) if args.head else None,
-                               medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
-                               unrelated=args.unrelated, llama_cpp=find_llama_cpp(args.llama_cpp),
-                               max_new_tokens=args.max_new_tokens, float64_prompts=args.float64_prompts)
+        options = BenchOptions(
+            args.repeats or 3,
+            not args.no_peers,
+            threads=args.threads,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            exact=args.exact,
+            only=only,
+            head_dir=Path(args.head) if args.head else None,
+            medusa_dir=Path(args.medusa_head) if args.medusa_head else None,
+            unrelated=args.unrelated,
+            llama_cpp=find_llama_cpp(args.llama_cpp),
+            max_new_tokens=args.max_new_tokens,
+            float64_prompts=args.float64_prompts,
+        )
         summary = run_bench(Path(args.target), Path(args.draft) if args.draft else None, out, suite, options)
     print(format_summary(summary))
     print(f"report: {out / 'report.md'}")
@@ -90,8 +107,10 @@ def bench_serve_command(args: argparse.Namespace) -> None:
     levels = tuple(whole_numbers(args.concurrency, "--concurrency"))
     items = read_suite(Path(args.suite) if args.suite else SUITE)
     if not all(isinstance(item.get("prompt"), str) for item in items):
-        raise InvalidArgumentError("bench-serve sends the suite's prompts: each line needs a prompt (a Spec-Bench "
-                                   "question file is for `verispec bench --suite`)")
+        raise InvalidArgumentError(
+            "bench-serve sends the suite's prompts: each line needs a prompt (a Spec-Bench "
+            "question file is for `verispec bench --suite`)"
+        )
     work = Workload([item["prompt"] for item in items], levels, args.requests, args.max_tokens)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="verispec-bench-serve-"))
     if args.url:
@@ -107,13 +126,29 @@ def bench_serve_command(args: argparse.Namespace) -> None:
         method = checked_method(args)
         target, drafter = load_models(args, method)
         if drafter is None:
-            raise InvalidArgumentError("bench-serve compares speculation with plain decoding; give it a method "
-                                       "that drafts (--draft, or --method)")
-        results = measure_local(target, drafter, method.label, work, max_batch=args.max_batch, threads=threads,
-                                adaptive=method.k == AUTO, context=args.max_model_len, kv_memory=args.kv_cache_memory)
-        setup = {"target": str(args.target), "method": method.label, "dtype": args.dtype, "max batch": args.max_batch,
-                 "exact": getattr(target, "exact", False),
-                 "peak resident memory": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"}
+            raise InvalidArgumentError(
+                "bench-serve compares speculation with plain decoding; give it a method "
+                "that drafts (--draft, or --method)"
+            )
+        results = measure_local(
+            target,
+            drafter,
+            method.label,
+            work,
+            max_batch=args.max_batch,
+            threads=threads,
+            adaptive=method.k == AUTO,
+            context=args.max_model_len,
+            kv_memory=args.kv_cache_memory,
+        )
+        setup = {
+            "target": str(args.target),
+            "method": method.label,
+            "dtype": args.dtype,
+            "max batch": args.max_batch,
+            "exact": getattr(target, "exact", False),
+            "peak resident memory": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+        }
         setup |= machine()
     report = write_report(out, results, work, setup)
     print(format_table(results))
@@ -129,20 +164,26 @@ def search_layerskip_command(args: argparse.Namespace) -> None:
     if args.out is not None and not args.out.endswith(".json"):
         raise InvalidArgumentError(f"--out names the plan's .json file; got {args.out}")
     if args.out is None and is_gguf(args.target):
-        raise InvalidArgumentError("a GGUF target has no folder to write layerskip.json into: give --out PLAN.json "
-                                   "(and then --skip PLAN.json)")
+        raise InvalidArgumentError(
+            "a GGUF target has no folder to write layerskip.json into: give --out PLAN.json (and then --skip PLAN.json)"
+        )
     set_threads(args.threads)
     target = load_model(args.target)
     texts = [Path(file).read_text(encoding="utf-8", errors="replace") for file in args.text] or None
-    plan = search_skip(target, texts, k=args.k, prompts=args.prompts, prompt_len=args.prompt_len,
-                       new_tokens=args.new_tokens)
+    plan = search_skip(
+        target, texts, k=args.k, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens
+    )
     print(f"data: {plan.data}; k={plan.k}, r(k+1)={plan.r:.2f}, share outside the blocks f={plan.fixed_share:.2f}")
     for step in plan.steps:
-        print(f"skip layer {step['layer']}: acceptance {step['agreement']:.3f}, tau {step['tau']:.2f}, "
-              f"predicted speedup {step['predicted_speedup']:.2f}x")
+        print(
+            f"skip layer {step['layer']}: acceptance {step['agreement']:.3f}, tau {step['tau']:.2f}, "
+            f"predicted speedup {step['predicted_speedup']:.2f}x"
+        )
     layers = target.config.num_hidden_layers
-    print(f"chosen: skip {plan.skip} of {layers} layers; acceptance {plan.agreement:.3f}, c {plan.c:.2f}, "
-          f"predicted speedup {plan.predicted_speedup:.2f}x")
+    print(
+        f"chosen: skip {plan.skip} of {layers} layers; acceptance {plan.agreement:.3f}, c {plan.c:.2f}, "
+        f"predicted speedup {plan.predicted_speedup:.2f}x"
+    )
     if plan.predicted_speedup <= 1:
         print("(predicted speedup at most 1: layer skip will not pay on this model)")
     print(f"wrote {write_plan(plan, args.out or args.target)}")

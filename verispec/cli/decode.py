@@ -31,8 +31,10 @@ def generate_command(args: argparse.Namespace) -> int:
     options = decoding_options(args) | {"grammar": grammar}  # --compare decodes under the same grammar
     prompt = args.prompt  # --chat: the message as the template's one user turn, after the system message if any
     if args.chat:
-        turn = [*([{"role": "system", "content": args.system}] if args.system else []),
-                {"role": "user", "content": args.prompt}]
+        turn = [
+            *([{"role": "system", "content": args.system}] if args.system else []),
+            {"role": "user", "content": args.prompt},
+        ]
         prompt = target.tokenizer.encode(chat_template(args).render(turn), add_special_tokens=False).ids
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
         for warm in (drafter, None):
@@ -54,8 +56,10 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.compare:  # both timed the same way, without printing, one after the other
         spec_time = generate(target, prompt, drafter, **options).stats.total_time
         plain = generate(target, prompt, None, **options)
-        print(f"autoregressive: {plain.stats.new_tokens} tokens in {plain.stats.total_time:.3f} s "
-              f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x")
+        print(
+            f"autoregressive: {plain.stats.new_tokens} tokens in {plain.stats.total_time:.3f} s "
+            f"({plain.stats.tokens_per_second:.1f} tok/s); speedup {plain.stats.total_time / spec_time:.2f}x"
+        )
         note = "" if SamplingParams(args.temperature).greedy else " (sampling: same distribution, not the same draws)"
         print(f"identical to autoregressive: {'yes' if plain.tokens == result.tokens else 'no'}{note}")
     return 0
@@ -65,8 +69,10 @@ def chat_template(args: argparse.Namespace) -> ChatTemplate:
     """The target checkpoint's own chat template; one without refuses chat rather than guess a format."""
     template = load_chat_template(Path(args.target))
     if template is None:
-        raise InvalidArgumentError(f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
-                                   "model's own; give `verispec generate` a plain prompt instead")
+        raise InvalidArgumentError(
+            f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
+            "model's own; give `verispec generate` a plain prompt instead"
+        )
     return template
 
 
@@ -79,8 +85,10 @@ def chat_command(args: argparse.Namespace) -> int:
     method = checked_method(args)  # (fills in the shipped pair)
     template = chat_template(args)  # before seconds of loading
     target, drafter = load_models(args, method)
-    chat, color = Chat(target, template.render, drafter, system=args.system, **decoding_options(args)), \
-        use_color(args.color)
+    chat, color = (
+        Chat(target, template.render, drafter, system=args.system, **decoding_options(args)),
+        use_color(args.color),
+    )
     print("verispec chat: one line a message; /reset starts over, Ctrl-D quits", file=sys.stderr, flush=True)
     while True:
         try:
@@ -118,14 +126,30 @@ def serve_command(args: argparse.Namespace) -> None:
     from verispec.serve.options import ServeOptions, allowed_hosts, api_key
 
     check_server_options(args.port, args.shutdown_grace, args.max_batch)
-    options = ServeOptions(api_key(args.api_key), allowed_hosts(args.host, args.allowed_hosts), not args.no_docs,
-                           args.max_body_bytes, args.health_stall)
+    options = ServeOptions(
+        api_key(args.api_key),
+        allowed_hosts(args.host, args.allowed_hosts),
+        not args.no_docs,
+        args.max_body_bytes,
+        args.health_stall,
+    )
     set_threads(args.threads)
     method = checked_method(args)
     target, drafter = load_models(args, method)
-    app = serving_app(target, drafter, Path(args.target), name=args.served_model_name, max_batch=args.max_batch,
-                      adaptive=method.k == AUTO, options=options, context=args.max_model_len,
-                      kv_memory=args.kv_cache_memory)
-    print(f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+    app = serving_app(
+        target,
+        drafter,
+        Path(args.target),
+        name=args.served_model_name,
+        max_batch=args.max_batch,
+        adaptive=method.k == AUTO,
+        options=options,
+        context=args.max_model_len,
+        kv_memory=args.kv_cache_memory,
+    )
+    print(
+        f"verispec: serving {args.served_model_name or target.name} ({method.label}) at "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     run_server(app, args.host, args.port, args.shutdown_grace)

@@ -17,8 +17,9 @@ from verispec.sampling import SamplingParams
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt argument, stdin for `-`, or --prompt-file: exactly one of them, and not empty."""
     if (args.prompt is None) == (args.prompt_file is None):
-        raise InvalidArgumentError("give the prompt as an argument, as - to read stdin, or with --prompt-file FILE "
-                                   "(exactly one)")
+        raise InvalidArgumentError(
+            "give the prompt as an argument, as - to read stdin, or with --prompt-file FILE (exactly one)"
+        )
     source = "stdin" if args.prompt == "-" else args.prompt_file
     if args.prompt_file is not None:
         text = read_file(args.prompt_file, "--prompt-file")
@@ -50,8 +51,11 @@ def grammar_from(args: argparse.Namespace) -> Grammar | None:
 
 
 # The escapes of a Python string literal (group 1); any other backslash (group 2) is refused rather than guessed.
-_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{1,3}|[\\'\"abfnrtv])"
-                     r"|\\(.?)", re.DOTALL)
+_ESCAPE = re.compile(
+    r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{1,3}|[\\'\"abfnrtv])"
+    r"|\\(.?)",
+    re.DOTALL,
+)
 
 
 def unescape(text: str, option: str) -> str:
@@ -64,8 +68,10 @@ def unescape(text: str, option: str) -> str:
         except UnicodeDecodeError:  # \\N{no such name}, \\U beyond U+10FFFF
             char = None
         if char is None or 0xD800 <= ord(char) <= 0xDFFF:  # a lone surrogate cannot be in any decoded text
-            raise InvalidArgumentError(f"{option} '{text}': bad escape '{match.group(0)}' (known: \\n \\t \\r \\\\ "
-                                       f"\\' \\\" \\a \\b \\f \\v \\0-\\777 \\xNN \\uNNNN \\UNNNNNNNN \\N{{name}})")
+            raise InvalidArgumentError(
+                f"{option} '{text}': bad escape '{match.group(0)}' (known: \\n \\t \\r \\\\ "
+                f"\\' \\\" \\a \\b \\f \\v \\0-\\777 \\xNN \\uNNNN \\UNNNNNNNN \\N{{name}})"
+            )
         return char
 
     return _ESCAPE.sub(one, text)
@@ -82,8 +88,15 @@ def check_options(args: argparse.Namespace) -> None:
 
 def decoding_options(args: argparse.Namespace) -> dict:
     """`stream`'s options from the command line (generate, chat)."""
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,4,16") -> list[int]:

@@ -55,15 +55,20 @@ def checked_method(args: argparse.Namespace) -> Method:
     method = method_from(args)
     needs = check_method(method)  # before loading anything
     if given_draft and method.family != "draft":  # only --method draft loads it
-        raise InvalidArgumentError(f"--draft is the draft model of --method draft; --method {args.method} would "
-                                   "ignore it")
+        raise InvalidArgumentError(
+            f"--draft is the draft model of --method draft; --method {args.method} would ignore it"
+        )
     if args.head and method.family not in ("eagle", "medusa") and "eagle_below" not in method.options:
-        raise InvalidArgumentError(f"--head is the head of --method eagle or medusa (or suffix with --eagle-below); "
-                                   f"--method {args.method} would ignore it")
+        raise InvalidArgumentError(
+            f"--head is the head of --method eagle or medusa (or suffix with --eagle-below); "
+            f"--method {args.method} would ignore it"
+        )
     if args.backend == "transformers" and needs != Needs():
-        raise InvalidArgumentError(f"method {method.label} needs the native runtime (tree masks, hidden states, "
-                                   f"layer subsets or a twin of its weights); --backend transformers offers none "
-                                   f"of them")
+        raise InvalidArgumentError(
+            f"method {method.label} needs the native runtime (tree masks, hidden states, "
+            f"layer subsets or a twin of its weights); --backend transformers offers none "
+            f"of them"
+        )
     return method
 
 
@@ -74,12 +79,20 @@ def load_target(args: argparse.Namespace) -> CausalLM:
     takes float32 where --dtype was left at auto (its bfloat16 has none of those kernels)."""
     auto_exact = args.exact is None and args.command in ("generate", "serve", "bench-serve")
     if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
-        return load(args.target, args.backend, args.device, args.dtype, exact=bool(args.exact), quantize=args.quantize,
-                    kv_dtype=args.kv_dtype)
+        return load(
+            args.target,
+            args.backend,
+            args.device,
+            args.dtype,
+            exact=bool(args.exact),
+            quantize=args.quantize,
+            kv_dtype=args.kv_dtype,
+        )
     exact = own_kernels_run(args.dtype, args.device) if auto_exact else bool(args.exact)
     try:
-        return load(args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize,
-                    kv_dtype=args.kv_dtype)
+        return load(
+            args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize, kv_dtype=args.kv_dtype
+        )
     except UnsupportedArchitectureError:
         if args.backend == "native" or args.exact or args.quantize or args.kv_dtype != "auto":
             raise

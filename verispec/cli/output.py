@@ -31,12 +31,18 @@ def print_stream(steps: Stream, color: bool, before: str = "") -> None:
 
 
 def stats_lines(s: GenerationStats, stop_reason: str) -> list[str]:
-    lines = [f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {stop_reason}",
-             f"target calls {s.target_calls}, tau {s.tau:.2f} tokens/call"]
+    lines = [
+        f"{s.new_tokens} tokens in {s.total_time:.3f} s ({s.tokens_per_second:.1f} tok/s), stop: {stop_reason}",
+        f"target calls {s.target_calls}, tau {s.tau:.2f} tokens/call",
+    ]
     if s.drafter_calls:
         by_pos = " ".join(f"{rate:.2f}" for rate in s.acceptance_by_position)
-        lines += [f"drafted {s.proposed}, accepted {s.accepted} ({s.acceptance_rate:.1%}); by position: {by_pos}",
-                  f"time: prefill {s.prefill_time:.3f} s, draft {s.draft_time:.3f} s, verify {s.verify_time:.3f} s, "
-                  f"other {s.other_time:.3f} s"]
-        lines.insert(3, "steps by tokens drafted: " + ", ".join(f"{d}: {n}" for d, n in enumerate(s.steps_by_depth) if n))
+        lines += [
+            f"drafted {s.proposed}, accepted {s.accepted} ({s.acceptance_rate:.1%}); by position: {by_pos}",
+            f"time: prefill {s.prefill_time:.3f} s, draft {s.draft_time:.3f} s, verify {s.verify_time:.3f} s, "
+            f"other {s.other_time:.3f} s",
+        ]
+        lines.insert(
+            3, "steps by tokens drafted: " + ", ".join(f"{d}: {n}" for d, n in enumerate(s.steps_by_depth) if n)
+        )
     return lines

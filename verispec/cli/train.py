@@ -42,13 +42,23 @@ def train_command(args: argparse.Namespace) -> None:
         from verispec.train.head_cards import write_eagle3_card
 
         if not args.questions:
-            raise InvalidArgumentError("train eagle-card for this target measures on Spec-Bench questions: give "
-                                       "--questions FILE (a question.jsonl)")
+            raise InvalidArgumentError(
+                "train eagle-card for this target measures on Spec-Bench questions: give "
+                "--questions FILE (a question.jsonl)"
+            )
         per_category = whole_number(args.per_category, "--per-category", 1)  # before the target loads
         max_new_tokens = whole_number(args.max_new_tokens, "--max-new-tokens", 1)
         target = load(args.target, "native", "cpu", "auto", exact=True)
-        numbers = write_eagle3_card(target, chat_template(args).render, runs / "eagle3" / "model", runs / "eagle3",
-                                    read_suite(Path(args.questions)), args.questions, per_category, max_new_tokens)
+        numbers = write_eagle3_card(
+            target,
+            chat_template(args).render,
+            runs / "eagle3" / "model",
+            runs / "eagle3",
+            read_suite(Path(args.questions)),
+            args.questions,
+            per_category,
+            max_new_tokens,
+        )
         print(json.dumps(numbers, indent=2))
         return
     if args.what in ("eagle-card", "medusa-card"):
@@ -106,8 +116,13 @@ def init_random_command(args: argparse.Namespace) -> None:
     """`verispec init-random FOLDER`: a target and a draft with random weights and a byte tokenizer."""
     if not 1 <= args.draft_layers <= args.layers:
         raise InvalidArgumentError("--draft-layers must be between 1 and --layers")
-    config = tiny_config(num_hidden_layers=args.layers, hidden_size=args.hidden_size,
-                         intermediate_size=4 * args.hidden_size, num_attention_heads=4, num_key_value_heads=2)
+    config = tiny_config(
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     target, draft = random_pair(args.folder, config, args.draft_layers, args.seed)
     print(f"wrote {target} and {draft} (random weights: the text is noise, the mechanics are real)")
 

@@ -9,6 +9,21 @@ from verispec.drafters.ngram import PromptLookup
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter
 from verispec.drafters.suffix import SuffixDecoding
 
-__all__ = ["DraftContext", "DraftModel", "DraftSession", "Drafter", "FAMILIES", "LayerSkip", "Lookahead", "Method",
-           "Needs", "PromptLookup", "Proposal", "Resources", "SideBranch", "SuffixDecoding", "Verdict",
-           "build_drafter"]
+__all__ = [
+    "DraftContext",
+    "DraftModel",
+    "DraftSession",
+    "Drafter",
+    "FAMILIES",
+    "LayerSkip",
+    "Lookahead",
+    "Method",
+    "Needs",
+    "PromptLookup",
+    "Proposal",
+    "Resources",
+    "SideBranch",
+    "SuffixDecoding",
+    "Verdict",
+    "build_drafter",
+]

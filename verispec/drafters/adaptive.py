@@ -44,8 +44,9 @@ class AdaptiveK:
     `costs` fixes (c, r), or (c, r, s) with drafting's start, instead of measuring them (for tests, or a table
     measured elsewhere)."""
 
-    def __init__(self, drafter: Drafter, costs: Costs | tuple[float, Callable[[int], float], float] | None = None
-                 ) -> None:
+    def __init__(
+        self, drafter: Drafter, costs: Costs | tuple[float, Callable[[int], float], float] | None = None
+    ) -> None:
         self.drafter, self.fixed_costs = drafter, costs
         self.name, self.k, self.width, self.needs = drafter.name, drafter.k, drafter.width, drafter.needs
         self.batched = getattr(drafter, "batched", False)  # the engine chooses k itself and drafts with `drafter`

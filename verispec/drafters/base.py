@@ -81,12 +81,19 @@ class Drafter(Protocol):
 def check_target(drafter: Drafter, target: CausalLM) -> None:
     """Refuse a target that lacks what the drafter declares it needs, then run the drafter's own checks."""
     needs, can = drafter.needs, target.capabilities
-    missing = [what for what, needed, has in (
-        ("tree attention masks", needs.tree_masks, can.tree_masks),
-        ("hidden states", bool(needs.hidden_states), can.hidden_states),
-        ("running a subset of its layers", needs.layer_subsets, can.layer_subsets),
-        ("a twin made of its weights", needs.twin, can.twins)) if needed and not has]
+    missing = [
+        what
+        for what, needed, has in (
+            ("tree attention masks", needs.tree_masks, can.tree_masks),
+            ("hidden states", bool(needs.hidden_states), can.hidden_states),
+            ("running a subset of its layers", needs.layer_subsets, can.layer_subsets),
+            ("a twin made of its weights", needs.twin, can.twins),
+        )
+        if needed and not has
+    ]
     if missing:
-        raise IncompatibleTargetError(f"drafter {drafter.name} needs {' and '.join(missing)} of the target; {target.name} "
-                           f"does not offer it (the native runtime does; this model is loaded through another)")
+        raise IncompatibleTargetError(
+            f"drafter {drafter.name} needs {' and '.join(missing)} of the target; {target.name} "
+            f"does not offer it (the native runtime does; this model is loaded through another)"
+        )
     drafter.check(target)

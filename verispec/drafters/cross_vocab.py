@@ -34,8 +34,9 @@ WAYS = (INTERSECTION, REENCODE, AUTO)
 
 def same_tokenizer(target: CausalLM, draft: CausalLM) -> bool:
     """Whether both map text to ids identically and score the same ids (speculation can then compare ids)."""
-    return (target.vocab_size == draft.vocab_size and target.tokenizer.get_vocab(with_added_tokens=True)
-            == draft.tokenizer.get_vocab(with_added_tokens=True))
+    return target.vocab_size == draft.vocab_size and target.tokenizer.get_vocab(
+        with_added_tokens=True
+    ) == draft.tokenizer.get_vocab(with_added_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,13 @@ class Translation:
     def check(self, target: CausalLM) -> None:
         """Refuse a target with another tokenizer than the one this translation was built for."""
         if target.tokenizer is not self.target_tokenizer and (
-                target.vocab_size != self.shared.target_size or target.tokenizer.get_vocab(with_added_tokens=True)
-                != self.target_tokenizer.get_vocab(with_added_tokens=True)):
-            raise TokenizerMismatchError(f"the draft's vocab_map {self.way} was built for another tokenizer than "
-                                         f"{target.name}'s")
+            target.vocab_size != self.shared.target_size
+            or target.tokenizer.get_vocab(with_added_tokens=True)
+            != self.target_tokenizer.get_vocab(with_added_tokens=True)
+        ):
+            raise TokenizerMismatchError(
+                f"the draft's vocab_map {self.way} was built for another tokenizer than {target.name}'s"
+            )
 
     def restrict(self, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft ids, their target twins) the intersection drafts among: the shared tokens, or those of the draft
@@ -98,7 +102,7 @@ class DraftWindow:
         ids = self.text.ids
         if len(ids) - self.offset > self.limit:
             self.offset, same, self.fed = len(ids) - self.limit // 2, 0, []
-        ids = ids[self.offset:]
+        ids = ids[self.offset :]
         i, n = max(0, min(same, len(self.fed))), min(len(self.fed), len(ids))
         while i < n and self.fed[i] == ids[i]:
             i += 1
@@ -114,25 +118,33 @@ def _tables(target: CausalLM, draft: CausalLM) -> tuple[Encoder, Encoder, VocabM
             raise TokenizerMismatchError(
                 f"draft {draft.name} and target {target.name} use different tokenizers, and neither vocab_map applies: "
                 f"{model.name}'s tokenizer is neither byte-level nor SentencePiece-style, so its tokens cannot be read "
-                "back as text byte for byte (only a draft with the target's own tokenizer drafts for it)")
-    return (Encoder(target.tokenizer, t), Encoder(draft.tokenizer, d),
-            shared_tokens(t, d, target.vocab_size, draft.vocab_size))
+                "back as text byte for byte (only a draft with the target's own tokenizer drafts for it)"
+            )
+    return (
+        Encoder(target.tokenizer, t),
+        Encoder(draft.tokenizer, d),
+        shared_tokens(t, d, target.vocab_size, draft.vocab_size),
+    )
 
 
 def _applies(shared: VocabMap, tree: bool) -> dict[str, str]:
     """way -> why it does not apply here ("" where it does)."""
-    return {INTERSECTION: "" if len(shared) else "the vocabularies share no token",
-            REENCODE: "re-encoded text is proposed as a chain, and branch > 1 asks for a tree" if tree else ""}
+    return {
+        INTERSECTION: "" if len(shared) else "the vocabularies share no token",
+        REENCODE: "re-encoded text is proposed as a chain, and branch > 1 asks for a tree" if tree else "",
+    }
 
 
 def _ways_line(shared: VocabMap, tree: bool) -> str:
     """What a mismatch error says would work."""
     share = len(shared) / shared.target_size
-    says = {INTERSECTION: "vocab_map intersection (--vocab-map intersection) would draft among the "
-                          f"{len(shared)} tokens both share ({share:.1%} of the target's {shared.target_size}), lossless under greedy "
-                          "decoding and sampling",
-            REENCODE: "vocab_map reencode (--vocab-map reencode) would re-encode the draft's greedy text into the "
-                      "target's tokens (chains; lossless under greedy decoding and, as a one-hot guess, sampling)"}
+    says = {
+        INTERSECTION: "vocab_map intersection (--vocab-map intersection) would draft among the "
+        f"{len(shared)} tokens both share ({share:.1%} of the target's {shared.target_size}), lossless under greedy "
+        "decoding and sampling",
+        REENCODE: "vocab_map reencode (--vocab-map reencode) would re-encode the draft's greedy text into the "
+        "target's tokens (chains; lossless under greedy decoding and, as a one-hot guess, sampling)",
+    }
     why = _applies(shared, tree)
     usable = [says[way] for way in (INTERSECTION, REENCODE) if not why[way]]
     return "; ".join(usable) if usable else "neither vocab_map applies: " + "; ".join(why.values())
@@ -140,8 +152,10 @@ def _ways_line(shared: VocabMap, tree: bool) -> str:
 
 def mismatch_error(target: CausalLM, draft: CausalLM, tree: bool = False) -> TokenizerMismatchError:
     """The error for a draft whose tokenizer differs from the target's, saying which vocab_map would draft."""
-    head = (f"draft {draft.name} and target {target.name} use different tokenizers "
-            f"({draft.tokenizer.get_vocab_size()} vs {target.tokenizer.get_vocab_size()} tokens)")
+    head = (
+        f"draft {draft.name} and target {target.name} use different tokenizers "
+        f"({draft.tokenizer.get_vocab_size()} vs {target.tokenizer.get_vocab_size()} tokens)"
+    )
     try:
         _, _, shared = _tables(target, draft)
     except TokenizerMismatchError as err:
@@ -163,9 +177,12 @@ def translation_for(target: CausalLM, draft: CausalLM, way: str, tree: bool = Fa
     if way == AUTO:
         way = next((w for w in (INTERSECTION, REENCODE) if not why[w]), None)
         if way is None:
-            raise TokenizerMismatchError(f"draft {draft.name} and target {target.name} use different tokenizers; "
-                                         f"{_ways_line(shared, tree)}")
+            raise TokenizerMismatchError(
+                f"draft {draft.name} and target {target.name} use different tokenizers; {_ways_line(shared, tree)}"
+            )
     elif why[way]:
-        raise TokenizerMismatchError(f"vocab_map {way} does not apply to draft {draft.name} and target {target.name}: "
-                                     f"{why[way]}; {_ways_line(shared, tree)}")
+        raise TokenizerMismatchError(
+            f"vocab_map {way} does not apply to draft {draft.name} and target {target.name}: "
+            f"{why[way]}; {_ways_line(shared, tree)}"
+        )
     return Translation(way, target.tokenizer, t, d, shared)

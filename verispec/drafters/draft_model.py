@@ -11,8 +11,14 @@ import torch
 
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
-from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, DraftWindow, Translation, mismatch_error, \
-    same_tokenizer
+from verispec.drafters.cross_vocab import (
+    INTERSECTION,
+    REENCODE,
+    DraftWindow,
+    Translation,
+    mismatch_error,
+    same_tokenizer,
+)
 from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.drafters.reencode import ReencodeSession
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
@@ -47,28 +53,42 @@ class DraftModel:
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, k: int = 4, branch: int = 1, branch_depth: int = 1,
-                 vocab: torch.Tensor | None = None, translation: Translation | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        k: int = 4,
+        branch: int = 1,
+        branch_depth: int = 1,
+        vocab: torch.Tensor | None = None,
+        translation: Translation | None = None,
+    ) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)
         branch = whole_number(branch, "branch (candidates per tree node)", 1)
         branch_depth = whole_number(branch_depth, "branch_depth (depths that branch)", 1)
         if branch > 1 and not model.capabilities.tree_masks:
-            raise InvalidArgumentError(f"branch > 1 drafts a token tree, which needs a draft model that takes tree "
-                                       f"masks (the native runtime); {model.name} does not")
+            raise InvalidArgumentError(
+                f"branch > 1 drafts a token tree, which needs a draft model that takes tree "
+                f"masks (the native runtime); {model.name} does not"
+            )
         self.model, self.k, self.branch, self.branch_depth = model, k, branch, branch_depth
         self.translation = translation
         if translation is not None and translation.way == REENCODE and branch > 1:
-            raise InvalidArgumentError("vocab_map reencode proposes chains (branch 1); vocab_map intersection drafts "
-                                       "trees")
+            raise InvalidArgumentError(
+                "vocab_map reencode proposes chains (branch 1); vocab_map intersection drafts trees"
+            )
         if vocab is not None and not model.capabilities.vocab_heads:
-            raise InvalidArgumentError(f"a draft vocabulary runs an LM head over part of the vocabulary, which the "
-                                       f"native runtime does; {model.name} does not")
+            raise InvalidArgumentError(
+                f"a draft vocabulary runs an LM head over part of the vocabulary, which the "
+                f"native runtime does; {model.name} does not"
+            )
         self.twins = None  # intersection: (draft ids it proposes among, their target ids)
         if translation is not None and translation.way == INTERSECTION:
             self.twins = translation.restrict(None if vocab is None else vocab.to(torch.int64))
             if not len(self.twins[0]):
-                raise TokenizerMismatchError("no token of the draft vocabulary is shared with the target's; "
-                                             "draft_vocab 0 drafts among every shared token")
+                raise TokenizerMismatchError(
+                    "no token of the draft vocabulary is shared with the target's; "
+                    "draft_vocab 0 drafts among every shared token"
+                )
             vocab = self.twins[0] if model.capabilities.vocab_heads else None  # (else: the full head, then indexed)
         # The LM head over `vocab` alone (which checks it), and its token ids
         self.head = None if vocab is None else model.vocab_head(vocab.to(device=model.device, dtype=torch.int64))
@@ -84,8 +104,10 @@ class DraftModel:
         elif not same_tokenizer(target, self.model):
             vocabs = (m.tokenizer.get_vocab(with_added_tokens=True) for m in (target, self.model))
             if next(vocabs) == next(vocabs):  # one tokenizer, tables of different sizes
-                raise TokenizerMismatchError(f"draft {self.model.name} has {self.model.vocab_size} usable tokens, "
-                                             f"target {target.name} {target.vocab_size}")
+                raise TokenizerMismatchError(
+                    f"draft {self.model.name} has {self.model.vocab_size} usable tokens, "
+                    f"target {target.name} {target.vocab_size}"
+                )
             raise mismatch_error(target, self.model, tree=self.branch > 1)
 
     def begin(self, context: DraftContext) -> DraftModelSession | ReencodeSession:
@@ -129,7 +151,7 @@ class DraftModelSession:
         k = min(k, self.cache.max_len - (self.width - self.k) - len(ids))
         if k < 1 or not ids:
             return Proposal([])
-        unseen = torch.tensor([ids[self.cache.length:]], device=self.model.device)
+        unseen = torch.tensor([ids[self.cache.length :]], device=self.model.device)
         chain = self.sampling.greedy and self.branch == 1 and self.grammar is None  # (a grammar masks every draft)
         if chain and self.model.capabilities.greedy_chains:  # the model's own loop
             return Proposal(self._as_target(self.model.greedy_chain(unseen, self.cache, k, self.head)))
@@ -144,8 +166,9 @@ class DraftModelSession:
             tokens.append(token)
             q += [] if q_i is None else [q_i]
             if i < k - 1:
-                logits = self._logits(torch.tensor([[self._as_draft(token)]], device=self.model.device),
-                                      self.cache)[0, -1]
+                logits = self._logits(torch.tensor([[self._as_draft(token)]], device=self.model.device), self.cache)[
+                    0, -1
+                ]
         return Proposal(tokens, torch.stack(q) if q else None)
 
     def _draft_context(self, context: Sequence[int]) -> Sequence[int]:
@@ -200,8 +223,9 @@ class DraftModelSession:
             frontier, frontier_logits = children, self._score(children, tokens, parents, sees, start, d)
         return Proposal(tokens, torch.stack(qs) if qs else None, parents)
 
-    def _score(self, frontier: list[int], tokens: list[int], parents: list[int], sees: dict[int, list[int]],
-               start: int, d: int) -> torch.Tensor:
+    def _score(
+        self, frontier: list[int], tokens: list[int], parents: list[int], sees: dict[int, list[int]], start: int, d: int
+    ) -> torch.Tensor:
         """One draft forward over the frontier (all at depth d): each sees the committed tokens, its
         ancestors and itself. Returns their logits (len(frontier), V)."""
         T, length = len(frontier), self.cache.length
@@ -247,8 +271,9 @@ class IntersectionSession(DraftModelSession):
         self.vocab = self.among  # what a tree's top-b is taken among
         self.proposes = self.proposes.to(self.model.device)
         self.among = self.among.to(self.model.device)
-        self.window = DraftWindow(DraftText(translation.target.table, translation.draft),
-                                  self.cache.max_len - self.width - 1)
+        self.window = DraftWindow(
+            DraftText(translation.target.table, translation.draft), self.cache.max_len - self.width - 1
+        )
         self._proposal, self._ids = Proposal([]), []
 
     def _cache_size(self, context: DraftContext) -> int:

@@ -43,7 +43,7 @@ class DraftModelBatch:
         tokens: dict[int, list[int]] = {slot: [] for slot in ks}
         qs: dict[int, list[torch.Tensor]] = {slot: [] for slot in ks}
         if rows:
-            unseen = [contexts[slot][self.cache.lengths[slot]:] for slot in rows]
+            unseen = [contexts[slot][self.cache.lengths[slot] :] for slot in rows]
             for slot in rows:
                 self._context_len[slot] = len(contexts[slot])
             logits = self._forward(unseen, rows)
@@ -73,8 +73,9 @@ class DraftModelBatch:
             logits = self.model.forward_batch(x, self.cache, rows, counts)
             return logits[torch.arange(len(rows), device=self.model.device), last, : self.model.vocab_size]
         logits = self.model.forward_batch(x, self.cache, rows, counts, self.head)
-        return spread(logits[torch.arange(len(rows), device=self.model.device), last], self.head.ids,
-                      self.model.vocab_size)
+        return spread(
+            logits[torch.arange(len(rows), device=self.model.device), last], self.head.ids, self.model.vocab_size
+        )
 
     def accepted(self, verdicts: Mapping[int, Verdict]) -> None:
         for slot, verdict in verdicts.items():

@@ -42,15 +42,25 @@ class Eagle:
     batched = False  # its head's cache and the target's features are one sequence's
     needs = Needs(hidden_states=(FINAL,))
 
-    def __init__(self, head: EagleHead | Eagle3Head, k: int = 4, vocab: torch.Tensor | None = None,
-                 tree: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        head: EagleHead | Eagle3Head,
+        k: int = 4,
+        vocab: torch.Tensor | None = None,
+        tree: tuple[int, int] | None = None,
+    ) -> None:
         self.head, self.k = head, whole_number(k, "k (tokens drafted per step)", 1)
         if vocab is not None and head.own_vocab is not None:
-            raise InvalidArgumentError(f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token "
-                                       "vocabulary; it takes no other draft vocabulary")
+            raise InvalidArgumentError(
+                f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token "
+                "vocabulary; it takes no other draft vocabulary"
+            )
         self.vocab = head.own_vocab if vocab is None else vocab.to(torch.long)
-        self.tree = None if tree is None else (whole_number(tree[0], "tree top_k", 1),
-                                               whole_number(tree[1], "tree total tokens", 1))
+        self.tree = (
+            None
+            if tree is None
+            else (whole_number(tree[0], "tree top_k", 1), whole_number(tree[1], "tree total tokens", 1))
+        )
         self.width = self.k if tree is None else self.tree[1]
         self.needs = Needs(hidden_states=head.feature_layers, tree_masks=tree is not None)
         self._lm_head: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None
@@ -67,12 +77,15 @@ class Eagle:
     def check(self, target: CausalLM) -> None:
         c = self.head.config
         if (c.hidden_size, c.vocab_size) != (target.hidden_size, target.lm_head_weight.shape[0]):
-            raise IncompatibleTargetError(f"this EAGLE head has features of {c.hidden_size} and a vocabulary of "
-                                          f"{c.vocab_size}; {target.name} has {target.hidden_size} and "
-                                          f"{target.lm_head_weight.shape[0]}")
+            raise IncompatibleTargetError(
+                f"this EAGLE head has features of {c.hidden_size} and a vocabulary of "
+                f"{c.vocab_size}; {target.name} has {target.hidden_size} and "
+                f"{target.lm_head_weight.shape[0]}"
+            )
         if max(self.head.feature_layers) >= target.num_layers:
-            raise IncompatibleTargetError(f"this EAGLE head reads blocks {list(self.head.feature_layers)}; "
-                                          f"{target.name} has {target.num_layers}")
+            raise IncompatibleTargetError(
+                f"this EAGLE head reads blocks {list(self.head.feature_layers)}; {target.name} has {target.num_layers}"
+            )
 
     def begin(self, context: DraftContext) -> EagleSession:
         return EagleSession(self, context)
@@ -99,7 +112,7 @@ class EagleSession:
         k = min(k, self.cache.max_len - (n - 1) - (0 if self.tree is None else self.tree[0] * k) + 1)
         if k < 1 or fed + len(self.features) == 0:  # nothing to predict from yet (a one-token prompt)
             return Proposal([])
-        nxt = torch.tensor(context[fed + 1: n], device=self.features.device)  # x_{i+1} for each fed feature
+        nxt = torch.tensor(context[fed + 1 : n], device=self.features.device)  # x_{i+1} for each fed feature
         predicted = self.head(self.features[None], self.target.embed(nxt)[None], self.cache)[0, -1]
         self.features = self.features[:0]
         if self.tree is not None:
@@ -150,8 +163,16 @@ class EagleSession:
         index = {old: new for new, old in enumerate(keep)} | {-1: -1}
         return Proposal([tokens[c] for c in keep], None, [index[parents[c]] for c in keep])
 
-    def _expand(self, frontier: list[int], tokens: list[int], parents: list[int], predicted: dict,
-                slots: dict[int, int], committed: int, n: int) -> torch.Tensor:
+    def _expand(
+        self,
+        frontier: list[int],
+        tokens: list[int],
+        parents: list[int],
+        predicted: dict,
+        slots: dict[int, int],
+        committed: int,
+        n: int,
+    ) -> torch.Tensor:
         """The head over the frontier's nodes in one forward: each reads its parent's predicted feature and its own
         token, at position n - 2 + its depth, and sees the committed entries, its ancestors' and its own."""
         T, length, device = len(frontier), self.cache.length, predicted[-1].device

@@ -38,8 +38,10 @@ class LayerSkip:
         k = whole_number(k, "k (tokens drafted per step)", 1)
         skip = layer_indices(skip)
         if not skip:
-            raise InvalidArgumentError("layer skip needs at least one layer to skip (skipping none drafts with "
-                                       "the full target, which is never faster)")
+            raise InvalidArgumentError(
+                "layer skip needs at least one layer to skip (skipping none drafts with "
+                "the full target, which is never faster)"
+            )
         self.skip, self.k, self.width = skip, k, k
         self.needs = Needs(layer_subsets=True)
 
@@ -48,8 +50,10 @@ class LayerSkip:
         """The skip set saved in `folder/layerskip.json` by the search; k defaults to the one searched for."""
         file = Path(folder) / PLAN_FILE
         if not file.is_file():
-            raise CheckpointError(f"{file}: no layer-skip plan; write one with `verispec search-layerskip --target "
-                                  f"{folder}` or pass --skip")
+            raise CheckpointError(
+                f"{file}: no layer-skip plan; write one with `verispec search-layerskip --target "
+                f"{folder}` or pass --skip"
+            )
         skip, saved_k = read_plan(file)
         return cls(skip, saved_k if k is None else k)
 

@@ -40,7 +40,7 @@ class NgramPool:
     def add_text(self, tokens: Sequence[int], n: int) -> None:
         """Every n-gram of `tokens`, in order (so the last ones are the latest)."""
         for i in range(len(tokens) - n + 1):
-            self.add(tokens[i], tokens[i + 1: i + n])
+            self.add(tokens[i], tokens[i + 1 : i + n])
 
     def get(self, key: int) -> list[tuple[int, ...]]:
         """The continuations of `key`, latest first."""
@@ -91,8 +91,9 @@ class Lookahead:
     batched = False  # its window rides in the target's forward, through a per-sequence tree mask
     needs = Needs(tree_masks=True)  # the window and the candidate trie share one forward through a custom mask
 
-    def __init__(self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True, seed: int = 0
+    ) -> None:
         window = whole_number(window, "lookahead window", 1)
         ngram = whole_number(ngram, "lookahead ngram", 2)
         candidates = whole_number(candidates, "lookahead candidates", 1)
@@ -122,7 +123,7 @@ class LookaheadSession:
     def _add_text(self, context: Sequence[int]) -> None:
         """The n-grams that end in tokens committed since the last call."""
         if self.text_ngrams:
-            self.pool.add_text(context[max(0, self._seen - self.ngram + 1):], self.ngram)
+            self.pool.add_text(context[max(0, self._seen - self.ngram + 1) :], self.ngram)
         self._seen = len(context)
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
@@ -138,7 +139,7 @@ class LookaheadSession:
         """One Jacobi step: the argmax at the newest level becomes a new level; full columns become n-grams."""
         if verdict.side_logits is None:  # abandoned before the target saw the window: nothing learned
             return
-        newest = argmax(verdict.side_logits[-self.window:]).tolist()
+        newest = argmax(verdict.side_logits[-self.window :]).tolist()
         if len(self.levels) == self.ngram - 1:
             for j, token in enumerate(newest):
                 self.pool.add(self.levels[0][j], [level[j] for level in self.levels[1:]] + [token])

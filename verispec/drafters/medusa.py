@@ -37,8 +37,13 @@ class Medusa:
     batched = False  # its trees are verified through a per-sequence tree mask
     needs = Needs(hidden_states=(FINAL,), tree_masks=True)
 
-    def __init__(self, heads: MedusaHeads, accuracy: list[list[float]] | None = None, tokens: int = TREE_TOKENS,
-                 vocab: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        accuracy: list[list[float]] | None = None,
+        tokens: int = TREE_TOKENS,
+        vocab: torch.Tensor | None = None,
+    ) -> None:
         self.heads = heads
         table = assumed_accuracy(heads.num_heads) if accuracy is None else accuracy[: heads.num_heads]
         self.paths = best_paths(table, whole_number(tokens, "tree tokens", 1))
@@ -49,9 +54,11 @@ class Medusa:
 
     def check(self, target: CausalLM) -> None:
         if (self.heads.hidden, self.heads.vocab) != (target.hidden_size, target.lm_head_weight.shape[0]):
-            raise IncompatibleTargetError(f"these Medusa heads read features of {self.heads.hidden} over a vocabulary "
-                                          f"of {self.heads.vocab}; {target.name} has {target.hidden_size} and "
-                                          f"{target.lm_head_weight.shape[0]}")
+            raise IncompatibleTargetError(
+                f"these Medusa heads read features of {self.heads.hidden} over a vocabulary "
+                f"of {self.heads.vocab}; {target.name} has {target.hidden_size} and "
+                f"{target.lm_head_weight.shape[0]}"
+            )
 
     def begin(self, context: DraftContext) -> MedusaSession:
         return MedusaSession(self, context)
@@ -59,7 +66,12 @@ class Medusa:
 
 class MedusaSession:
     def __init__(self, drafter: Medusa, context: DraftContext) -> None:
-        self.heads, self.paths, self.vocab, self.lm_heads = drafter.heads, drafter.paths, drafter.vocab, drafter.lm_heads
+        self.heads, self.paths, self.vocab, self.lm_heads = (
+            drafter.heads,
+            drafter.paths,
+            drafter.vocab,
+            drafter.lm_heads,
+        )
         self.vocab_size = context.target.vocab_size
         self.ranks = 1 + max(r for p in self.paths for r in p)
         self.feature = context.hidden[-1, 0] if len(context.hidden) else None  # f_{n-2}: the last one scored

@@ -58,15 +58,15 @@ class NgramIndex:
             # The n-grams ending just before this token now have a continuation: this token's position.
             end = len(self.tokens)
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.index[tuple(self.tokens[end - n: end])] = end
+                self.index[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
-        self._extend(context[len(self.tokens):])
+        self._extend(context[len(self.tokens) :])
         for n in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
             start = self.index.get(tuple(self.tokens[-n:]))
             if start is not None:
-                return Proposal(self.tokens[start: start + k])
+                return Proposal(self.tokens[start : start + k])
         return Proposal([])
 
     def accepted(self, verdict: Verdict) -> None:

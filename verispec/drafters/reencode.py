@@ -37,7 +37,7 @@ class ReencodeSession:
         n = min(k + 1, self.cache.max_len - len(ids) + 1)  # draft tokens; the cache keeps all but the last
         if k < 1 or not ids or n < 2:
             return Proposal([])
-        unseen = torch.tensor([ids[self.cache.length:]], device=self.model.device)
+        unseen = torch.tensor([ids[self.cache.length :]], device=self.model.device)
         drafted = self._chain(unseen, n)
         self.window.fed = ids + drafted[:-1]
         return Proposal(self.translation.proposal(drafted)[:k])

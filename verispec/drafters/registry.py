@@ -80,36 +80,56 @@ OPTIONS: dict[str, Option] = {
     "window": Option("columns of the Jacobi window (W, default 5)"),
     "ngram": Option("n-gram size N, N - 1 tokens drafted (default 4)", flag="--ngram-size"),
     "candidates": Option("most n-grams verified per step (G, default 5)"),
-    "skip": Option("layers to skip, e.g. 2,3, or a layer-skip plan's file, e.g. PLAN.json (layerskip: default "
-                   "TARGET/layerskip.json; selfquant: none)", str),
-    "format": Option(f"the twin's projections in this block format (default {TwinFormat.format})", str,
-                     choices=tuple(FORMATS)),
-    "head_format": Option(f"the twin's LM head in this block format, or {SAME_HEAD}: the target's own (default "
-                          f"{TwinFormat.head}; a target's head already in it is shared, not requantized)", str,
-                          choices=(*FORMATS, SAME_HEAD)),
-    "branch": Option("candidates per node at the first --branch-depth depths; > 1 verifies a token tree (native "
-                     "runtime; default 1, a chain)"),
+    "skip": Option(
+        "layers to skip, e.g. 2,3, or a layer-skip plan's file, e.g. PLAN.json (layerskip: default "
+        "TARGET/layerskip.json; selfquant: none)",
+        str,
+    ),
+    "format": Option(
+        f"the twin's projections in this block format (default {TwinFormat.format})", str, choices=tuple(FORMATS)
+    ),
+    "head_format": Option(
+        f"the twin's LM head in this block format, or {SAME_HEAD}: the target's own (default "
+        f"{TwinFormat.head}; a target's head already in it is shared, not requantized)",
+        str,
+        choices=(*FORMATS, SAME_HEAD),
+    ),
+    "branch": Option(
+        "candidates per node at the first --branch-depth depths; > 1 verifies a token tree (native "
+        "runtime; default 1, a chain)"
+    ),
     "branch_depth": Option("how many depths branch (default 1)"),
-    "tree_top_k": Option("draft EAGLE-2's dynamic tree, expanding this many nodes per depth with this many children "
-                         "each (with --tree-tokens)"),
+    "tree_top_k": Option(
+        "draft EAGLE-2's dynamic tree, expanding this many nodes per depth with this many children "
+        "each (with --tree-tokens)"
+    ),
     "tree_tokens": Option("nodes of the tree the target verifies"),
     "suffix_depth": Option("the longest string the suffix trees index, match and continuation (default 24)"),
     "spec_factor": Option("propose at most this times the matched suffix's length in tokens (default 1.0)", float),
-    "min_prob": Option("propose only continuations whose estimated probability is at least this (default 0.1)",
-                       float),
-    "history_tokens": Option("generated tokens of earlier and concurrent generations that the shared suffix tree "
-                             "keeps (the older half dropped when full; 0: none, which makes seeded sampling "
-                             "reproducible whatever ran before; default 65536)"),
-    "eagle_below": Option("draft with the EAGLE head (--head, default the shipped one) on steps whose best suffix "
-                          "match is shorter than this many tokens (SAM-Decoding's combination)"),
-    "draft_vocab": Option("draft over this many of the most frequent tokens only (a cheaper LM head; verification "
-                          "still scores them all); 0: all of them (default: the draft's or head's folder's own, 2048 "
-                          "for the shipped ones)"),
-    "vocab_map": Option("a draft with another tokenizer than the target's: intersection drafts among the tokens "
-                        "both vocabularies share (lossless under greedy decoding and sampling; chains and trees), "
-                        "reencode re-encodes the draft's greedy text into the target's tokens (chains; lossless too, "
-                        "under sampling as a one-hot guess), auto picks the first that applies (nothing for the same "
-                        "tokenizer); default: the draft must have the target's tokenizer", str, choices=WAYS),
+    "min_prob": Option("propose only continuations whose estimated probability is at least this (default 0.1)", float),
+    "history_tokens": Option(
+        "generated tokens of earlier and concurrent generations that the shared suffix tree "
+        "keeps (the older half dropped when full; 0: none, which makes seeded sampling "
+        "reproducible whatever ran before; default 65536)"
+    ),
+    "eagle_below": Option(
+        "draft with the EAGLE head (--head, default the shipped one) on steps whose best suffix "
+        "match is shorter than this many tokens (SAM-Decoding's combination)"
+    ),
+    "draft_vocab": Option(
+        "draft over this many of the most frequent tokens only (a cheaper LM head; verification "
+        "still scores them all); 0: all of them (default: the draft's or head's folder's own, 2048 "
+        "for the shipped ones)"
+    ),
+    "vocab_map": Option(
+        "a draft with another tokenizer than the target's: intersection drafts among the tokens "
+        "both vocabularies share (lossless under greedy decoding and sampling; chains and trees), "
+        "reencode re-encodes the draft's greedy text into the target's tokens (chains; lossless too, "
+        "under sampling as a one-hot guess), auto picks the first that applies (nothing for the same "
+        "tokenizer); default: the draft must have the target's tokenizer",
+        str,
+        choices=WAYS,
+    ),
 }
 
 
@@ -136,15 +156,17 @@ def _draft(method: Method, res: Resources) -> DraftModel:
         vocab = _draft_vocab(method, res.draft_dir)  # the folder's choice, where an LM head over it runs
     elif size:
         if res.draft_dir is None:
-            raise InvalidArgumentError("draft_vocab reads the draft's token frequencies from its folder, which is not "
-                                       "known here")
+            raise InvalidArgumentError(
+                "draft_vocab reads the draft's token frequencies from its folder, which is not known here"
+            )
         vocab = _draft_vocab(method, res.draft_dir)
     translation = None
     if "vocab_map" in method.options:
         if res.target is None:
             raise InvalidArgumentError("vocab_map maps the draft's tokens to the target's, which is not known here")
-        translation = translation_for(res.target, res.draft, method.options["vocab_map"],
-                                      tree=method.options.get("branch", 1) > 1)
+        translation = translation_for(
+            res.target, res.draft, method.options["vocab_map"], tree=method.options.get("branch", 1) > 1
+        )
     return DraftModel(res.draft, method.k or 4, vocab=vocab, translation=translation, **options)
 
 
@@ -156,8 +178,10 @@ def _layerskip(method: Method, res: Resources) -> LayerSkip:
     if skip is not None:
         return LayerSkip(skip, method.k or 4)
     if res.target_dir is None:
-        raise InvalidArgumentError("method layerskip needs the layers to skip (skip) or the target's folder, "
-                                   "where `verispec search-layerskip` wrote layerskip.json")
+        raise InvalidArgumentError(
+            "method layerskip needs the layers to skip (skip) or the target's folder, "
+            "where `verispec search-layerskip` wrote layerskip.json"
+        )
     return LayerSkip.from_checkpoint(res.target_dir, method.k)
 
 
@@ -165,8 +189,11 @@ def _selfquant(method: Method, res: Resources) -> SelfQuant:
     if res.target is None:
         raise InvalidArgumentError("method selfquant needs the target to make its quantized twin of")
     options = method.options
-    spec = TwinFormat(options.get("format", TwinFormat.format), options.get("head_format", TwinFormat.head),
-                      tuple(skip_option(options.get("skip", ()))))
+    spec = TwinFormat(
+        options.get("format", TwinFormat.format),
+        options.get("head_format", TwinFormat.head),
+        tuple(skip_option(options.get("skip", ()))),
+    )
     return SelfQuant(res.target, spec, method.k or 4, options.get("branch", 1), options.get("branch_depth", 1))
 
 
@@ -176,14 +203,17 @@ def _eagle(method: Method, res: Resources) -> Eagle:
     own = is_eagle3(folder)  # an EAGLE-3 head, with its own draft vocabulary
     head = (load_eagle3 if own else load_head)(folder, res.target.config, res.target.dtype, res.target.device)
     if own and method.options.get("draft_vocab"):
-        raise InvalidArgumentError(f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token vocabulary; "
-                                   "it takes no draft_vocab")
+        raise InvalidArgumentError(
+            f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token vocabulary; it takes no draft_vocab"
+        )
     if method.k is None and not {"tree_top_k", "tree_tokens"} & set(method.options):
         method = replace(method, **_head_default(folder, method))  # the setting its card measured best
     tree = method.options.get("tree_top_k"), method.options.get("tree_tokens")
     if (tree[0] is None) != (tree[1] is None):
-        raise InvalidArgumentError("an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
-                                   "node) and tree_tokens (nodes verified)")
+        raise InvalidArgumentError(
+            "an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
+            "node) and tree_tokens (nodes verified)"
+        )
     vocab = None if own else _draft_vocab(method, folder)
     return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
 
@@ -203,15 +233,17 @@ def _suffix(method: Method, res: Resources) -> SuffixDecoding:
     fallback, below = None, method.options.get("eagle_below", 0)
     if "eagle_below" in method.options:  # EAGLE drafts the steps without a long enough match, a chain as deep
         fallback = _eagle(Method("eagle", method.k or SUFFIX_K), res)
-    return SuffixDecoding(method.k or SUFFIX_K, method.options.get("tree_tokens"), SuffixOptions(**options),
-                          fallback, below)
+    return SuffixDecoding(
+        method.k or SUFFIX_K, method.options.get("tree_tokens"), SuffixOptions(**options), fallback, below
+    )
 
 
 def _medusa(method: Method, res: Resources) -> Medusa:
     _reads_features(res, "medusa")
     folder = res.head_dir or default_head(res.target_dir, "medusa")
-    heads, accuracy = load_heads(folder, res.target.hidden_size, res.target.lm_head_weight.shape[0],
-                                 res.target.dtype, res.target.device)
+    heads, accuracy = load_heads(
+        folder, res.target.hidden_size, res.target.lm_head_weight.shape[0], res.target.dtype, res.target.device
+    )
     return Medusa(heads, accuracy, method.options.get("tree_tokens", TREE_TOKENS), _draft_vocab(method, folder))
 
 
@@ -226,41 +258,74 @@ def _reads_features(res: Resources, family: str) -> None:
     if res.target is None:
         raise InvalidArgumentError(f"method {family} needs the target to load its head for")
     if not res.target.capabilities.hidden_states:
-        raise IncompatibleTargetError(f"method {family} reads the target's hidden states; {res.target.name} does "
-                                      "not offer them (the native runtime does)")
+        raise IncompatibleTargetError(
+            f"method {family} reads the target's hidden states; {res.target.name} does "
+            "not offer them (the native runtime does)"
+        )
 
 
 FAMILIES: dict[str, Family] = {
     "autoregressive": Family("plain decoding: one target forward per token", (), lambda m, r: None, takes_k=False),
-    "draft": Family("a smaller model proposes (a chain, or a tree with branch > 1; draft_vocab: among that many "
-                    "frequent tokens, by an LM head over them, 0 for all, by default the draft's own; vocab_map: a "
-                    "draft with another tokenizer)", ("branch", "branch_depth", "draft_vocab", "vocab_map"), _draft,
-                    lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1)),
-    "ngram": Family("prompt lookup: what followed the text's last n-gram earlier", ("max_ngram", "min_ngram"),
-                    lambda m, r: PromptLookup(m.k or 4, **m.options)),
-    "layerskip": Family("the target drafts for itself with some layers skipped", ("skip",), _layerskip,
-                        lambda m: Needs(layer_subsets=True)),
-    "selfquant": Family("the target drafts for itself with its own weights requantized lower (its twin: projections "
-                        "in format, the LM head in head_format), with the layers skip skipped as well if given; a "
-                        "chain, or a tree with branch > 1", ("format", "head_format", "skip", "branch", "branch_depth"),
-                        _selfquant, lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1, twin=True)),
-    "lookahead": Family("Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
-                        ("window", "ngram", "candidates"), lambda m, r: Lookahead(**m.options),
-                        lambda m: Needs(tree_masks=True), takes_k=False),
-    "eagle": Family("a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
-                    "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens, 0 for all, "
-                    "by default the head's own)",
-                    ("tree_top_k", "tree_tokens", "draft_vocab"),
-                    _eagle, lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options)),
-    "suffix": Family("SuffixDecoding: what most often followed the text's suffix, in this generation and earlier ones "
-                     "(suffix trees, no model; a chain of at most spec_factor x the match's length, or a tree of "
-                     "tree_tokens; eagle_below: EAGLE's chain where the match is shorter)",
-                     ("tree_tokens", "suffix_depth", "spec_factor", "min_prob", "history_tokens", "eagle_below"),
-                     _suffix, lambda m: Needs(tree_masks="tree_tokens" in m.options,
-                                              hidden_states=(FINAL,) if "eagle_below" in m.options else ())),
-    "medusa": Family("heads on the target's last feature guess the tokens after the next one; a tree of tree_tokens "
-                     "nodes shaped by their measured accuracy (k is the number of heads)", ("tree_tokens", "draft_vocab"),
-                     _medusa, lambda m: Medusa.needs, takes_k=False),
+    "draft": Family(
+        "a smaller model proposes (a chain, or a tree with branch > 1; draft_vocab: among that many "
+        "frequent tokens, by an LM head over them, 0 for all, by default the draft's own; vocab_map: a "
+        "draft with another tokenizer)",
+        ("branch", "branch_depth", "draft_vocab", "vocab_map"),
+        _draft,
+        lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1),
+    ),
+    "ngram": Family(
+        "prompt lookup: what followed the text's last n-gram earlier",
+        ("max_ngram", "min_ngram"),
+        lambda m, r: PromptLookup(m.k or 4, **m.options),
+    ),
+    "layerskip": Family(
+        "the target drafts for itself with some layers skipped",
+        ("skip",),
+        _layerskip,
+        lambda m: Needs(layer_subsets=True),
+    ),
+    "selfquant": Family(
+        "the target drafts for itself with its own weights requantized lower (its twin: projections "
+        "in format, the LM head in head_format), with the layers skip skipped as well if given; a "
+        "chain, or a tree with branch > 1",
+        ("format", "head_format", "skip", "branch", "branch_depth"),
+        _selfquant,
+        lambda m: Needs(tree_masks=m.options.get("branch", 1) > 1, twin=True),
+    ),
+    "lookahead": Family(
+        "Jacobi iteration in the target's own forward guesses n-grams (k is ngram - 1)",
+        ("window", "ngram", "candidates"),
+        lambda m, r: Lookahead(**m.options),
+        lambda m: Needs(tree_masks=True),
+        takes_k=False,
+    ),
+    "eagle": Family(
+        "a one-layer head drafts from the target's own features (EAGLE; a dynamic tree as in EAGLE-2 "
+        "with tree_top_k and tree_tokens; draft_vocab: an LM head over that many frequent tokens, 0 for all, "
+        "by default the head's own)",
+        ("tree_top_k", "tree_tokens", "draft_vocab"),
+        _eagle,
+        lambda m: Needs(hidden_states=(FINAL,), tree_masks="tree_top_k" in m.options),
+    ),
+    "suffix": Family(
+        "SuffixDecoding: what most often followed the text's suffix, in this generation and earlier ones "
+        "(suffix trees, no model; a chain of at most spec_factor x the match's length, or a tree of "
+        "tree_tokens; eagle_below: EAGLE's chain where the match is shorter)",
+        ("tree_tokens", "suffix_depth", "spec_factor", "min_prob", "history_tokens", "eagle_below"),
+        _suffix,
+        lambda m: Needs(
+            tree_masks="tree_tokens" in m.options, hidden_states=(FINAL,) if "eagle_below" in m.options else ()
+        ),
+    ),
+    "medusa": Family(
+        "heads on the target's last feature guess the tokens after the next one; a tree of tree_tokens "
+        "nodes shaped by their measured accuracy (k is the number of heads)",
+        ("tree_tokens", "draft_vocab"),
+        _medusa,
+        lambda m: Medusa.needs,
+        takes_k=False,
+    ),
 }
 
 
@@ -311,8 +376,10 @@ def method_named(label: str) -> Method:
             else:
                 options[name] = OPTIONS[name].type(text)
         except ValueError:
-            raise InvalidArgumentError(f"method {label!r}: {part!r} is not k=N, k={AUTO} or an option's name=value "
-                                       f"(options: {', '.join(OPTIONS)})") from None
+            raise InvalidArgumentError(
+                f"method {label!r}: {part!r} is not k=N, k={AUTO} or an option's name=value "
+                f"(options: {', '.join(OPTIONS)})"
+            ) from None
     method = Method(family, k, options)
     check_method(method)
     return method

@@ -24,16 +24,19 @@ class SelfQuant(DraftModel):
 
     name = "selfquant"
 
-    def __init__(self, target: NativeModel, spec: TwinFormat = TwinFormat(), k: int = 4, branch: int = 1,
-                 branch_depth: int = 1) -> None:
+    def __init__(
+        self, target: NativeModel, spec: TwinFormat = TwinFormat(), k: int = 4, branch: int = 1, branch_depth: int = 1
+    ) -> None:
         super().__init__(quantized_twin(target, spec), k, branch, branch_depth)
         self.spec, self._weights, self._of = spec, target.module, target.name
         self.needs = replace(self.needs, twin=True)
 
     def check(self, target: CausalLM) -> None:
         if getattr(target, "module", None) is not self._weights:
-            raise IncompatibleTargetError(f"this selfquant drafter's twin is made of {self._of}'s weights; it drafts "
-                                          f"for that target only, not for {target.name}")
+            raise IncompatibleTargetError(
+                f"this selfquant drafter's twin is made of {self._of}'s weights; it drafts "
+                f"for that target only, not for {target.name}"
+            )
         super().check(target)
 
 

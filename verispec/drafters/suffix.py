@@ -104,8 +104,14 @@ class SuffixDecoding:
 
     name = "suffix"
 
-    def __init__(self, k: int = K, tree_tokens: int | None = None, options: SuffixOptions = SuffixOptions(),
-                 fallback: Drafter | None = None, fallback_below: int = 0) -> None:
+    def __init__(
+        self,
+        k: int = K,
+        tree_tokens: int | None = None,
+        options: SuffixOptions = SuffixOptions(),
+        fallback: Drafter | None = None,
+        fallback_below: int = 0,
+    ) -> None:
         self.k = whole_number(k, "k (tokens drafted per step)", 1)
         self.tree = tree_tokens is not None
         nodes = self.k if tree_tokens is None else whole_number(tree_tokens, "tree_tokens", 1)
@@ -113,8 +119,9 @@ class SuffixDecoding:
         factor = real_number(options.spec_factor, "spec_factor")
         min_prob = real_number(options.min_prob, "min_prob")
         if not factor > 0 or not 0 <= min_prob <= 1:
-            raise InvalidArgumentError(f"suffix needs spec_factor > 0 and 0 <= min_prob <= 1, got {factor} and "
-                                       f"{min_prob}")
+            raise InvalidArgumentError(
+                f"suffix needs spec_factor > 0 and 0 <= min_prob <= 1, got {factor} and {min_prob}"
+            )
         self.limits = Limits(nodes, self.k, factor, min_prob, self.tree)
         self.depth = depth
         budget = whole_number(options.history_tokens, "history_tokens", 0)
@@ -143,8 +150,13 @@ class SuffixDecoding:
 class SuffixSession:
     """One generation: its own tree over the prompt and what it commits, its sequence in the shared history."""
 
-    def __init__(self, drafter: SuffixDecoding, prompt: Sequence[int], fallback: DraftSession | None = None,
-                 tree: bool | None = None) -> None:
+    def __init__(
+        self,
+        drafter: SuffixDecoding,
+        prompt: Sequence[int],
+        fallback: DraftSession | None = None,
+        tree: bool | None = None,
+    ) -> None:
         self.drafter, self.fallback = drafter, fallback
         self.limits = drafter.limits if tree is None else replace(drafter.limits, tree=tree)
         self.local = SuffixTree(drafter.depth)
@@ -153,7 +165,7 @@ class SuffixSession:
         self.shared = None if drafter.history is None else Recorded()
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
-        new = context[len(self.text.tokens):]
+        new = context[len(self.text.tokens) :]
         self.local.extend(self.text, new)
         if self.shared is not None:
             self.drafter.history.record(self.shared, new)
@@ -162,8 +174,12 @@ class SuffixSession:
             nodes = self.limits.nodes if self.limits.tree else min(self.limits.nodes, k)  # a chain: k at most
             limits = replace(self.limits, depth=min(k, self.limits.depth), nodes=nodes)
             history = self.drafter.history
-            best = _best([self.local.speculate_own(self.text, limits),  # (its text is the context)
-                          NOTHING if history is None else history.speculate(context, limits)])
+            best = _best(
+                [
+                    self.local.speculate_own(self.text, limits),  # (its text is the context)
+                    NOTHING if history is None else history.speculate(context, limits),
+                ]
+            )
         if self.fallback is not None:
             own = bool(best.tokens) and best.match >= self.drafter.fallback_below
             proposal = self.fallback.propose(context, 0 if own else k)  # 0: it drafts nothing but follows the text

@@ -52,8 +52,8 @@ class TreeSequence:
 @dataclass(frozen=True)
 class Candidate:
     """A proposal: tokens with parents (-1: the root) in the order drawn, and each one's estimated probability (of
-its whole path from the root: the chance that it is accepted, if the counts were the model's own odds); `score`
-sums them (the expected number accepted); `match` is the suffix's length."""
+    its whole path from the root: the chance that it is accepted, if the counts were the model's own odds); `score`
+    sums them (the expected number accepted); `match` is the suffix's length."""
 
     tokens: list[int]
     parents: list[int]
@@ -162,8 +162,8 @@ class SuffixTree:
         a continuation must fit)."""
         out = []
         for n in range(1, min(len(pattern), self.depth - 1) + 1):  # a suffix that does not occur ends the search:
-            position: Position | None = (self.root, 0)              # no longer one occurs either
-            for token in pattern[len(pattern) - n:]:
+            position: Position | None = (self.root, 0)  # no longer one occurs either
+            for token in pattern[len(pattern) - n :]:
                 position = self._step(position, token)
                 if position is None:
                     return out[::-1]
@@ -216,11 +216,15 @@ class SuffixTree:
                     heapq.heappush(heap, kid)
         return Candidate(tokens, parents, probs, length)
 
-    def _children(self, position: Position, length: int, prob: float, parent: int, depth: int, limits: Limits,
-                  order) -> list:
+    def _children(
+        self, position: Position, length: int, prob: float, parent: int, depth: int, limits: Limits, order
+    ) -> list:
         """Heap entries for the continuations of `position` worth proposing: all of them in a tree, the most
         frequent (the first seen among equals) in a chain."""
         following, total = self._next(position, length)
-        kids = [(-prob * count / total, next(order), token, child, parent, depth + 1)
-                for token, count, child in following if prob * count / total >= limits.min_prob]
+        kids = [
+            (-prob * count / total, next(order), token, child, parent, depth + 1)
+            for token, count, child in following
+            if prob * count / total >= limits.min_prob
+        ]
         return kids if limits.tree else sorted(kids)[:1]

@@ -55,7 +55,7 @@ def batched_step(target: CausalLM, cache: BatchKVCache, rows: list[SequenceStep]
         for i, b in enumerate(live):
             row = rows[b]
             try:
-                p_logits = logits[i: i + 1, : counts[b], : target.vocab_size]
+                p_logits = logits[i : i + 1, : counts[b], : target.vocab_size]
                 if allowed[b] is not None:
                     p_logits = constrain(p_logits, allowed[b].to(p_logits.device))
                 n, token = verify(chains[b].tokens, chains[b].q, p_logits, row.sampling, row.generator)

@@ -33,8 +33,9 @@ class DraftLength:
         self.probes = Probes(now=True)
         self._drafted_last = False
 
-    def choose(self, rates: Sequence[Sequence[float]], limits: Sequence[int],
-               measure: Callable[[int], float | None]) -> int:
+    def choose(
+        self, rates: Sequence[Sequence[float]], limits: Sequence[int], measure: Callable[[int], float | None]
+    ) -> int:
         """The k for the next step: `rates` and `limits` per sequence (its acceptance by position, and the most it
         may draft); `measure(n)` times one forward of n tokens per row on the batch (None where it does not fit)."""
         limit = min(self.max_k, max(limits, default=0))
@@ -72,8 +73,9 @@ class DraftLength:
         # speculation out for good)
         return c, lambda n: min(float(n), max(1.0, self.forward(batch * n) / one))
 
-    def observe(self, batch: int, drafted: int, draft_seconds: float, width: int, verify_seconds: float,
-                accepted: bool) -> None:
+    def observe(
+        self, batch: int, drafted: int, draft_seconds: float, width: int, verify_seconds: float, accepted: bool
+    ) -> None:
         """A step's timings (`drafted` tokens per sequence, a forward `width` tokens wide) and whether any of its
         proposals had a token accepted."""
         # The first drafting step after plain steps also feeds a draft model the tokens it has not seen yet.

@@ -41,19 +41,31 @@ class Engine:
     `abort` and `step` from one thread.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, *, max_batch: int = 16,
-                 adaptive: bool = True, costs: Callable[[int], Costs] | None = None, context: int | None = None,
-                 kv_memory: int | None = None) -> None:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None = None,
+        *,
+        max_batch: int = 16,
+        adaptive: bool = True,
+        costs: Callable[[int], Costs] | None = None,
+        context: int | None = None,
+        kv_memory: int | None = None,
+    ) -> None:
         self.max_batch = whole_number(max_batch, "max_batch", 1)
         if not target.capabilities.batching:
-            raise InvalidArgumentError(f"target {target.name} cannot decode a batch: the engine needs the native "
-                                       "runtime (not the transformers adapter), in exact mode on verispec's kernels "
-                                       "only (--no-exact elsewhere)")
+            raise InvalidArgumentError(
+                f"target {target.name} cannot decode a batch: the engine needs the native "
+                "runtime (not the transformers adapter), in exact mode on verispec's kernels "
+                "only (--no-exact elsewhere)"
+            )
         if drafter is not None:
             if not getattr(drafter, "batched", False):  # undeclared means not batched
-                raise InvalidArgumentError(f"drafter {drafter.name} does not batch yet; the engine drafts chains "
-                                           "with a native draft model (selfquant's twin too), prompt lookup or suffix "
-                                           "decoding, or decodes plainly")
+                raise InvalidArgumentError(
+                    f"drafter {drafter.name} does not batch yet; the engine drafts chains "
+                    "with a native draft model (selfquant's twin too), prompt lookup or suffix "
+                    "decoding, or decodes plainly"
+                )
             check_target(drafter, target)
         self.target, self.drafter = target, drafter
         context, memory = KVBudget.context_for(target.context_length, context), KVBudget.memory(kv_memory)
@@ -85,16 +97,24 @@ class Engine:
             raise InvalidArgumentError(f"expected a verispec.engine.Request, got {type(request).__name__}")
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams, got {type(request.sampling).__name__}")
-        prompt, limit, seed, stop = generation_args(self.target, request.prompt,
-                                                    max_new_tokens=request.max_new_tokens, seed=request.seed,
-                                                    stop=request.stop)
+        prompt, limit, seed, stop = generation_args(
+            self.target, request.prompt, max_new_tokens=request.max_new_tokens, seed=request.seed, stop=request.stop
+        )
         positions = self.budget.need(len(prompt), limit, self.max_k)  # refused here if it could never fit
         grammar = bind(request.grammar, self.target, request.ignore_eos)
         generator = seeded_generator(self.target.device, seed)  # as `generate` seeds it
         eos = frozenset() if request.ignore_eos else self.target.eos_token_ids
-        sequence = RequestState(self._next_id, request, eos, TextTracker(self.target.tokenizer, prompt, stop), generator,
-                                None if grammar is None else grammar.start(), list(prompt), len(prompt),
-                                positions=positions)
+        sequence = RequestState(
+            self._next_id,
+            request,
+            eos,
+            TextTracker(self.target.tokenizer, prompt, stop),
+            generator,
+            None if grammar is None else grammar.start(),
+            list(prompt),
+            len(prompt),
+            positions=positions,
+        )
         self._next_id += 1
         self._waiting.append(sequence)
         self.metrics.waiting = len(self._waiting)
@@ -184,8 +204,9 @@ class Engine:
         context = self.budget.context
         limits = [min(self.max_k, s.room(context) - 1) for s in live]
         if self.draft_length is not None:
-            k = self.draft_length.choose([s.acceptance.rates() for s in live], limits,
-                                         lambda width: self._time_forward(live, width))
+            k = self.draft_length.choose(
+                [s.acceptance.rates() for s in live], limits, lambda width: self._time_forward(live, width)
+            )
         else:
             k = self.max_k
         asked = {s.slot: min(k, limit) for s, limit in zip(live, limits) if min(k, limit) >= 1}
@@ -203,13 +224,26 @@ class Engine:
                     failed[s.slot] = err
                 if s.slot not in failed:
                     members.append(s)
-                    rows.append(SequenceStep(s.slot, s.tokens[-1], cut_after_eos(proposal, s.eos)[0], s.request.sampling,
-                                             s.generator, s.grammar))
+                    rows.append(
+                        SequenceStep(
+                            s.slot,
+                            s.tokens[-1],
+                            cut_after_eos(proposal, s.eos)[0],
+                            s.request.sampling,
+                            s.generator,
+                            s.grammar,
+                        )
+                    )
             results = batched_step(self.target, self.cache, rows) if rows else []
             failed |= {row.slot: r for row, r in zip(rows, results) if isinstance(r, Exception)}
             if asked:
-                self.drafts.accepted({row.slot: Verdict(list(range(r[0]))) for row, r in zip(rows, results)
-                                      if row.slot in asked and row.slot not in failed})
+                self.drafts.accepted(
+                    {
+                        row.slot: Verdict(list(range(r[0])))
+                        for row, r in zip(rows, results)
+                        if row.slot in asked and row.slot not in failed
+                    }
+                )
         except BaseException:  # every slot back to its committed tokens, so the engine can go on
             for s in live:
                 self.cache.truncate(s.slot, min(self.cache.lengths[s.slot], len(s.tokens) - 1))
@@ -219,8 +253,14 @@ class Engine:
         t2 = time.perf_counter()
         done = [(s, row, r) for s, row, r in zip(members, rows, results) if s.slot not in failed]
         if self.draft_length is not None and rows:
-            self.draft_length.observe(len(live), k, t1 - t0, 1 + max(len(r.proposal.tokens) for r in rows), t2 - t1,
-                                      any(n for _, _, (n, _) in done))
+            self.draft_length.observe(
+                len(live),
+                k,
+                t1 - t0,
+                1 + max(len(r.proposal.tokens) for r in rows),
+                t2 - t1,
+                any(n for _, _, (n, _) in done),
+            )
         for s, row, (n, token) in done:
             stats = s.stats
             stats.draft_time, stats.verify_time = stats.draft_time + t1 - t0, stats.verify_time + t2 - t1
@@ -292,6 +332,8 @@ class Engine:
 def _check(drafter: Drafter | None, proposal: Proposal, k: int) -> None:
     """A batch drafter proposes chains at most k deep: anything else would not fit the step's forward."""
     if proposal.parents is not None or proposal.side is not None or len(proposal.tokens) > k:
-        raise DrafterError(f"drafter {drafter.name} proposed {len(proposal.tokens)} tokens (a tree or side branch: "
-                           f"{proposal.parents is not None or proposal.side is not None}); a batch step takes a "
-                           f"chain of at most {k}")
+        raise DrafterError(
+            f"drafter {drafter.name} proposed {len(proposal.tokens)} tokens (a tree or side branch: "
+            f"{proposal.parents is not None or proposal.side is not None}); a batch step takes a "
+            f"chain of at most {k}"
+        )

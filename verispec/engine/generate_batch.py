@@ -15,11 +15,24 @@ from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
 
 
-def generate_batch(target: CausalLM, prompts: Sequence[str | Sequence[int]], drafter: Drafter | None = None, *,
-                   max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-                   max_batch: int = 16, adaptive: bool = True, json_schema: dict | str | None = None,
-                   regex: str | None = None, grammar: str | Grammar | TokenGrammar | None = None) -> list[Generation]:
+def generate_batch(
+    target: CausalLM,
+    prompts: Sequence[str | Sequence[int]],
+    drafter: Drafter | None = None,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    max_batch: int = 16,
+    adaptive: bool = True,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    grammar: str | Grammar | TokenGrammar | None = None,
+) -> list[Generation]:
     """Decode every prompt (text or token ids) with `generate`'s options, up to `max_batch` at a time in one
     batched engine (`Engine`; `adaptive`: each step's k chosen from the batch size and measured costs, else the
     drafter's k every step); returns their generations in order. A `seed` seeds each prompt's own generator, as
@@ -30,8 +43,10 @@ def generate_batch(target: CausalLM, prompts: Sequence[str | Sequence[int]], dra
     sampling, stops = SamplingParams(temperature, top_k, top_p), tuple(stop_strings(stop))
     bound = bind(grammar_option(json_schema, regex, grammar), target, ignore_eos)  # compiled once for all
     engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive)
-    ids = [engine.add(Request(prompt_ids(target, p), max_new_tokens, sampling, seed, stops, ignore_eos, bound))
-           for p in prompts]
+    ids = [
+        engine.add(Request(prompt_ids(target, p), max_new_tokens, sampling, seed, stops, ignore_eos, bound))
+        for p in prompts
+    ]
     tokens = {i: [] for i in ids}
     drafted = {i: [] for i in ids}
     text = {i: "" for i in ids}

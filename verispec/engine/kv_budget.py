@@ -32,8 +32,9 @@ class KVBudget:
     def context_for(model_context: int, context: int | None) -> int:
         """A request's positions: `context` (--max-model-len), default the smaller of the model's and DEFAULT_CONTEXT."""
         if context is not None and not 1 <= context <= model_context:
-            raise InvalidArgumentError(f"--max-model-len must be from 1 to the model's context, {model_context}; got "
-                                       f"{context}")
+            raise InvalidArgumentError(
+                f"--max-model-len must be from 1 to the model's context, {model_context}; got {context}"
+            )
         return min(model_context, DEFAULT_CONTEXT) if context is None else context
 
     @staticmethod
@@ -48,14 +49,17 @@ class KVBudget:
         A ContextLengthError for a prompt that leaves no room, an InvalidArgumentError for a request that could
         never fit the budget."""
         if prompt >= self.context:
-            raise ContextLengthError(f"this server's context length is {self.context} tokens (--max-model-len); the "
-                                     f"prompt has {prompt}")
+            raise ContextLengthError(
+                f"this server's context length is {self.context} tokens (--max-model-len); the prompt has {prompt}"
+            )
         positions = min(self.context, in_blocks(prompt + max_new_tokens + drafts))
         if positions > self.positions:
-            raise InvalidArgumentError(f"this request may come to hold {positions} positions, "
-                                       f"{_mib(positions * self.bytes_per_position)} of keys and values: more than "
-                                       f"the whole --kv-cache-memory, {_mib(self.positions * self.bytes_per_position)}"
-                                       f"; ask for fewer tokens")
+            raise InvalidArgumentError(
+                f"this request may come to hold {positions} positions, "
+                f"{_mib(positions * self.bytes_per_position)} of keys and values: more than "
+                f"the whole --kv-cache-memory, {_mib(self.positions * self.bytes_per_position)}"
+                f"; ask for fewer tokens"
+            )
         return positions
 
     def fits(self, positions: int) -> bool:
@@ -72,14 +76,28 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.0f} MiB"
 
 
-UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20, "g": 2**30,
-         "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 2**40,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def byte_size(text: str) -> int:
     """A size as written on a command line ("2GiB", "512MiB", "1.5G", "1000000"): its bytes; ValueError otherwise."""
     number = text.strip().lower().rstrip("abcdefghijklmnopqrstuvwxyz ")
-    unit = text.strip().lower()[len(number):].strip()
+    unit = text.strip().lower()[len(number) :].strip()
     if unit not in UNITS or not number:
         raise ValueError(f"not a size: {text!r}")
     return int(float(number) * UNITS[unit])

@@ -50,8 +50,14 @@ class RequestState:
         """The verdict on a chain `proposal`: its first `accepted` tokens and the target's `next_token`, cut at an
         end-of-sequence token or a stop string as `generate` cuts them; ends the sequence when it stops or has no
         room left. Returns the number of proposal tokens that were kept."""
-        committed = commit_step([*proposal[:accepted], next_token], [True] * accepted + [False], len(proposal),
-                                self.eos, self.text, self.stats)
+        committed = commit_step(
+            [*proposal[:accepted], next_token],
+            [True] * accepted + [False],
+            len(proposal),
+            self.eos,
+            self.text,
+            self.stats,
+        )
         self.finish_reason = committed.stop_reason
         self.tokens += committed.tokens
         self._tokens += committed.tokens
@@ -73,7 +79,15 @@ class RequestState:
             return None
         if finished:
             self.stats.total_time = time.perf_counter() - self.started
-        update = Update(self.id, "".join(p.text for p in pieces), self._tokens, finished, self.finish_reason,
-                        self.stats, self._drafted, self.error)
+        update = Update(
+            self.id,
+            "".join(p.text for p in pieces),
+            self._tokens,
+            finished,
+            self.finish_reason,
+            self.stats,
+            self._drafted,
+            self.error,
+        )
         self._tokens, self._drafted = [], []
         return update

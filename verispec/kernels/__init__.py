@@ -28,9 +28,33 @@ from verispec.kernels.build import isa, library, reason
 from verispec.kernels.quant_pack import QUANTIZED
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
 
-__all__ = ["available", "reason", "isa", "pack", "pack_quantized", "Matmul", "attend", "rms_norm",
-           "rotary_", "silu_mul", "gather", "gather_blocks", "store_kv", "argmax", "causal_rows", "next_token", "run",
-           "program", "Program", "address", "capturing", "NotCapturable", "MAX_HEAD_DIM", "QUANTIZED", "TABLES"]
+__all__ = [
+    "available",
+    "reason",
+    "isa",
+    "pack",
+    "pack_quantized",
+    "Matmul",
+    "attend",
+    "rms_norm",
+    "rotary_",
+    "silu_mul",
+    "gather",
+    "gather_blocks",
+    "store_kv",
+    "argmax",
+    "causal_rows",
+    "next_token",
+    "run",
+    "program",
+    "Program",
+    "address",
+    "capturing",
+    "NotCapturable",
+    "MAX_HEAD_DIM",
+    "QUANTIZED",
+    "TABLES",
+]
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -47,16 +71,21 @@ def available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 
 def _widened(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether float32 rows `x` go with a float16 cache's keys and values (on the CPU)."""
-    return x.dtype == torch.float32 and keys.dtype == values.dtype == torch.float16 and \
-        keys.device.type == values.device.type == "cpu"
+    return (
+        x.dtype == torch.float32
+        and keys.dtype == values.dtype == torch.float16
+        and keys.device.type == values.device.type == "cpu"
+    )
 
 
 def _kernel(name: str, *tensors: torch.Tensor) -> str:
     """The kernel `name` for these tensors' one dtype, after checking that they are CPU tensors of it."""
     dtype = tensors[0].dtype
     if dtype not in _SUFFIX or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"verispec's {name} takes CPU float32 or bfloat16 tensors of one dtype; got "
-                         f"{[(t.dtype, t.device.type) for t in tensors]}")
+        raise ValueError(
+            f"verispec's {name} takes CPU float32 or bfloat16 tensors of one dtype; got "
+            f"{[(t.dtype, t.device.type) for t in tensors]}"
+        )
     return f"{name}_{_SUFFIX[dtype]}"
 
 
@@ -112,10 +141,18 @@ def pack_quantized(format: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -
     blocks. Several weights' blocks (a sequence) are packed as their rows stacked would be, without stacking them."""
     parts = _parts(blocks)
     for part in parts:
-        if format not in QUANTIZED or part.dtype != torch.uint8 or part.dim() != 2 or part.device.type != "cpu" or \
-                part.shape[1] != parts[0].shape[1] or part.shape[1] % quant_pack.bytes_per_block(format):
-            raise ValueError(f"a quantized matmul takes CPU uint8 blocks of one of {', '.join(QUANTIZED)}, rows of "
-                             f"one width; got {format!r} {part.dtype} {tuple(part.shape)} on {part.device}")
+        if (
+            format not in QUANTIZED
+            or part.dtype != torch.uint8
+            or part.dim() != 2
+            or part.device.type != "cpu"
+            or part.shape[1] != parts[0].shape[1]
+            or part.shape[1] % quant_pack.bytes_per_block(format)
+        ):
+            raise ValueError(
+                f"a quantized matmul takes CPU uint8 blocks of one of {', '.join(QUANTIZED)}, rows of "
+                f"one width; got {format!r} {part.dtype} {tuple(part.shape)} on {part.device}"
+            )
     if any(part.shape[0] % quant_pack.QUANT_COLS for part in parts[:-1]):  # a part that ends inside a column block
         parts = [torch.cat(parts)]
     N, nb = sum(part.shape[0] for part in parts), parts[0].shape[1] // quant_pack.bytes_per_block(format)
@@ -126,8 +163,17 @@ def pack_quantized(format: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -
     for part in parts:
         if part.stride(1) != 1:
             part = part.contiguous()
-        _call("pack_quantized", [part, part.shape[0], part.stride(0), nb, list(QUANTIZED).index(format),
-                                 packed[start // quant_pack.QUANT_COLS:]])
+        _call(
+            "pack_quantized",
+            [
+                part,
+                part.shape[0],
+                part.stride(0),
+                nb,
+                list(QUANTIZED).index(format),
+                packed[start // quant_pack.QUANT_COLS :],
+            ],
+        )
         start += part.shape[0]
     return packed
 
@@ -138,8 +184,9 @@ class Matmul:
     `weight` is the (N, K / 32 * block bytes) uint8 blocks of a weight in that format, or several weights' blocks
     that make it row by row (`pack_quantized`), and x is float32."""
 
-    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None,
-                 format: str | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None = None, format: str | None = None
+    ) -> None:
         if format is None:
             self.out_features, self.in_features = weight.shape
             self.kernel = _kernel("linear", weight)  # checks the dtype
@@ -152,14 +199,17 @@ class Matmul:
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x @ weight.T (+ bias), plus `residual` (..., N) if given, added as `residual + (x @ weight.T)` would be;
         written into `out` if given (rows (R, N) with a unit last stride: some columns of a wider output, sharing
         no memory with x or the residual)."""
         if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
-            raise ValueError(f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}")
+            raise ValueError(
+                f"this matmul takes CPU {self.dtype} rows of {self.in_features}; got {x.dtype} "
+                f"{tuple(x.shape)} on {x.device}"
+            )
         shape = (*x.shape[:-1], self.out_features)
         rows, res = _rows(x), None
         if residual is not None:
@@ -168,14 +218,34 @@ class Matmul:
             res = _rows(residual)
         if out is None:
             y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        elif out.shape != (rows.shape[0], self.out_features) or out.dtype != x.dtype or out.stride(-1) != 1 or \
-                out.device.type != "cpu":
-            raise ValueError(f"an output of {out.dtype} {tuple(out.shape)} strides {out.stride()} for "
-                             f"{rows.shape[0]} rows of {self.out_features} {x.dtype} (unit last stride)")
+        elif (
+            out.shape != (rows.shape[0], self.out_features)
+            or out.dtype != x.dtype
+            or out.stride(-1) != 1
+            or out.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"an output of {out.dtype} {tuple(out.shape)} strides {out.stride()} for "
+                f"{rows.shape[0]} rows of {self.out_features} {x.dtype} (unit last stride)"
+            )
         else:
             y = out
-        _call(self.kernel, [rows, rows.stride(0), self.packed, self.bias, y, y.stride(0), rows.shape[0],
-                            self.out_features, self.in_features, res, 0 if res is None else res.stride(0)])
+        _call(
+            self.kernel,
+            [
+                rows,
+                rows.stride(0),
+                self.packed,
+                self.bias,
+                y,
+                y.stride(0),
+                rows.shape[0],
+                self.out_features,
+                self.in_features,
+                res,
+                0 if res is None else res.stride(0),
+            ],
+        )
         return y if out is not None else y.view(shape)
 
 
@@ -188,8 +258,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     Hkv, S, _ = k.shape
     kernel = _kernel("attend", q) + "_f16" if _widened(q, k, v) else _kernel("attend", q, k, v)
     if v.shape != k.shape or k.shape[2] != D or v.stride() != k.stride() or k.stride()[1:] != (D, 1):
-        raise ValueError(f"keys and values must be (Hkv, S, {D}) with rows of {D} contiguous; got {tuple(k.shape)} "
-                         f"strides {k.stride()} and {tuple(v.shape)} strides {v.stride()}")
+        raise ValueError(
+            f"keys and values must be (Hkv, S, {D}) with rows of {D} contiguous; got {tuple(k.shape)} "
+            f"strides {k.stride()} and {tuple(v.shape)} strides {v.stride()}"
+        )
     if H % Hkv or D > MAX_HEAD_DIM:
         raise ValueError(f"attention over {H} heads from {Hkv} key heads of {D} (at most {MAX_HEAD_DIM}) values")
     if visible.dtype != torch.uint8 or visible.shape != (R, S) or not visible.is_contiguous():
@@ -219,8 +291,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     H, R, D = x.shape
     kernel = _kernel("rotary", x, cos, sin)
     if x.stride(-1) != 1 or D % 2 or cos.numel() != R * D or sin.numel() != R * D:
-        raise ValueError(f"rotary embedding of (H, R, D) = {tuple(x.shape)} (D even, unit last stride) by tables of "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"rotary embedding of (H, R, D) = {tuple(x.shape)} (D even, unit last stride) by tables of "
+            f"{tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     cos, sin = cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous()
     _call(kernel, [x, x.stride(1), x.stride(0), R, H, D, cos, sin])
     return x
@@ -243,15 +317,17 @@ def gather(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None =
     rows also widened, exactly, to float32); an index outside 0..N-1 raises IndexError (and fails a replay) before
     anything is read."""
     if table.dim() != 2 or table.stride(-1) != 1 or table.device.type != "cpu" or table.dtype not in _SUFFIX:
-        raise ValueError(f"gather reads rows of a CPU float32 or bfloat16 table; got {table.dtype} "
-                         f"{tuple(table.shape)}")
+        raise ValueError(
+            f"gather reads rows of a CPU float32 or bfloat16 table; got {table.dtype} {tuple(table.shape)}"
+        )
     if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous() or index.device.type != "cpu":
         raise ValueError(f"gather takes a contiguous CPU int64 index vector; got {index.dtype} {tuple(index.shape)}")
     dtype = table.dtype if dtype is None else dtype
     widen = (table.dtype, dtype) == (torch.bfloat16, torch.float32)
     if dtype != table.dtype and not widen:
-        raise ValueError(f"gather copies a table's rows, or widens bfloat16 ones to float32; not {table.dtype} to "
-                         f"{dtype}")
+        raise ValueError(
+            f"gather copies a table's rows, or widens bfloat16 ones to float32; not {table.dtype} to {dtype}"
+        )
     R, (N, D) = len(index), table.shape
     y = torch.empty(R, D, dtype=dtype, device=table.device)
     if widen:
@@ -271,13 +347,22 @@ def gather_blocks(blocks: torch.Tensor, format: str, index: torch.Tensor) -> tor
     if format not in TABLES:
         raise ValueError(f"gather_blocks reads tables in {', '.join(TABLES)}; not {format!r}")
     inputs, size = GGML_QUANT_SIZES[TABLES[format]]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride(-1) != 1 or blocks.device.type != "cpu" or \
-            blocks.shape[1] % size or (len(blocks) > 1 and blocks.stride(0) < blocks.shape[1]):
-        raise ValueError(f"gather_blocks reads a CPU uint8 table (N, row bytes) of {format} blocks of {size} bytes, "
-                         f"rows apart; got {blocks.dtype} {tuple(blocks.shape)} strides {blocks.stride()}")
+    if (
+        blocks.dtype != torch.uint8
+        or blocks.dim() != 2
+        or blocks.stride(-1) != 1
+        or blocks.device.type != "cpu"
+        or blocks.shape[1] % size
+        or (len(blocks) > 1 and blocks.stride(0) < blocks.shape[1])
+    ):
+        raise ValueError(
+            f"gather_blocks reads a CPU uint8 table (N, row bytes) of {format} blocks of {size} bytes, "
+            f"rows apart; got {blocks.dtype} {tuple(blocks.shape)} strides {blocks.stride()}"
+        )
     if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous() or index.device.type != "cpu":
-        raise ValueError(f"gather_blocks takes a contiguous CPU int64 index vector; got {index.dtype} "
-                         f"{tuple(index.shape)}")
+        raise ValueError(
+            f"gather_blocks takes a contiguous CPU int64 index vector; got {index.dtype} {tuple(index.shape)}"
+        )
     R, (N, row) = len(index), blocks.shape
     D = row // size * inputs
     y = torch.empty(R, D, dtype=torch.float32, device=blocks.device)
@@ -293,14 +378,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
     widen = _widened(k, keys, values) and v.dtype == torch.float32
     same = (k.dtype, v.dtype, values.dtype) == (keys.dtype,) * 3 and keys.dtype in _SUFFIX
     if not (widen or same) or not (keys.is_contiguous() and values.is_contiguous() and values.shape == keys.shape):
-        raise ValueError(f"store_kv: caches of one dtype (the rows', or float16 for float32 rows), contiguous (Hkv, "
-                         f"S, D); got {keys.dtype} {tuple(keys.shape)} for {k.dtype} rows")
+        raise ValueError(
+            f"store_kv: caches of one dtype (the rows', or float16 for float32 rows), contiguous (Hkv, "
+            f"S, D); got {keys.dtype} {tuple(keys.shape)} for {k.dtype} rows"
+        )
     R = k.shape[0]
     if k.shape != (R, Hkv * D) or v.shape != k.shape or k.stride() != v.stride() or k.stride(-1) != 1:
-        raise ValueError(f"store_kv: new keys and values ({R}, {Hkv * D}) alike; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if _call("store_kv_f16" if widen else "store_kv", [k, v, k.stride(0), R, Hkv, D, keys, values, S, start,
-                                                       keys.element_size()]):
+        raise ValueError(
+            f"store_kv: new keys and values ({R}, {Hkv * D}) alike; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if _call(
+        "store_kv_f16" if widen else "store_kv",
+        [k, v, k.stride(0), R, Hkv, D, keys, values, S, start, keys.element_size()],
+    ):
         raise IndexError(f"store_kv: slots {start.value} .. {start.value + R - 1} outside a cache of {S}")
 
 
@@ -315,34 +405,61 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def causal_rows(positions: torch.Tensor, visible: torch.Tensor, length: ctypes.c_int64, offset: int = 0
-                ) -> tuple[str, list[Arg]]:
+def causal_rows(
+    positions: torch.Tensor, visible: torch.Tensor, length: ctypes.c_int64, offset: int = 0
+) -> tuple[str, list[Arg]]:
     """A causal forward's inputs, written when the call runs: row r of R at position length.value + offset + r in
     `positions` (int64 (R,)), seeing the slots up to its own in `visible` (uint8 (R, S)); a row past the S slots
     fails the program. Returns the call, checked, for a `program`."""
-    if positions.dtype != torch.int64 or positions.dim() != 1 or not positions.is_contiguous() or visible.dtype != \
-            torch.uint8 or visible.dim() != 2 or not visible.is_contiguous() or len(visible) != len(positions):
-        raise ValueError(f"causal_rows: positions int64 (R,) and visible uint8 (R, S), contiguous; got "
-                         f"{positions.dtype} {tuple(positions.shape)} and {visible.dtype} {tuple(visible.shape)}")
+    if (
+        positions.dtype != torch.int64
+        or positions.dim() != 1
+        or not positions.is_contiguous()
+        or visible.dtype != torch.uint8
+        or visible.dim() != 2
+        or not visible.is_contiguous()
+        or len(visible) != len(positions)
+    ):
+        raise ValueError(
+            f"causal_rows: positions int64 (R,) and visible uint8 (R, S), contiguous; got "
+            f"{positions.dtype} {tuple(positions.shape)} and {visible.dtype} {tuple(visible.shape)}"
+        )
     return "causal_rows", [positions, visible, visible.shape[1], len(positions), length, offset]
 
 
-def next_token(logits: torch.Tensor, out: torch.Tensor, i: int, token: torch.Tensor, position: torch.Tensor,
-               visible: torch.Tensor, length: ctypes.c_int64, stored: int, ids: torch.Tensor | None = None
-               ) -> tuple[str, list[Arg]]:
+def next_token(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    i: int,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    visible: torch.Tensor,
+    length: ctypes.c_int64,
+    stored: int,
+    ids: torch.Tensor | None = None,
+) -> tuple[str, list[Arg]]:
     """A greedy chain's step, after a forward that stored `stored` tokens from slot length.value on: the argmax of
     `logits` (V,) (`ids[argmax]` where they are logits over the tokens `ids`, int64 (V,)) becomes out[i] and `token`
     (the next forward's input, one int64) at `position` + 1, which sees the slots up to its own (`visible`, uint8
     (S,)), and the length grows by `stored`; all read and written when the call runs. Returns the call, checked, for
     a `program`."""
     kernel = _kernel("next_token", logits)
-    if logits.dim() != 1 or logits.stride(0) != 1 or visible.dim() != 1 or visible.dtype != torch.uint8 or any(
-            t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position)) or not 0 <= i < len(out):
-        raise ValueError(f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
-                         f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}")
+    if (
+        logits.dim() != 1
+        or logits.stride(0) != 1
+        or visible.dim() != 1
+        or visible.dtype != torch.uint8
+        or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (out, token, position))
+        or not 0 <= i < len(out)
+    ):
+        raise ValueError(
+            f"next_token: logits (V,), out int64 (n,) with i < n, token and position int64, visible "
+            f"uint8 (S,); got {tuple(logits.shape)}, {tuple(out.shape)} with i = {i}, {visible.dtype}"
+        )
     if ids is not None and (ids.dtype != torch.int64 or ids.shape != logits.shape or not ids.is_contiguous()):
-        raise ValueError(f"next_token: ids int64 ({len(logits)},) for logits over them; got {ids.dtype} "
-                         f"{tuple(ids.shape)}")
+        raise ValueError(
+            f"next_token: ids int64 ({len(logits)},) for logits over them; got {ids.dtype} {tuple(ids.shape)}"
+        )
     return kernel, [logits, len(logits), out, i, token, position, visible, length, len(visible), stored, ids]
 
 

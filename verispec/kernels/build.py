@@ -31,19 +31,41 @@ from pathlib import Path
 from verispec.kernels import cores
 
 # Linked into one library (named, not globbed: a stale source left by an old install stays out)
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.cpp", "quant.cpp", "pack.cpp", "attend.cpp", "rows.cpp", "tokens.cpp", "replay.cpp",
-                        "pool.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "linear.cpp",
+        "quant.cpp",
+        "pack.cpp",
+        "attend.cpp",
+        "rows.cpp",
+        "tokens.cpp",
+        "replay.cpp",
+        "pool.cpp",
+    )
+]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "pool.h")]
 # Units compiled apart (a source and its defines): attend.cpp's three types, each alone (VS_ATTEND)
-UNITS = [(source, [f"-DVS_ATTEND={i}"]) if source.name == "attend.cpp" else (source, [])
-         for source in SOURCES for i in (range(3) if source.name == "attend.cpp" else [0])]
-FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-std=c++17", "-ffp-contract=off"]  # no fused a*b+c but where the source asks
+UNITS = [
+    (source, [f"-DVS_ATTEND={i}"]) if source.name == "attend.cpp" else (source, [])
+    for source in SOURCES
+    for i in (range(3) if source.name == "attend.cpp" else [0])
+]
+FLAGS = [
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-std=c++17",
+    "-ffp-contract=off",
+]  # no fused a*b+c but where the source asks
 # for one: RMSNorm and rotary round as PyTorch does
 # Each build: its compiler flags, and the /proc/cpuinfo flags a CPU needs to run it (best first)
 ISAS = {
-    "avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
+    "avx512": (
+        ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"},
+    ),
     "avx2vnni": (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}),
 }
@@ -88,13 +110,16 @@ def compiler() -> str | None:
 
 def _compile(compiler_path: str, flags: list[str], scratch: Path, built: Path) -> str | None:
     """Compile the units side by side and link them into `built`; None, or the first failure's last line."""
+
     def run(command: list[str]) -> str | None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no message"])[-1]
 
     objects = [scratch / f"{i}-{source.stem}.o" for i, (source, _) in enumerate(UNITS)]
-    commands = [[compiler_path, *flags, *defines, "-c", str(source), "-o", str(obj)]
-                for (source, defines), obj in zip(UNITS, objects)]
+    commands = [
+        [compiler_path, *flags, *defines, "-c", str(source), "-o", str(obj)]
+        for (source, defines), obj in zip(UNITS, objects)
+    ]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=max(1, min(len(commands), cores))) as pool:
         failed = [error for error in pool.map(run, commands) if error is not None]
@@ -153,11 +178,33 @@ def _build(compiler_path: str, isa: str) -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-KERNELS = ("linear_bf16", "linear_f32", "linear_q8_0", "linear_q4_0", "linear_q4_1", "linear_q5_0",
-           "linear_q5_1", "linear_q4_k", "linear_q5_k", "linear_q6_k", "attend_bf16", "attend_f32",
-           "attend_f32_f16", "rms_norm_bf16", "rms_norm_f32", "rotary_bf16", "rotary_f32", "silu_mul_bf16",
-           "silu_mul_f32", "gather", "gather_widen", "gather_blocks", "store_kv", "store_kv_f16",
-           "pack_quantized")  # each vs_<name>(const int64_t *)
+KERNELS = (
+    "linear_bf16",
+    "linear_f32",
+    "linear_q8_0",
+    "linear_q4_0",
+    "linear_q4_1",
+    "linear_q5_0",
+    "linear_q5_1",
+    "linear_q4_k",
+    "linear_q5_k",
+    "linear_q6_k",
+    "attend_bf16",
+    "attend_f32",
+    "attend_f32_f16",
+    "rms_norm_bf16",
+    "rms_norm_f32",
+    "rotary_bf16",
+    "rotary_f32",
+    "silu_mul_bf16",
+    "silu_mul_f32",
+    "gather",
+    "gather_widen",
+    "gather_blocks",
+    "store_kv",
+    "store_kv_f16",
+    "pack_quantized",
+)  # each vs_<name>(const int64_t *)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

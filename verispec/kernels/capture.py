@@ -84,8 +84,9 @@ class Program:
 
     def _check(self, failed: int) -> None:
         if failed:  # a kernel that checks its inputs (a token id or position past its table) refused call `failed - 1`
-            raise IndexError(f"a captured kernel call ({failed - 1} of {self.calls}) refused its inputs: an index "
-                             f"out of range")
+            raise IndexError(
+                f"a captured kernel call ({failed - 1} of {self.calls}) refused its inputs: an index out of range"
+            )
 
 
 _capture: ContextVar[Capture | None] = ContextVar("verispec_capture", default=None)
@@ -138,8 +139,12 @@ class _ViewsOnly(TorchDispatchMode):
         if not func.is_view:
             raise NotCapturable(f"{func} computes outside verispec's kernels")
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and \
-                out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+        if (
+            isinstance(out, torch.Tensor)
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
+        ):
             return out  # the usual view, of its first argument
         if not _storages(out) <= _storages((args, kwargs)):
             raise NotCapturable(f"{func} copied its input here")

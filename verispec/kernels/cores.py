@@ -24,8 +24,9 @@ def physical_cores(cpus: set[int] | None = None, sysfs: Path = Path("/sys/device
     for cpu in cpus:
         topology = sysfs / f"cpu{cpu}" / "topology"
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(),
-                       (topology / "core_id").read_text().strip()))
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))

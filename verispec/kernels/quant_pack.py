@@ -8,8 +8,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 QUANT_COLS = 16  # output columns per packed block (quant.cpp QCOLS)
 # Each format the matmul reads, as ggml's type: its blocks' inputs and bytes (gguf.GGML_QUANT_SIZES). The order is
 # pack.cpp's `Format`.
-QUANTIZED = {"q8_0": GGML.Q8_0, "q4_0": GGML.Q4_0, "q4_1": GGML.Q4_1, "q5_0": GGML.Q5_0, "q5_1": GGML.Q5_1,
-             "q4_k": GGML.Q4_K, "q5_k": GGML.Q5_K, "q6_k": GGML.Q6_K}
+QUANTIZED = {
+    "q8_0": GGML.Q8_0,
+    "q4_0": GGML.Q4_0,
+    "q4_1": GGML.Q4_1,
+    "q5_0": GGML.Q5_0,
+    "q5_1": GGML.Q5_1,
+    "q4_k": GGML.Q4_K,
+    "q5_k": GGML.Q5_K,
+    "q6_k": GGML.Q6_K,
+}
 
 
 def inputs_per_block(format: str) -> int:

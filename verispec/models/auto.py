@@ -12,9 +12,16 @@ from verispec.models.protocol import CausalLM
 BACKENDS = ("auto", "native", "transformers")
 
 
-def load(name_or_path: str | Path, backend: str = "auto", device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", *, exact: bool = False, quantize: str | None = None,
-         kv_dtype: str | torch.dtype = "auto") -> CausalLM:
+def load(
+    name_or_path: str | Path,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    *,
+    exact: bool = False,
+    quantize: str | None = None,
+    kv_dtype: str | torch.dtype = "auto",
+) -> CausalLM:
     """`auto` tries the native runtime and falls back to transformers for an architecture it does not implement.
     `exact` (batch-invariant forwards), `quantize` (weights kept in a block format) and `kv_dtype` (what the caches
     hold, `precision.kv_dtype_of`) are the native runtime's."""
@@ -23,8 +30,9 @@ def load(name_or_path: str | Path, backend: str = "auto", device: str | torch.de
 
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    native_only = ("exact mode" if exact else "quantizing" if quantize else "a cache dtype" if kv_dtype != "auto"
-                   else None)
+    native_only = (
+        "exact mode" if exact else "quantizing" if quantize else "a cache dtype" if kv_dtype != "auto" else None
+    )
     if backend == "transformers" and native_only:
         raise InvalidArgumentError(f"{native_only} is a mode of the native runtime; transformers has none")
     if backend == "transformers":

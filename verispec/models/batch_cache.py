@@ -22,8 +22,16 @@ class BatchKVCache:
 
     exact: ClassVar[bool] = False  # padded batches through PyTorch's attention: a row's bits depend on its batch
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.max_len, self.lengths = max_len, [0] * slots
         self.bytes_per_position = layers * kv_heads * head_dim * 2 * dtype.itemsize
         self.k = torch.zeros(layers, slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -70,8 +78,9 @@ class BatchLayout:
             if not 1 <= count <= width:
                 raise ValueError(f"slot {slot}: a row holds 1 to {width} real tokens, not {count}")
             if start + count > cache.max_len:
-                raise ContextLengthError(f"KV cache slot {slot} holds {cache.max_len} positions; {start} used, "
-                                         f"{count} more asked")
+                raise ContextLengthError(
+                    f"KV cache slot {slot} holds {cache.max_len} positions; {start} used, {count} more asked"
+                )
         self.cache, self.slots, self.counts = cache, slots, counts
         start, count = torch.tensor(starts, device=device)[:, None], torch.tensor(counts, device=device)[:, None]
         steps = torch.arange(width, device=device)
@@ -92,7 +101,8 @@ class BatchLayout:
         keys, values = self.cache.k[layer], self.cache.v[layer]  # (slots, Hkv, max_len, D)
         keys[self.write_slot, :, self.write_position] = saturate_f16(k.transpose(1, 2)[self.real], keys).to(keys.dtype)
         values[self.write_slot, :, self.write_position] = saturate_f16(v.transpose(1, 2)[self.real], values).to(
-            values.dtype)
+            values.dtype
+        )
         if self.block is not None:  # neighbouring slots: a view, no copy
             return keys[self.block, :, : self.span], values[self.block, :, : self.span]
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]

@@ -39,9 +39,20 @@ class KVCache:
     doubles them when a forward needs more (`reserve`), up to its capacity: its memory follows the tokens it holds.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
-                 rows: int | None = None, width: int | None = None, grows: bool | None = None) -> None:
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        rows: int | None = None,
+        width: int | None = None,
+        grows: bool | None = None,
+    ) -> None:
         self._length = ctypes.c_int64(0)  # where verispec's kernels read it when a captured forward is replayed
         self.max_len, self.rows = max_len, rows
         # An exact-mode cache (`rows` set) holds `rows` slots more than max_len for a forward's padding rows, and
@@ -125,8 +136,8 @@ class KVCache:
         """Store this layer's new (B, Hkv, T, D) keys and values; return all keys and values so far (in a static
         cache, all its slots)."""
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = saturate_f16(k, self.k)
-        self.v[layer, :, :, self.length:end] = saturate_f16(v, self.v)
+        self.k[layer, :, :, self.length : end] = saturate_f16(k, self.k)
+        self.v[layer, :, :, self.length : end] = saturate_f16(v, self.v)
         if not self.grows:  # static: every slot, for a fixed key width
             return self.k[layer], self.v[layer]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]

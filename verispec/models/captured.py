@@ -44,8 +44,9 @@ Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # e.g. logits (1, T, V) and t
 class CapturedForward:
     """One forward's kernel calls, recorded while `forward(*inputs, rows)` ran into `cache`."""
 
-    def __init__(self, forward: Callable[..., Outputs], cache: KVCache, inputs: Sequence[torch.Tensor],
-                 rows: VisibleSlots) -> None:
+    def __init__(
+        self, forward: Callable[..., Outputs], cache: KVCache, inputs: Sequence[torch.Tensor], rows: VisibleSlots
+    ) -> None:
         self.inputs, self.visible = [x.clone() for x in inputs], rows.visible.clone()
         self.rows = len(self.visible)
         with kernels.capturing() as capture:
@@ -77,8 +78,10 @@ class CapturedForward:
         """Point the program at `cache` and copy the inputs into the capture's buffers (its lock held)."""
         shapes = [tuple(x.shape) for x in (*inputs, rows.visible)]
         if shapes != [tuple(x.shape) for x in (*self.inputs, self.visible)]:
-            raise ValueError(f"inputs of {shapes[:-1]} and visible slots {shapes[-1]} for a forward captured with "
-                             f"{[tuple(x.shape) for x in self.inputs]} into a cache of {self.visible.shape[1]} slots")
+            raise ValueError(
+                f"inputs of {shapes[:-1]} and visible slots {shapes[-1]} for a forward captured with "
+                f"{[tuple(x.shape) for x in self.inputs]} into a cache of {self.visible.shape[1]} slots"
+            )
         self.bind(cache)
         for buffer, x in zip(self.inputs, inputs):
             buffer.copy_(x)
@@ -89,8 +92,9 @@ class CapturedForward:
         bases = _bases(cache)
         if self.bound() is cache and bases == self.bases:  # (a cache that grew has new keys and values)
             return
-        self.program.code[self.words] = torch.tensor([bases[part] + offset for _, part, offset in self.into_cache],
-                                                     dtype=torch.int64)
+        self.program.code[self.words] = torch.tensor(
+            [bases[part] + offset for _, part, offset in self.into_cache], dtype=torch.int64
+        )
         self.bound, self.bases = weakref.ref(cache), bases
         self.made.clear()
 
@@ -120,8 +124,15 @@ ONCE, REFUSED = "run once", "not capturable"  # what `captured` holds for a shap
 _BOOKS = threading.Lock()  # held while a captures' dict is read or changed (not while a forward runs): any thread
 
 
-def replay(captured: dict, key: Hashable, cache: KVCache, forward: Callable[..., Outputs],
-           inputs: Sequence[torch.Tensor], rows: VisibleSlots, prefill: bool = False) -> Outputs:
+def replay(
+    captured: dict,
+    key: Hashable,
+    cache: KVCache,
+    forward: Callable[..., Outputs],
+    inputs: Sequence[torch.Tensor],
+    rows: VisibleSlots,
+    prefill: bool = False,
+) -> Outputs:
     """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
     kernels): replayed from `captured[key]`, captured there first (see the module's notes on when). `key` names the
     forward's shape: its row count, the cache's layout and whatever else changes the kernel calls it makes.
@@ -174,15 +185,23 @@ def replay_causal(capture: CapturedForward, cache: KVCache, tokens: torch.Tensor
         program = capture.made.get("causal")
         if program is None:
             positions = capture.inputs[1]
-            program = capture.made["causal"] = kernels.program([
-                kernels.causal_rows(positions, capture.visible, cache.length_cell), kernels.run(capture.program)])
+            program = capture.made["causal"] = kernels.program(
+                [kernels.causal_rows(positions, capture.visible, cache.length_cell), kernels.run(capture.program)]
+            )
         capture.inputs[0].copy_(tokens)
         program()
         return capture.outputs()
 
 
-def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, tokens: torch.Tensor, n: int,
-                 vocab: int, ids: torch.Tensor | None = None) -> list[int]:
+def replay_chain(
+    first: CapturedForward,
+    step: CapturedForward,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    n: int,
+    vocab: int,
+    ids: torch.Tensor | None = None,
+) -> list[int]:
     """n tokens of greedy decoding as one program: `first` (a captured causal forward of the new `tokens` (1, T),
     its logits at the last of them), then n - 1 replays of `step` (a captured one-token forward; `first` itself when
     T is 1), each forward's argmax made the next one's input by `kernels.next_token`. Both take tokens and positions
@@ -192,10 +211,12 @@ def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, 
     logits are its row i. (A failure leaves the cache part-advanced: the caller rolls it back.)"""
     T = tokens.shape[1]
     if tokens.shape != first.inputs[0].shape or step.inputs[0].shape != (1, 1):
-        raise ValueError(f"tokens {tuple(tokens.shape)} for a chain from a forward captured with "
-                         f"{tuple(first.inputs[0].shape)}, then one of {tuple(step.inputs[0].shape)}")
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)} for a chain from a forward captured with "
+            f"{tuple(first.inputs[0].shape)}, then one of {tuple(step.inputs[0].shape)}"
+        )
     following = None if step is first else step  # (not `first` itself: no reference cycle)
-    with first.lock, (step.lock if step is not first else contextlib.nullcontext()):
+    with first.lock, step.lock if step is not first else contextlib.nullcontext():
         first.bind(cache)
         step.bind(cache)
         made = first.made.get(("chain", n, vocab))
@@ -208,8 +229,11 @@ def replay_chain(first: CapturedForward, step: CapturedForward, cache: KVCache, 
             calls.append(kernels.run(first.program))
             for i in range(n):
                 logits = (first if i == 0 else step).out[0, -1, :vocab]
-                calls.append(kernels.next_token(logits, out, i, token[0], position, step.visible[0], cache.length_cell,
-                                                T if i == 0 else 1, ids))
+                calls.append(
+                    kernels.next_token(
+                        logits, out, i, token[0], position, step.visible[0], cache.length_cell, T if i == 0 else 1, ids
+                    )
+                )
                 if i < n - 1:
                     calls.append(kernels.run(step.program))
             made = first.made[("chain", n, vocab)] = (following, kernels.program(calls), out, ids)  # (ids alive)

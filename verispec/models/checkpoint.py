@@ -37,7 +37,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (d, f),
         }
         if config.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (d,)
     shapes["model.norm.weight"] = (d,)
@@ -81,8 +85,9 @@ def check_finite(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
     """
     for name, tensor in weights:
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{source}: weight {name} holds NaN or infinite values (in {tensor.dtype}); "
-                                  f"the checkpoint is broken")
+            raise CheckpointError(
+                f"{source}: weight {name} holds NaN or infinite values (in {tensor.dtype}); the checkpoint is broken"
+            )
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -121,8 +126,9 @@ def load_weights(checkpoint_dir: str | Path, config: ModelConfig) -> dict[str, t
     # recomputed from the config, so the buffers older exports saved are no such sign.
     unexpected = sorted(name for name in set(weights) - set(expected) if not name.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise CheckpointError(f"{folder}: {len(unexpected)} weights the config does not describe: "
-                              f"{', '.join(unexpected[:3])}")
+        raise CheckpointError(
+            f"{folder}: {len(unexpected)} weights the config does not describe: {', '.join(unexpected[:3])}"
+        )
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{folder}: {name} has shape {tuple(weights[name].shape)}, config says {shape}")
@@ -155,8 +161,14 @@ def read_head(folder: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{folder}: not {kind} folder ({err})") from None
 
 
-def fill_head(module: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path, kind: str,
-              dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+def fill_head(
+    module: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    folder: Path,
+    kind: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.nn.Module:
     """`module` with exactly `weights`, cast, frozen, and refused if any weight is not finite after the cast."""
     try:
         module.load_state_dict(weights, strict=True)

@@ -49,8 +49,15 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"{self.model_type} has biases on all attention projections or none")
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
             raise UnsupportedArchitectureError("qwen2 has q/k/v biases and no o_proj bias")
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings")
+        sizes = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        )
         for name in sizes:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -60,12 +67,14 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rope_llama3 is not None and self.rope_factors is None:  # frozen: set once, here
-            object.__setattr__(self, "rope_factors", llama3_rope_factors(dict(self.rope_llama3), self.dim_per_head,
-                                                                         self.rope_theta))
+            object.__setattr__(
+                self, "rope_factors", llama3_rope_factors(dict(self.rope_llama3), self.dim_per_head, self.rope_theta)
+            )
         factors = self.rope_factors
         if factors is not None and len(factors) != self.dim_per_head // 2:
-            raise CheckpointError(f"{len(factors)} RoPE frequency factors for a head of {self.dim_per_head} "
-                                  "dimensions (one per pair)")
+            raise CheckpointError(
+                f"{len(factors)} RoPE frequency factors for a head of {self.dim_per_head} dimensions (one per pair)"
+            )
         if factors is not None and not all(isinstance(f, float) and 0 < f < math.inf for f in factors):
             raise CheckpointError("RoPE frequency factors must be positive, finite floats")
 
@@ -129,8 +138,10 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers and this runtime both read."""
         if self.rope_factors is not None and self.rope_llama3 is None:
-            raise UnsupportedArchitectureError("RoPE frequency factors read from a GGUF file (rope_freqs.weight) have "
-                                               "no config.json form that transformers reads")
+            raise UnsupportedArchitectureError(
+                "RoPE frequency factors read from a GGUF file (rope_freqs.weight) have "
+                "no config.json form that transformers reads"
+            )
         own = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3")
         raw = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
         raw["architectures"] = [SUPPORTED[self.model_type]]
@@ -153,8 +164,9 @@ def llama3_rope_factors(rope: dict[str, float], head_dim: int, theta: float) -> 
 
     factor, low, high, context = (rope[key] for key in LLAMA3_ROPE)
     if not (factor > 0 and 0 < low < high and context > 0):
-        raise CheckpointError(f"config.json: RoPE scaling llama3 needs factor > 0 and 0 < low_freq_factor < "
-                              f"high_freq_factor, got {rope}")
+        raise CheckpointError(
+            f"config.json: RoPE scaling llama3 needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got {rope}"
+        )
     factors = []
     for freq in 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim):
         wavelen = 2 * math.pi / freq

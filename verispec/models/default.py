@@ -21,13 +21,16 @@ def default_paths() -> tuple[Path, Path]:
     """The shipped target and draft folders; a clear error where this install has no `models/`."""
     for folder in (DEFAULT_TARGET, DEFAULT_DRAFT):
         if not (folder / "config.json").is_file():
-            raise CheckpointError(f"default model {folder} is missing: install verispec from a clone "
-                                  "(pip install -e .), or pass --target/--draft")
+            raise CheckpointError(
+                f"default model {folder} is missing: install verispec from a clone "
+                "(pip install -e .), or pass --target/--draft"
+            )
     return DEFAULT_TARGET, DEFAULT_DRAFT
 
 
-def load_default(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *,
-                 exact: bool = False) -> tuple[NativeModel, NativeModel]:
+def load_default(
+    device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *, exact: bool = False
+) -> tuple[NativeModel, NativeModel]:
     """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default. `exact` is the
     target's mode (see `NativeModel`); the draft runs ordinarily either way, since the target decides every token."""
     target_dir, draft_dir = default_paths()
@@ -52,13 +55,19 @@ def default_head(target_dir: Path | None, kind: str) -> Path:
     if target_dir is not None and is_gguf(target_dir):
         found = shipped_head_for(Path(target_dir), kind)
         if found is None:
-            raise CheckpointError(f"method {kind} needs its head's folder (--head DIR): no {kind} head in {MODELS} was "
-                                  f"made for the model in {target_dir}")
+            raise CheckpointError(
+                f"method {kind} needs its head's folder (--head DIR): no {kind} head in {MODELS} was "
+                f"made for the model in {target_dir}"
+            )
         return found
     if target_dir is None or Path(target_dir).resolve() != DEFAULT_TARGET.resolve():
-        raise CheckpointError(f"method {kind} needs its head's folder (--head DIR) for a target other than the "
-                              f"shipped {DEFAULT_TARGET.name}")
+        raise CheckpointError(
+            f"method {kind} needs its head's folder (--head DIR) for a target other than the "
+            f"shipped {DEFAULT_TARGET.name}"
+        )
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"no {kind} head ships in {folder} yet: train one with `verispec train {kind}` and "
-                              "pass its folder with --head")
+        raise CheckpointError(
+            f"no {kind} head ships in {folder} yet: train one with `verispec train {kind}` and "
+            "pass its folder with --head"
+        )
     return folder

@@ -42,8 +42,10 @@ def load_draft_vocab(folder: str | Path, size: int) -> torch.Tensor:
     where fewer than `size` tokens occur in its training data."""
     file = vocab_file(folder)
     if not file.is_file():
-        raise CheckpointError(f"{file}: no token frequencies beside this head, so no reduced draft vocabulary "
-                              f"(draft_vocab {size}; 0 drafts over the full vocabulary)")
+        raise CheckpointError(
+            f"{file}: no token frequencies beside this head, so no reduced draft vocabulary "
+            f"(draft_vocab {size}; 0 drafts over the full vocabulary)"
+        )
     return load_file(str(file))["ids"].to(torch.long)[:size]
 
 
@@ -63,8 +65,7 @@ def default_size(folder: str | Path) -> int:
     config = Path(folder) / "config.json"
     size = head_section(folder).get("draft_vocab", 0)
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise CheckpointError(f"{config}: verispec.draft_vocab must be a whole number of tokens (0: all), got "
-                              f"{size!r}")
+        raise CheckpointError(f"{config}: verispec.draft_vocab must be a whole number of tokens (0: all), got {size!r}")
     return size
 
 

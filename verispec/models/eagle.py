@@ -80,8 +80,14 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((embeddings, features), dim=-1))
         return x, x
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache | None,
-                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Predicted features (B, T, D) from features f_i (B, T, D) and the next tokens' embeddings (B, T, D).
 
         With a cache, the T inputs follow its `length` entries (a chain, or a tree with `mask` (T, length + T) and
@@ -95,15 +101,22 @@ class EagleHead(nn.Module):
             x = self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
         else:
             x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
-            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype,
-                              self.config.rope_factors)
+            cos, sin = rotary(
+                positions, self.config.dim_per_head, self.config.rope_theta, x.dtype, self.config.rope_factors
+            )
             x = self.layers[0](x, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
         if cache is not None:
             cache.advance(T)
         return x
 
-    def _on_kernels(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache, positions: torch.Tensor,
-                    rows: VisibleSlots) -> torch.Tensor:
+    def _on_kernels(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        rows: VisibleSlots,
+    ) -> torch.Tensor:
         """The forward of one sequence on verispec's kernels, captured once per shape and replayed."""
         self.rope = covering(self.rope, cache.slots, self.config, self.fc.weight.dtype)
         positions = as_index(positions)
@@ -119,9 +132,9 @@ class EagleHead(nn.Module):
         return replay(self.captured, key, cache, forward, (features, embeddings, positions), rows)[0]
 
 
-
-def head_layout(features: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_layout(
+    features: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafting head's forward of T inputs after its cache's entries: room reserved for them, their positions
     (default: the next T) and mask (default: causal after the cache; none without a cache, in training)."""
     T, start = features.shape[1], 0 if cache is None else cache.length
@@ -141,16 +154,29 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torc
     `fc` without a bias, drops layer 0's input norm, and shares the target's embedding and LM head."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}, str(folder / "model.safetensors")
+    )
     c = head.config
-    config = {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
-              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-              "head_dim": c.dim_per_head, "max_position_embeddings": c.max_position_embeddings,
-              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
-              "hidden_act": "silu", "bias": False, "tie_word_embeddings": False,
-              "torch_dtype": str(dtype).removeprefix("torch."), "verispec": {"drafter": "eagle", "target": target_name}}
+    config = {
+        "architectures": ["EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.dim_per_head,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab_size,
+        "hidden_act": "silu",
+        "bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "verispec": {"drafter": "eagle", "target": target_name},
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
@@ -164,19 +190,27 @@ def without_zero_bias(weights: dict[str, torch.Tensor], folder: Path) -> dict[st
     return {name: tensor for name, tensor in weights.items() if name != "fc.bias"}
 
 
-def load_head(folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
-              fast: bool = True) -> EagleHead:
+def load_head(
+    folder: str | Path,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    fast: bool = True,
+) -> EagleHead:
     """A head saved by `save_head`, checked against the target it will draft for; `fast`: with prepacked matmuls
     for one row where this build has them (see `load_model`)."""
     folder = Path(folder)
     raw, weights = read_head(folder, "an EAGLE head")
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
-    wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
+    wrong = [
+        f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)
+    ]
     if wrong:
         raise CheckpointError(f"{folder}: this EAGLE head was not made for this target ({', '.join(wrong)})")
-    head = fill_head(EagleHead(head_config(target)), without_zero_bias(weights, folder), folder, "an EAGLE head",
-                     dtype, device)
+    head = fill_head(
+        EagleHead(head_config(target)), without_zero_bias(weights, folder), folder, "an EAGLE head", dtype, device
+    )
     if fast and packable(dtype, torch.device(device)):
         head.pack(1)
     return head
-

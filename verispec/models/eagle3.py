@@ -42,8 +42,11 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        D, q, kv = config.hidden_size, config.num_attention_heads * config.dim_per_head, \
-            config.num_key_value_heads * config.dim_per_head
+        D, q, kv = (
+            config.hidden_size,
+            config.num_attention_heads * config.dim_per_head,
+            config.num_key_value_heads * config.dim_per_head,
+        )
         self.input_layernorm = RMSNorm(D, config.rms_norm_eps)  # on the embedding
         self.hidden_norm = RMSNorm(D, config.rms_norm_eps)  # on the feature
         self.self_attn = Attention(config, 0)
@@ -57,8 +60,15 @@ class Eagle3Layer(nn.Module):
         """What q, k and v read: (..., 2D)."""
         return torch.cat((self.input_layernorm(embeddings), self.hidden_norm(features)), dim=-1)
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, layout: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        layout: AttentionMask,
+    ) -> torch.Tensor:
         x = self.self_attn(self.inputs(features, embeddings), cos, sin, cache, layout, residual=features)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -106,39 +116,63 @@ class Eagle3Head(nn.Module):
         """(..., N) draft logits of predicted features."""
         return self.lm_head(self.norm(predicted))
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, cache: KVCache | None,
-                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Predicted features (B, T, D) (before the final norm) from features (B, T, 3D from the target, or D from the
         head itself) and the next tokens' embeddings (B, T, D); a cache and mask as `EagleHead.forward` takes them."""
         positions, mask = head_layout(features, cache, positions, mask)
         h = self.fuse(features)
-        cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, h.dtype,
-                          self.config.rope_factors)
+        cos, sin = rotary(
+            positions, self.config.dim_per_head, self.config.rope_theta, h.dtype, self.config.rope_factors
+        )
         x = self.midlayer(h, embeddings, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
         if cache is not None:
             cache.advance(features.shape[1])
         return x
 
 
-def save_eagle3(head: Eagle3Head, folder: str | Path, target_name: str, extra: dict | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_eagle3(
+    head: Eagle3Head,
+    folder: str | Path,
+    target_name: str,
+    extra: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
     """The head as EAGLE-3's checkpoints lay it out: model.safetensors (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
     `t2d`) and a one-layer Llama config.json with `draft_vocab_size`; `extra` joins its `verispec` section."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: (v if not v.is_floating_point() else v.detach().to(dtype)).contiguous()
-               for k, v in head.state_dict().items()}
+    weights = {
+        k: (v if not v.is_floating_point() else v.detach().to(dtype)).contiguous() for k, v in head.state_dict().items()
+    }
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     c = head.config
-    config = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-              "head_dim": c.dim_per_head, "max_position_embeddings": c.max_position_embeddings,
-              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
-              "draft_vocab_size": len(head.d2t), "hidden_act": "silu", "tie_word_embeddings": False,
-              "torch_dtype": str(dtype).removeprefix("torch."),
-              "verispec": {"drafter": "eagle", "target": target_name, "feature_layers": list(head.feature_layers)}
-              | (extra or {})}
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.dim_per_head,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": len(head.d2t),
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "verispec": {"drafter": "eagle", "target": target_name, "feature_layers": list(head.feature_layers)}
+        | (extra or {}),
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
@@ -151,13 +185,16 @@ def is_eagle3(folder: str | Path) -> bool:
         return False
 
 
-def load_eagle3(folder: str | Path, target: ModelConfig, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> Eagle3Head:
+def load_eagle3(
+    folder: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Eagle3Head:
     """A head saved by `save_eagle3`, checked against the target it will draft for."""
     folder = Path(folder)
     raw, weights = read_head(folder, "an EAGLE-3 head")
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
-    wrong = [f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)]
+    wrong = [
+        f"{name} {raw.get(name)} != {getattr(target, name)}" for name in sizes if raw.get(name) != getattr(target, name)
+    ]
     layers = raw.get("verispec", {}).get("feature_layers") or feature_layers(target.num_hidden_layers)
     if not all(isinstance(i, int) and 0 <= i < target.num_hidden_layers for i in layers):
         wrong.append(f"feature layers {layers} outside the target's {target.num_hidden_layers} blocks")

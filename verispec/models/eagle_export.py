@@ -44,8 +44,11 @@ def export_eagle(head_dir: str | Path, out: str | Path, engine: str, draft_vocab
     if engine == "sglang":
         weights["fc.bias"] = torch.zeros(weights["fc.weight"].shape[0], dtype=weights["fc.weight"].dtype)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config | {"architectures": [ARCHITECTURES[engine]]}, indent=2) + "\n")
     if vocab_file(head_dir).is_file():  # so that verispec reads the export back as it read the head
         (out / VOCAB_FILE).parent.mkdir(exist_ok=True)

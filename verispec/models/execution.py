@@ -40,8 +40,9 @@ class Execution:
         self.captured: dict = {}  # those captures by shape (models/captured.py `replay`)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for `VisibleSlots`
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None, options: ForwardOptions = ForwardOptions()
-                ) -> Result:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None, options: ForwardOptions = ForwardOptions()
+    ) -> Result:
         """Logits (B, T - options.logits_from, V) for T new tokens (B, T) stored after the cache's `length`
         positions (see `ForwardOptions`), and the hidden states it asks for.
 
@@ -76,8 +77,9 @@ class Execution:
             cache.advance(T)
         return out
 
-    def forward_batch(self, tokens: torch.Tensor, rows: BatchLayout | SlotsLayout, head: VocabHead | None = None,
-                      logits: bool = True) -> torch.Tensor | None:
+    def forward_batch(
+        self, tokens: torch.Tensor, rows: BatchLayout | SlotsLayout, head: VocabHead | None = None, logits: bool = True
+    ) -> torch.Tensor | None:
         """Logits (B, T, V) for a batch of sequences, row b continuing its own cache slot (each row's offset, its real
         tokens and its padding); each slot advances by its row's real tokens only. `head`: over its tokens only (B, T,
         N); without `logits`, no LM head (None). On verispec's kernels (`SlotsLayout`) only the real tokens run, as one
@@ -86,23 +88,30 @@ class Execution:
         if rows.on_kernels:
             self.rope = covering(self.rope, rows.slots, self.module.config, self.module.dtype)
             real = tokens[rows.real][None]
-            out, _ = self.module(real, None, replace(rows, rope=self.rope),
-                                 ForwardOptions(positions=rows.positions, head=head,
-                                                logits_from=0 if logits else real.shape[1]))
+            out, _ = self.module(
+                real,
+                None,
+                replace(rows, rope=self.rope),
+                ForwardOptions(positions=rows.positions, head=head, logits_from=0 if logits else real.shape[1]),
+            )
             rows.advance()
             if not logits:
                 return None
             padded = out.new_empty(*tokens.shape, out.shape[-1])
             padded[rows.real], padded[~rows.real] = out[0], 0
             return padded
-        out, _ = self.module(tokens, rows, AttentionMask(rows.mask),
-                             ForwardOptions(positions=rows.positions, head=head,
-                                            logits_from=0 if logits else tokens.shape[1]))
+        out, _ = self.module(
+            tokens,
+            rows,
+            AttentionMask(rows.mask),
+            ForwardOptions(positions=rows.positions, head=head, logits_from=0 if logits else tokens.shape[1]),
+        )
         rows.advance()
         return out if logits else None
 
-    def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int, head: VocabHead | None = None
-              ) -> list[int]:
+    def chain(
+        self, tokens: torch.Tensor, cache: KVCache, n: int, vocab: int, head: VocabHead | None = None
+    ) -> list[int]:
         """n tokens of greedy decoding after `tokens` (1, T), each the argmax of the first `vocab` logits after the one
         before (with `head`, of its logits, over its tokens: a drafter's reduced vocabulary): a forward of the T
         tokens, then n - 1 forwards of one token, the cache T + n - 1 longer. On verispec's kernels, once both shapes
@@ -120,10 +129,18 @@ class Execution:
                 tokens = tokens[:, -1:]
             T, ids = tokens.shape[1], None if head is None else head.ids
             vocab = vocab if head is None else len(ids)
-            first = lookup(self.captured, self._key(T, ForwardOptions(logits_from=T - 1, head=head), cache)) \
-                if own else None
-            step = first if T == 1 else lookup(self.captured, self._key(1, ForwardOptions(head=head), cache)) \
-                if own else None
+            first = (
+                lookup(self.captured, self._key(T, ForwardOptions(logits_from=T - 1, head=head), cache))
+                if own
+                else None
+            )
+            step = (
+                first
+                if T == 1
+                else lookup(self.captured, self._key(1, ForwardOptions(head=head), cache))
+                if own
+                else None
+            )
             if first is None or step is None:
                 out, x = [], tokens
                 while len(out) < n:
@@ -158,8 +175,15 @@ class Execution:
         """A `VisibleSlots` forward's shape, by which it is captured: rows, logits from row `logits_from`, blocks
         run, states asked for, the cache's layout, the LM head."""
         run = self.module.blocks(options.layers)
-        return T, options.logits_from, tuple(run), tuple(options.hidden or ()), tuple(cache.k.shape), cache.k.dtype, \
-            options.head
+        return (
+            T,
+            options.logits_from,
+            tuple(run),
+            tuple(options.hidden or ()),
+            tuple(cache.k.shape),
+            cache.k.dtype,
+            options.head,
+        )
 
     def _run(self, tokens: torch.Tensor, cache: KVCache | None, layout: Layout, options: ForwardOptions) -> Result:
         """The module's forward over `layout`; on verispec's kernels, with capture on, captured once per shape and
@@ -170,9 +194,15 @@ class Execution:
         layout, options = replace(layout, rope=self.rope), replace(options, positions=as_index(options.positions))
         if not self.capture:
             return _result(*self.module(tokens, cache, layout, options), options)
-        logits, states = replay(self.captured, self._key(tokens.shape[1], options, cache), cache,
-                                lambda t, p, rows: self.module(t, cache, rows, replace(options, positions=p)),
-                                (tokens, options.positions), layout, prefill=options.logits_from > 0)
+        logits, states = replay(
+            self.captured,
+            self._key(tokens.shape[1], options, cache),
+            cache,
+            lambda t, p, rows: self.module(t, cache, rows, replace(options, positions=p)),
+            (tokens, options.positions),
+            layout,
+            prefill=options.logits_from > 0,
+        )
         return _result(logits, states, options)
 
     def _exact(self, tokens: torch.Tensor, cache: KVCache, options: ForwardOptions) -> Result:
@@ -189,14 +219,14 @@ class Execution:
         R = LONG_ROWS if own else cache.rows
         # (T, P) the cache slots each token sees, as `VisibleSlots` takes them (uint8) or `FixedWidthKeys` (bool)
         visible = visible_slots(options.mask, T, start, slots, torch.uint8 if own else torch.bool, device)
-        if T > R and any(visible[c: c + R, start + c + R:].any() for c in range(0, T - R, R)):
+        if T > R and any(visible[c : c + R, start + c + R :].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
         logits, states = [], []
         try:
             for c in range(0, T, R):
                 n = min(R, T - c)
                 m = max(n, floor)  # the rows run
-                rows, x, where = visible[c: c + n], tokens[:, c: c + n], options.positions[c: c + n]
+                rows, x, where = visible[c : c + n], tokens[:, c : c + n], options.positions[c : c + n]
                 if n < floor:
                     # Padding rows (token 0 at position 0) see slot 0 only: any finite result will do, as they are
                     # written past the real rows, where no real row looks.
@@ -208,8 +238,9 @@ class Execution:
                     first = m  # none: the LM head is skipped
                 elif floor > 1:
                     first = 0  # a padded chunk's head runs over all its rows: always the same count
-                out = self._run(x, cache, exact_layout(own, rows, cache.width),
-                                replace(options, positions=where, logits_from=first))
+                out = self._run(
+                    x, cache, exact_layout(own, rows, cache.width), replace(options, positions=where, logits_from=first)
+                )
                 out = (out, None) if options.hidden is None else out
                 logits.append(out[0][:, : max(n - first, 0)])
                 states.append(None if options.hidden is None else out[1][:, :n])
@@ -218,7 +249,7 @@ class Execution:
             cache.truncate(start)  # as if the forward never ran
             raise
         logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
-        logits = logits[:, logits.shape[1] - (T - options.logits_from):]  # a padded chunk's head ran from row 0
+        logits = logits[:, logits.shape[1] - (T - options.logits_from) :]  # a padded chunk's head ran from row 0
         if options.hidden is None:
             return logits
         return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)

@@ -15,8 +15,7 @@ from pathlib import Path
 from verispec.models.gguf_file import GGUFFile
 
 NAMES = ("general.architecture", "general.basename", "general.size_label", "general.finetune")
-SHAPES = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-          "attention.head_count_kv")
+SHAPES = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv")
 
 
 def gguf_fingerprint(path: str | Path) -> dict[str, str | int | None]:

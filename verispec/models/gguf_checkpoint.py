@@ -62,15 +62,18 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     """The `ModelConfig` the metadata describes; what the native math does not cover is refused."""
     arch = file.get("general.architecture", str, "<missing>")
     if arch not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(f"{file.path}: unsupported architecture {arch!r} (general.architecture); "
-                                           f"the native runtime reads GGUF files of {', '.join(ARCHITECTURES)}")
+        raise UnsupportedArchitectureError(
+            f"{file.path}: unsupported architecture {arch!r} (general.architecture); "
+            f"the native runtime reads GGUF files of {', '.join(ARCHITECTURES)}"
+        )
 
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
     if file.get(key("expert_count"), int, 0):
-        raise UnsupportedArchitectureError(f"{file.path}: a mixture of experts ({key('expert_count')}), which the "
-                                           "native runtime does not implement")
+        raise UnsupportedArchitectureError(
+            f"{file.path}: a mixture of experts ({key('expert_count')}), which the native runtime does not implement"
+        )
     scaling = file.get(key("rope.scaling.type"), str, "none")
     if scaling != "none":
         raise UnsupportedArchitectureError(f"{file.path}: unsupported RoPE scaling {scaling!r}")
@@ -79,26 +82,34 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     if file.get(key("attention.value_length"), int, head_dim) != head_dim:
         raise UnsupportedArchitectureError(f"{file.path}: keys and values of different widths")
     if file.get(key("rope.dimension_count"), int, head_dim) != head_dim:
-        raise UnsupportedArchitectureError(f"{file.path}: RoPE over part of each head ({key('rope.dimension_count')} "
-                                           f"{file.get(key('rope.dimension_count'), int)} of {head_dim})")
+        raise UnsupportedArchitectureError(
+            f"{file.path}: RoPE over part of each head ({key('rope.dimension_count')} "
+            f"{file.get(key('rope.dimension_count'), int)} of {head_dim})"
+        )
     embedding = file.tensors.get("token_embd.weight")
     if embedding is None:
         raise CheckpointError(f"{file.path}: no token_embd.weight (the token embedding)")
     rows = int(embedding.shape[-1])  # ggml lists a matrix's dimensions innermost first
     if file.get(key("vocab_size"), int, rows) != rows:
-        raise CheckpointError(f"{file.path}: {key('vocab_size')} is {file.get(key('vocab_size'), int)} but the "
-                              f"token embedding has {rows} rows")
+        raise CheckpointError(
+            f"{file.path}: {key('vocab_size')} is {file.get(key('vocab_size'), int)} but the "
+            f"token embedding has {rows} rows"
+        )
     bias = "blk.0.attn_q.bias" in file.tensors
     eos = file.get("tokenizer.ggml.eos_token_id", int)
     factors = file.tensors.get(ROPE_FREQS)
     if factors is not None and arch != "llama":  # llama.cpp reads them for llama only (of these)
-        raise UnsupportedArchitectureError(f"{file.path}: RoPE frequency factors ({ROPE_FREQS}) in a {arch} file, "
-                                           "which llama.cpp does not apply to it")
+        raise UnsupportedArchitectureError(
+            f"{file.path}: RoPE frequency factors ({ROPE_FREQS}) in a {arch} file, which llama.cpp does not apply to it"
+        )
     if factors is not None and (factors.tensor_type not in (GGML.F32, GGML.F16) or factors.shape != (head_dim // 2,)):
-        raise CheckpointError(f"{file.path}: {ROPE_FREQS} must be {head_dim // 2} floats (F32 or F16), one per pair "
-                              f"of a head's dimensions; it is {factors.tensor_type.name} of shape {factors.shape}")
+        raise CheckpointError(
+            f"{file.path}: {ROPE_FREQS} must be {head_dim // 2} floats (F32 or F16), one per pair "
+            f"of a head's dimensions; it is {factors.tensor_type.name} of shape {factors.shape}"
+        )
     return ModelConfig(
-        vocab_size=rows, hidden_size=hidden,
+        vocab_size=rows,
+        hidden_size=hidden,
         intermediate_size=file.require(key("feed_forward_length"), int),
         num_hidden_layers=file.require(key("block_count"), int),
         num_attention_heads=heads,
@@ -107,10 +118,14 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         head_dim=head_dim if head_dim != hidden // max(1, heads) else None,
         rms_norm_eps=file.require(key("attention.layer_norm_rms_epsilon"), (float, int)),
         rope_theta=file.get(key("rope.freq_base"), (float, int), 10000.0),
-        qkv_bias=bias, o_bias=bias and "blk.0.attn_output.bias" in file.tensors,
-        tie_word_embeddings="output.weight" not in file.tensors, model_type=arch,
-        bos_token_id=file.get("tokenizer.ggml.bos_token_id", int), eos_token_id=eos,
-        rope_factors=None if factors is None else tuple(np.asarray(factors.data, dtype=np.float64).tolist()))
+        qkv_bias=bias,
+        o_bias=bias and "blk.0.attn_output.bias" in file.tensors,
+        tie_word_embeddings="output.weight" not in file.tensors,
+        model_type=arch,
+        bos_token_id=file.get("tokenizer.ggml.bos_token_id", int),
+        eos_token_id=eos,
+        rope_factors=None if factors is None else tuple(np.asarray(factors.data, dtype=np.float64).tolist()),
+    )
 
 
 def gguf_weights(file: GGUFFile, config: ModelConfig) -> dict[str, Weight]:
@@ -123,8 +138,9 @@ def gguf_weights(file: GGUFFile, config: ModelConfig) -> dict[str, Weight]:
         raise CheckpointError(f"{file.path}: gguf {gguf.__version__} has no GGUF names for {config.model_type}")
     unexpected = sorted(set(file.tensors) - set(hf_name) - {ROPE_FREQS})  # the factors are in the config
     if unexpected:
-        raise CheckpointError(f"{file.path}: {len(unexpected)} tensors its config does not describe: "
-                              f"{', '.join(unexpected[:3])}")
+        raise CheckpointError(
+            f"{file.path}: {len(unexpected)} tensors its config does not describe: {', '.join(unexpected[:3])}"
+        )
     missing = sorted(set(hf_name) - set(file.tensors))
     if missing:
         raise CheckpointError(f"{file.path}: {len(missing)} tensors missing: {', '.join(missing[:3])}")
@@ -175,5 +191,6 @@ def _read(tensor: GGUFTensor, path: Path) -> Weight:
         return torch.from_numpy(data)
     if kind in DEQUANTIZED or kind in KEPT:
         return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, kind), dtype=np.float32))
-    raise CheckpointError(f"{path}: tensor {tensor.name} is {kind.name}, a type verispec does not read "
-                          f"(it reads {READ})")
+    raise CheckpointError(
+        f"{path}: tensor {tensor.name} is {kind.name}, a type verispec does not read (it reads {READ})"
+    )

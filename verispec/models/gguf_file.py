@@ -28,14 +28,29 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 ALIGNMENT = 32
 # Metadata value types: numbers by their numpy dtype; 7 bool, 8 string, 9 array
-NUMBERS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-           10: np.uint64, 11: np.int64, 12: np.float64}
+NUMBERS = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 BOOL, STRING, ARRAY = 7, 8, 9
 # Tensor types numpy holds as numbers; the others are ggml's blocks, as bytes by row
-ELEMENTS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-            GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-            GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-            GGMLQuantizationType.I64: np.int64}
+ELEMENTS = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -83,7 +98,7 @@ class _Cursor:
     def bytes(self) -> bytes:
         size = self.number(np.uint64)
         start = self.take(size)
-        return bytes(self.buffer[start:start + size])
+        return bytes(self.buffer[start : start + size])
 
     def value(self, kind: int) -> Any:
         """A metadata value: a number, bool, string (as bytes), or array (numbers as a numpy array, strings as a
@@ -114,7 +129,7 @@ class _Cursor:
                 break
             (size,) = size_of(buffer, at)
             at += 8
-            out.append(bytes(buffer[at:at + size]))
+            out.append(bytes(buffer[at : at + size]))
             at += size
         if len(out) < count or at > end:
             raise _Truncated(f"it holds {end} bytes; its header runs past them")
@@ -149,8 +164,10 @@ class GGUFFile:
         version = cursor.number(np.uint32)
         if version not in VERSIONS:
             byte_order = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-            raise CheckpointError(f"{self.path}: GGUF version {version}{byte_order}; verispec reads versions "
-                                  f"{' and '.join(map(str, VERSIONS))}")
+            raise CheckpointError(
+                f"{self.path}: GGUF version {version}{byte_order}; verispec reads versions "
+                f"{' and '.join(map(str, VERSIONS))}"
+            )
         tensor_count, entries = cursor.number(np.uint64), cursor.number(np.uint64)
         metadata: dict[str, Any] = {}
         for _ in range(entries):
@@ -206,8 +223,10 @@ class GGUFFile:
         value = self._values[key]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            raise CheckpointError(f"{self.path}: metadata {key} is {type(value).__name__} {_short(value)}, not "
-                                  f"{' or '.join(k.__name__ for k in kinds)}")
+            raise CheckpointError(
+                f"{self.path}: metadata {key} is {type(value).__name__} {_short(value)}, not "
+                f"{' or '.join(k.__name__ for k in kinds)}"
+            )
         return value
 
     def require(self, key: str, kind: type | tuple[type, ...]) -> Any:

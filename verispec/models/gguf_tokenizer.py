@@ -34,9 +34,11 @@ QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 # Mistral's tekken (Nemo, Small 3) as llama.cpp adapted it: a letter is upper case where it is not a-z and lower case
 # where it is not A-Z (llama.cpp's regex engine knows no \p{Lu} or \p{Ll}), so any other letter counts as either
-TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ def _family(names: str, spec: PreTokenizer) -> dict[str, PreTokenizer]:
 PRE_TOKENIZERS = (
     _family("default", PreTokenizer(DEFAULT))
     | _family("gpt-2 phi-2 mpt olmo jina-es jina-de jina-v2-es jina-v2-de gigachat exaone4", PreTokenizer((GPT2,)))
-    | _family("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2",
-              PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True))
+    | _family(
+        "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2",
+        PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True),
+    )
     | _family("dbrx smaug-bpe", PreTokenizer((LLAMA3,)))
     | _family("starcoder refact command-r smollm codeshell exaone minerva-7b", PreTokenizer((r"\p{N}", GPT2)))
     | _family("qwen2 deepseek-r1-qwen megrez stablelm2 hunyuan", PreTokenizer((QWEN2,)))
@@ -65,8 +69,12 @@ PRE_TOKENIZERS = (
 SPACE = "\u2581"  # SentencePiece's visible space
 # llama.cpp's ids for a SentencePiece vocabulary whose file names none
 SENTENCEPIECE_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
-SPECIAL_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                "pad_token": "padding_token_id"}
+SPECIAL_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,10 @@ def read_vocab(file: GGUFFile) -> GGUFVocab:
     path, model = file.path, file.get("tokenizer.ggml.model", str)
     tokens: list[str] = file.get("tokenizer.ggml.tokens", list) or []
     if model is None or not tokens:
-        raise CheckpointError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.model and tokenizer.ggml.tokens); "
-                              "verispec runs a GGUF file with its own tokenizer only")
+        raise CheckpointError(
+            f"{path}: no tokenizer in its metadata (tokenizer.ggml.model and tokenizer.ggml.tokens); "
+            "verispec runs a GGUF file with its own tokenizer only"
+        )
     types: list[int] = file.get("tokenizer.ggml.token_type", list) or [TokenType.NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise CheckpointError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
@@ -99,8 +109,9 @@ def read_vocab(file: GGUFFile) -> GGUFVocab:
     elif model == "llama":
         tokenizer, add_bos = _sentencepiece(file, tokens), True
     else:
-        raise CheckpointError(f"{path}: tokenizer model {model!r}; verispec reads gpt2 (byte-level BPE) and llama "
-                              "(SentencePiece)")
+        raise CheckpointError(
+            f"{path}: tokenizer model {model!r}; verispec reads gpt2 (byte-level BPE) and llama (SentencePiece)"
+        )
     _add_special_tokens(tokenizer, tokens, types, path)
     ids = _special_ids(file, len(tokens), sentencepiece=model == "llama")
     added = {}  # what the post-processor adds: BOS before, EOS after
@@ -120,20 +131,23 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tuple[Tokenizer, bool]
     """GPT-2-style BPE over bytes spelled as characters, split first as llama.cpp splits for the pre-tokenizer."""
     name = file.get("tokenizer.ggml.pre", str, "default")  # llama.cpp's choice too where the file names none
     if name not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{file.path}: pre-tokenizer {name!r} (tokenizer.ggml.pre), which verispec does not "
-                              f"know; it knows {', '.join(sorted(PRE_TOKENIZERS))}")
+        raise CheckpointError(
+            f"{file.path}: pre-tokenizer {name!r} (tokenizer.ggml.pre), which verispec does not "
+            f"know; it knows {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     pre = PRE_TOKENIZERS[name]
     merges = file.get("tokenizer.ggml.merges", list)
     if merges is None:
         raise CheckpointError(f"{file.path}: a BPE tokenizer without tokenizer.ggml.merges")
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [(merge[:cut], merge[cut + 1:]) for merge in merges if (cut := merge.find(" ", 1)) > 0]
+    pairs = [(merge[:cut], merge[cut + 1 :]) for merge in merges if (cut := merge.find(" ", 1)) > 0]
     # tokenizers needs both halves and their join in the vocabulary; a merge that makes no token never yields one
     pairs = [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, pre.add_bos
 
@@ -144,10 +158,15 @@ def _sentencepiece(file: GGUFFile, tokens: list[str]) -> Tokenizer:
     if len(scores) != len(tokens):
         raise CheckpointError(f"{file.path}: {len(tokens)} tokens but {len(scores)} scores")
     unk = _special_ids(file, len(tokens), sentencepiece=True).get("unknown_token_id")
-    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)},
-                                     merges=merges_by_score(tokens, scores),
-                                     unk_token=None if unk is None else tokens[unk],
-                                     fuse_unk=True, byte_fallback=True))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={token: i for i, token in enumerate(tokens)},
+            merges=merges_by_score(tokens, scores),
+            unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix = file.get("tokenizer.ggml.add_space_prefix", bool, True)
     spaces = normalizers.Replace(" ", SPACE)
     # A normalizer, not Metaspace: it runs on each stretch between special tokens, and prefixes one that already
@@ -197,5 +216,7 @@ def _added_around(bos: str | None, eos: str | None, tokenizer: Tokenizer) -> pro
     if not head and not tail:
         return None
     return processors.TemplateProcessing(
-        single=[*head, "$A", *tail], pair=[*head, "$A", *tail, *head, "$B:1", *tail],
-        special_tokens=[(token, tokenizer.token_to_id(token)) for token in {*head, *tail}])
+        single=[*head, "$A", *tail],
+        pair=[*head, "$A", *tail, *head, "$B:1", *tail],
+        special_tokens=[(token, tokenizer.token_to_id(token)) for token in {*head, *tail}],
+    )

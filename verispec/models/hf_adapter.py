@@ -72,23 +72,33 @@ class TransformersModel:
         return TransformersCache(DynamicCache(config=self.model.config), max_len or self.context_length)
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: TransformersCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None,
-                 logits_to_keep: int = 0) -> torch.Tensor:
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: TransformersCache,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        hidden: Sequence[int] | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         if mask is not None or positions is not None or hidden is not None:
-            raise InvalidArgumentError("token trees (custom masks and positions) and hidden states need the "
-                                       "native runtime")
+            raise InvalidArgumentError(
+                "token trees (custom masks and positions) and hidden states need the native runtime"
+            )
         T = tokens.shape[1]
         cache.reserve(T)
         positions = torch.arange(cache.length, cache.length + T, device=tokens.device)[None]
-        logits = self.model(input_ids=tokens, position_ids=positions, cache=cache.kv, use_cache=True,
-                            logits_to_keep=logits_to_keep).logits
+        logits = self.model(
+            input_ids=tokens, position_ids=positions, cache=cache.kv, use_cache=True, logits_to_keep=logits_to_keep
+        ).logits
         cache.length += T
         return logits
 
 
-def load_transformers_model(name_or_path: str | Path, device: str | torch.device = "cpu",
-                            dtype: str | torch.dtype = "float32") -> TransformersModel:
+def load_transformers_model(
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+) -> TransformersModel:
     """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder or GGUF file, or a hub id where a network
     exists).
 
@@ -100,9 +110,11 @@ def load_transformers_model(name_or_path: str | Path, device: str | torch.device
     torch_dtype, device = parse_dtype(dtype), usable_device(device)
     if is_gguf(name_or_path):  # opened here first, so that a missing or broken file is named as such
         if ROPE_FREQS in GGUFFile(name_or_path).tensors:
-            raise CheckpointError(f"{name_or_path}: transformers' GGUF loader leaves out its RoPE frequency factors "
-                                  f"({ROPE_FREQS}, Llama 3.1's RoPE scaling) and would run another model; the native "
-                                  "backend runs it")
+            raise CheckpointError(
+                f"{name_or_path}: transformers' GGUF loader leaves out its RoPE frequency factors "
+                f"({ROPE_FREQS}, Llama 3.1's RoPE scaling) and would run another model; the native "
+                "backend runs it"
+            )
     elif os.path.lexists(name_or_path):  # a local folder, not a hub id
         check_folder(name_or_path)
     source = pretrained_source(name_or_path)
@@ -111,8 +123,9 @@ def load_transformers_model(name_or_path: str | Path, device: str | torch.device
             tokenizer = AutoTokenizer.from_pretrained(**source)
             # Mismatched shapes come back in the loading info like missing keys, instead of as a RuntimeError
             # that points at a report the quiet logger dropped.
-            model, info = AutoModelForCausalLM.from_pretrained(**source, dtype=torch_dtype, output_loading_info=True,
-                                                               ignore_mismatched_sizes=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                **source, dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True
+            )
     except Exception as err:  # transformers' loaders raise anything from OSError to ZeroDivisionError on a bad folder
         reason = (str(err).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{name_or_path}: transformers cannot load it ({type(err).__name__}: {reason})") from None
@@ -134,10 +147,15 @@ def pretrained_source(name_or_path: str | Path) -> dict[str, str]:
 
 def _check_loading_info(info: dict, name: str | Path, model_class: str) -> None:
     """transformers loads a checkpoint that does not fit the config and only logs it; here it is an error."""
-    problems = [f"{len(keys)} {what} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
-                for what, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"])) if keys]
-    problems += [f"{key} has shape {tuple(found)}, {model_class} expects {tuple(expected)}"
-                 for key, found, expected in sorted(info["mismatched_keys"])[:3]]
+    problems = [
+        f"{len(keys)} {what} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
+        for what, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"]))
+        if keys
+    ]
+    problems += [
+        f"{key} has shape {tuple(found)}, {model_class} expects {tuple(expected)}"
+        for key, found, expected in sorted(info["mismatched_keys"])[:3]
+    ]
     if problems:
         raise CheckpointError(f"{name}: the weights do not fit the config's {model_class}: {'; '.join(problems)}")
 

@@ -22,16 +22,22 @@ from verispec.models.config import ModelConfig
 TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
 
 
-def inverse_frequencies(head_dim: int, theta: float, factors: Sequence[float] | None, dtype: torch.dtype,
-                        device: torch.device | str | None = None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int,
+    theta: float,
+    factors: Sequence[float] | None,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """(D / 2,) each pair of dimensions' rotary frequency, computed like transformers in `dtype`; each divided by its
     factor (llama.cpp's rope_freqs: Llama 3.1's scaling) where there are `factors`."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
     return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=dtype, device=device)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-           factors: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, factors: Sequence[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (..., T, D) for the given positions (..., T), computed like transformers (float32, then
     cast); frequencies divided by `factors` (`ModelConfig.rope_factors`) where given."""
     compute = torch.promote_types(dtype, torch.float32)
@@ -41,8 +47,9 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype,
-                 factors: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_table(
+    positions: int, head_dim: int, theta: float, dtype: torch.dtype, factors: Sequence[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (positions, D) for positions 0 .. positions - 1, for verispec's kernels to read by index. Taken in
     float64 and rounded, so that a row's values do not depend on the table's length (vectorised float32 cos and sin
     may round a tensor's last elements differently); the frequencies are `rotary`'s float32 ones."""
@@ -52,8 +59,9 @@ def rotary_table(positions: int, head_dim: int, theta: float, dtype: torch.dtype
     return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
 
 
-def covering(table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config: ModelConfig, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def covering(
+    table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config: ModelConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`table` (cos, sin by position), or a longer one where it does not cover a cache of `slots`: kernel forwards
     read their rotary rows from it (a row's values do not depend on the table's length)."""
     if table is None or len(table[0]) < slots:
@@ -73,8 +81,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def visible_slots(mask: torch.Tensor | None, T: int, start: int, slots: int, dtype: torch.dtype,
-                  device: torch.device | str) -> torch.Tensor:
+def visible_slots(
+    mask: torch.Tensor | None, T: int, start: int, slots: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """(T, slots) the cache slots each of T new tokens after `start` cached ones sees: `mask` (T, start + T) says
     so; `mask` (T, T) says which new tokens each sees, besides every cached one; None, causally."""
     visible = torch.zeros(T, slots, dtype=dtype, device=device)
@@ -82,8 +91,9 @@ def visible_slots(mask: torch.Tensor | None, T: int, start: int, slots: int, dty
         visible[:, : start + T] = mask.to(device)
     else:
         visible[:, :start] = True
-        visible[:, start: start + T] = torch.ones(T, T, dtype=dtype, device=device).tril() if mask is None \
-            else mask.to(device)
+        visible[:, start : start + T] = (
+            torch.ones(T, T, dtype=dtype, device=device).tril() if mask is None else mask.to(device)
+        )
     return visible
 
 
@@ -111,8 +121,13 @@ class AttentionMask:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, D), k, v (B, Hkv, S, D) -> (B, T, H * D)."""
         B, _, T, _ = q.shape
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal,
-                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2).reshape(B, T, -1)
+        return (
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=self.mask, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1]
+            )
+            .transpose(1, 2)
+            .reshape(B, T, -1)
+        )
 
 
 @dataclass
@@ -138,13 +153,16 @@ class FixedWidthKeys:
         """The layout of rows that see the cache slots `visible` (R, P), True where seen, P >= width."""
         count, device = visible.sum(-1), visible.device  # (R,)
         if int(count.max()) > width:
-            raise ContextLengthError(f"exact mode attends over at most {width} keys; a token here sees "
-                                     f"{int(count.max())}")
+            raise ContextLengthError(
+                f"exact mode attends over at most {width} keys; a token here sees {int(count.max())}"
+            )
         first = (count - TAIL).clamp(min=0)[:, None]  # (R, 1) a row's first tail position
         slot = torch.arange(visible.shape[-1], device=device)
         if not (visible | (slot >= first)).all():
-            raise ValueError(f"exact mode: a token here sees keys out of position order more than {TAIL} positions "
-                             f"back (a token tree more than {TAIL} deep)")
+            raise ValueError(
+                f"exact mode: a token here sees keys out of position order more than {TAIL} positions "
+                f"back (a token tree more than {TAIL} deep)"
+            )
         position = visible.cumsum(-1) - 1  # (R, P) of each seen slot: a row's slots hold its positions in order
         row, seen = (visible & (position >= first)).nonzero(as_tuple=True)
         tail = torch.zeros(len(count), TAIL, dtype=torch.long, device=device)
@@ -170,7 +188,7 @@ class FixedWidthKeys:
         Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
         G = H // Hkv
         q = q[0].view(Hkv, G, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
-        scores = ((q.float() * D ** -0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
+        scores = ((q.float() * D**-0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
         tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
         prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
         p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
@@ -198,8 +216,9 @@ class VisibleSlots:
         """Rows that see the cache slots `visible` (R, slots), True where seen."""
         return VisibleSlots(visible.to(torch.uint8).contiguous(), rope)
 
-    def store_and_attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                         ) -> torch.Tensor:
+    def store_and_attend(
+        self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """The rows' new keys and values k, v (R, Hkv * D) into `cache`, and their queries q (H, R, D) over the slots
         each sees -> (R, H * D)."""
         keys, values = cache.store(layer, k, v)

@@ -81,8 +81,11 @@ class PackedLinear(nn.Module):
         if own_kernels and None not in formats:  # quantized
             self.weight = self.one_row = self.packed = None
             self.bias = _fused_bias(linears, torch.float32)
-            self.kernel = kernels.Matmul([q.blocks for q in blocks], self.bias, formats.pop()) \
-                if len(formats) == 1 else FormatRuns(blocks, self.bias)
+            self.kernel = (
+                kernels.Matmul([q.blocks for q in blocks], self.bias, formats.pop())
+                if len(formats) == 1
+                else FormatRuns(blocks, self.bias)
+            )
             for q in blocks:  # packed: blocks mapped from a file need not stay in memory beside their copy
                 forget_pages(q.blocks)
             return
@@ -142,7 +145,7 @@ class FormatRuns:
         for format, run in groupby(blocks, key=lambda q: q.format):
             weight = [q.blocks for q in run]
             n = sum(part.shape[0] for part in weight)
-            self.runs.append((start, kernels.Matmul(weight, None if bias is None else bias[start:start + n], format)))
+            self.runs.append((start, kernels.Matmul(weight, None if bias is None else bias[start : start + n], format)))
             start += n
         self.out_features = start
         self.kernel = "+".join(matmul.kernel for _, matmul in self.runs)
@@ -159,14 +162,19 @@ class FormatRuns:
         return y.view(shape)
 
 
-def _fused_bias(linears: Sequence[nn.Module], dtype: torch.dtype, device: torch.device | str = "cpu"
-                ) -> torch.Tensor | None:
+def _fused_bias(
+    linears: Sequence[nn.Module], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
     """The linears' biases side by side (zeros for one without), or None where none has one."""
     biases = [linear.bias for linear in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([torch.zeros(linear.out_features, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
-                      for linear, b in zip(linears, biases)])
+    return torch.cat(
+        [
+            torch.zeros(linear.out_features, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
+            for linear, b in zip(linears, biases)
+        ]
+    )
 
 
 def rows_of(linear: nn.Module, ids: torch.Tensor) -> nn.Module:

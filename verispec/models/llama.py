@@ -68,8 +68,15 @@ class Attention(nn.Module):
         self.o: PackedLinear | None = None
         self.own_attention = False  # set by `precision.pack_block`: verispec's kernels take this attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, layout: Layout,
-                residual: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: Cache | None,
+        layout: Layout,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
         """residual + attention(x), over the keys `layout` says each row sees."""
         if layout.on_kernels:
             return self._own(x, cos, sin, cache, layout, residual)
@@ -85,15 +92,27 @@ class Attention(nn.Module):
         y = layout.attend(q, k, v)  # (B, T, H * D)
         return self.o(y, residual) if self.o is not None else residual + self.o_proj(y)
 
-    def _own(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-             layout: VisibleSlots | SlotsLayout, residual: torch.Tensor) -> torch.Tensor:
+    def _own(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        layout: VisibleSlots | SlotsLayout,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
         """The same on verispec's kernels, as rows (B = 1): kernel calls on views of the projections' output, the keys
         stored and attended by the layout (one sequence's cache, or each sequence's own)."""
         T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
         kernels.rotary_(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1), cos, sin)  # q and k, in place
-        y = layout.store_and_attend(cache, self.layer, qkv[:, : H * D].view(T, H, D).transpose(0, 1),
-                                    qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:])  # (T, H * D)
+        y = layout.store_and_attend(
+            cache,
+            self.layer,
+            qkv[:, : H * D].view(T, H, D).transpose(0, 1),
+            qkv[:, H * D : (H + Hkv) * D],
+            qkv[:, (H + Hkv) * D :],
+        )  # (T, H * D)
         return self.o(y[None], residual)
 
 
@@ -123,8 +142,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
-                layout: Layout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, layout: Layout
+    ) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -167,8 +187,13 @@ class LlamaForCausalLM(nn.Module):
         linear = rows_of(self.lm_head, ids)
         return VocabHead(ids, linear if self.head is None else PackedLinear([linear], self.head.rows, self.own_kernels))
 
-    def forward(self, tokens: torch.Tensor, cache: Cache | None = None, layout: Layout | None = None,
-                options: ForwardOptions = ForwardOptions()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache | None = None,
+        layout: Layout | None = None,
+        options: ForwardOptions = ForwardOptions(),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits (B, T - options.logits_from, V) for tokens (B, T) (by `options.head`, over its tokens only) and
         the residual streams `options.hidden` asks for, each (B, T, D), after the blocks `options.layers`.
 
@@ -190,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
         else:
             x = self.model.embed_tokens(tokens).to(self.dtype)  # (B, T, D)
-            cos, sin = rotary(positions, self.config.dim_per_head, self.config.rope_theta, x.dtype,
-                              self.config.rope_factors)
+            cos, sin = rotary(
+                positions, self.config.dim_per_head, self.config.rope_theta, x.dtype, self.config.rope_factors
+            )
             if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
                 cos, sin = cos[:, None], sin[:, None]
         states = {}
@@ -204,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         if options.logits_from >= T:  # no logits asked for (an allocation, which a capture lets through)
             logits = torch.empty(B, 0, matmul.out_features, dtype=x.dtype, device=x.device)
         else:
-            logits = matmul(states[-1][:, options.logits_from:])
+            logits = matmul(states[-1][:, options.logits_from :])
         return logits, [states[i] for i in hidden]
 
     def blocks(self, layers: Sequence[int] | None) -> Sequence[int]:

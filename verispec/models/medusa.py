@@ -43,8 +43,9 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden: int, vocab: int, heads: int = 4) -> None:
         super().__init__()
         self.hidden, self.vocab = hidden, vocab
-        self.medusa_head = nn.ModuleList(nn.Sequential(ResBlock(hidden), nn.Linear(hidden, vocab, bias=False))
-                                         for _ in range(heads))
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(ResBlock(hidden), nn.Linear(hidden, vocab, bias=False)) for _ in range(heads)
+        )
 
     @classmethod
     def from_target(cls, lm_head_weight: torch.Tensor, heads: int = 4) -> MedusaHeads:
@@ -89,17 +90,28 @@ def best_paths(accuracy: list[list[float]], size: int) -> list[tuple[int, ...]]:
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
-def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str, accuracy: list[list[float]] | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_heads(
+    heads: MedusaHeads,
+    folder: str | Path,
+    target_name: str,
+    accuracy: list[list[float]] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
     """model.safetensors in the reference layout, config.json with `medusa_num_heads` and `medusa_num_layers`, and
     the measured accuracy by head and rank that shapes the tree."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()},
-              str(folder / "model.safetensors"))
-    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": 1, "hidden_size": heads.hidden,
-              "vocab_size": heads.vocab, "torch_dtype": str(dtype).removeprefix("torch."),
-              "verispec": {"drafter": "medusa", "target": target_name}}
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}, str(folder / "model.safetensors")
+    )
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": 1,
+        "hidden_size": heads.hidden,
+        "vocab_size": heads.vocab,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "verispec": {"drafter": "medusa", "target": target_name},
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if accuracy is not None:
         (folder / ACCURACY_FILE).parent.mkdir(exist_ok=True)
@@ -107,8 +119,9 @@ def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str, accurac
     return folder
 
 
-def load_heads(folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-               ) -> tuple[MedusaHeads, list[list[float]] | None]:
+def load_heads(
+    folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[MedusaHeads, list[list[float]] | None]:
     """Heads saved by `save_heads` (and their accuracy table, where measured), checked against the target's sizes."""
     folder = Path(folder)
     config, weights = read_head(folder, "a Medusa heads")
@@ -118,8 +131,10 @@ def load_heads(folder: str | Path, hidden: int, vocab: int, dtype: torch.dtype, 
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{folder}: not a Medusa heads folder ({err})") from None
     if (config.get("hidden_size"), config.get("vocab_size")) != (hidden, vocab):
-        raise CheckpointError(f"{folder}: these Medusa heads were not made for this target (features "
-                              f"{config.get('hidden_size')} and vocabulary {config.get('vocab_size')}, not {hidden} "
-                              f"and {vocab})")
+        raise CheckpointError(
+            f"{folder}: these Medusa heads were not made for this target (features "
+            f"{config.get('hidden_size')} and vocabulary {config.get('vocab_size')}, not {hidden} "
+            f"and {vocab})"
+        )
     heads = MedusaHeads(hidden, vocab, int(config["medusa_num_heads"]))
     return fill_head(heads, weights, folder, "Medusa heads", dtype, device), accuracy

@@ -22,11 +22,18 @@ from verispec.models.gguf_file import is_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
-from verispec.models.precision import (file_formats, kv_dtype_of, pack_model, parse_dtype, quantize_linears,
-                                       quantized_at_load)
+from verispec.models.precision import (
+    file_formats,
+    kv_dtype_of,
+    pack_model,
+    parse_dtype,
+    quantize_linears,
+    quantized_at_load,
+)
 from verispec.models.protocol import Capabilities
 from verispec.models.slot_caches import SlotCaches
 from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
+
 
 def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:
     """Whether a native model of `dtype` ("auto" included) loaded now on `device` runs on verispec's own kernels
@@ -67,14 +74,35 @@ class NativeModel:
     Its forwards run through `execution` (models/execution.py), which decides how each one runs.
     """
 
-    def __init__(self, module: LlamaForCausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], name: str, *,
-                 exact: bool = False, kv_dtype: str | torch.dtype = "auto") -> None:
-        self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = module, module.config, tokenizer, eos_ids, name
+    def __init__(
+        self,
+        module: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        eos_ids: frozenset[int],
+        name: str,
+        *,
+        exact: bool = False,
+        kv_dtype: str | torch.dtype = "auto",
+    ) -> None:
+        self.module, self.config, self.tokenizer, self.eos_token_ids, self.name = (
+            module,
+            module.config,
+            tokenizer,
+            eos_ids,
+            name,
+        )
         self.exact = exact
         self.kv_dtype = kv_dtype_of(module, kv_dtype)  # its caches' (`kv_dtype_of`), and the batched engine's:
         self.batch_kv_dtype = kv_dtype_of(module, kv_dtype, batched=True)
-        self.capabilities = Capabilities(tree_masks=True, hidden_states=True, layer_subsets=True,
-                                         batching=self._batches(), greedy_chains=True, vocab_heads=True, twins=True)
+        self.capabilities = Capabilities(
+            tree_masks=True,
+            hidden_states=True,
+            layer_subsets=True,
+            batching=self._batches(),
+            greedy_chains=True,
+            vocab_heads=True,
+            twins=True,
+        )
         self.vocab_size = min(module.config.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self.context_length = module.config.max_position_embeddings
         self.hidden_size, self.num_layers = module.config.hidden_size, module.config.num_hidden_layers
@@ -98,13 +126,25 @@ class NativeModel:
         """An empty cache for `max_len` positions (default: the context length). It grows as its tokens need, but
         in exact mode on PyTorch's kernels, whose attention takes a fixed width of keys (a static cache)."""
         c = self.config
-        static = dict(rows=EXACT_ROWS, width=exact_width(self.context_length), grows=self.module.own_attention) \
-            if self.exact else {}
-        return KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, max_len or self.context_length,
-                       c.dim_per_head, self.kv_dtype, self.device, **static)
+        static = (
+            dict(rows=EXACT_ROWS, width=exact_width(self.context_length), grows=self.module.own_attention)
+            if self.exact
+            else {}
+        )
+        return KVCache(
+            c.num_hidden_layers,
+            1,
+            c.num_key_value_heads,
+            max_len or self.context_length,
+            c.dim_per_head,
+            self.kv_dtype,
+            self.device,
+            **static,
+        )
 
-    def new_batch_cache(self, slots: int, max_len: int | None = None, exact: bool | None = None,
-                        memory: int | None = None) -> BatchKVCache | SlotCaches:
+    def new_batch_cache(
+        self, slots: int, max_len: int | None = None, exact: bool | None = None, memory: int | None = None
+    ) -> BatchKVCache | SlotCaches:
         """An empty cache for up to `slots` sequences, `max_len` positions each (default: the context length): `exact`
         (default: the model's mode) on verispec's kernels, each sequence's own cache, as `new_cache` makes it (memory
         as its tokens need; a batched forward exact by construction: `SlotCaches`); else one tensor for all of them,
@@ -115,30 +155,48 @@ class NativeModel:
         if (self.exact if exact is None else exact) and self.module.own_attention:
             return SlotCaches(slots, max_len, self.new_cache, per_position * self.kv_dtype.itemsize)
         if memory is not None and slots * max_len * per_position * self.batch_kv_dtype.itemsize > memory:
-            raise InvalidArgumentError(f"a batch cache of {slots} sequences of {max_len} positions (allocated at once "
-                                       f"outside exact mode) would take more than {memory / 2**20:.0f} MiB; lower "
-                                       f"--max-batch or --max-model-len, or raise --kv-cache-memory")
-        return BatchKVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.dim_per_head,
-                            self.batch_kv_dtype, self.device)
+            raise InvalidArgumentError(
+                f"a batch cache of {slots} sequences of {max_len} positions (allocated at once "
+                f"outside exact mode) would take more than {memory / 2**20:.0f} MiB; lower "
+                f"--max-batch or --max-model-len, or raise --kv-cache-memory"
+            )
+        return BatchKVCache(
+            c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.dim_per_head, self.batch_kv_dtype, self.device
+        )
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, cache: BatchKVCache | SlotCaches, slots: Sequence[int],
-                      counts: Sequence[int], head: VocabHead | None = None, logits: bool = True
-                      ) -> torch.Tensor | None:
+    def forward_batch(
+        self,
+        tokens: torch.Tensor,
+        cache: BatchKVCache | SlotCaches,
+        slots: Sequence[int],
+        counts: Sequence[int],
+        head: VocabHead | None = None,
+        logits: bool = True,
+    ) -> torch.Tensor | None:
         """Logits (B, T, vocab) for tokens (B, T), right-padded: row b continues slot slots[b] with its first
         counts[b] tokens, and only those are stored (`head`: over its tokens only, (B, T, N)). Without `logits` (a
         prefill), the LM head does not run and None comes back."""
         return self.execution.forward_batch(tokens, cache.layout(slots, counts, tokens.shape[1]), head, logits)
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, layers: Sequence[int] | None = None,
-                 hidden: Sequence[int] | None = None, logits_to_keep: int = 0, head: VocabHead | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        hidden: Sequence[int] | None = None,
+        logits_to_keep: int = 0,
+        head: VocabHead | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if mask is not None and mask.dtype != torch.bool:  # a float mask's 0 would mean "seen" to SDPA only
             raise InvalidArgumentError(f"an attention mask says True where a token sees another; got {mask.dtype}")
-        options = ForwardOptions(mask, positions, layers, hidden, ForwardOptions.keeping(logits_to_keep, tokens.shape[1]),
-                                 head)
+        options = ForwardOptions(
+            mask, positions, layers, hidden, ForwardOptions.keeping(logits_to_keep, tokens.shape[1]), head
+        )
         return self.execution.forward(tokens, cache, options)
 
     @torch.inference_mode()
@@ -153,8 +211,9 @@ class NativeModel:
         """An LM head over the tokens `ids` only, for `greedy_chain(..., among=)`: a fraction of the whole head's cost
         (a drafter's reduced vocabulary, as in FR-Spec)."""
         if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise InvalidArgumentError(f"a draft vocabulary of {tuple(ids.shape)} token ids, each below "
-                                       f"{self.vocab_size}")
+            raise InvalidArgumentError(
+                f"a draft vocabulary of {tuple(ids.shape)} token ids, each below {self.vocab_size}"
+            )
         return self.module.vocab_head(ids)
 
     @torch.inference_mode()
@@ -174,9 +233,16 @@ def exact_width(context_length: int) -> int:
     return -(-(context_length + EXACT_ROWS) // 16) * 16
 
 
-def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", *, exact: bool = False, fast: bool = True,
-               quantize: str | None = None, kv_dtype: str | torch.dtype = "auto") -> NativeModel:
+def load_model(
+    checkpoint: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    *,
+    exact: bool = False,
+    fast: bool = True,
+    quantize: str | None = None,
+    kv_dtype: str | torch.dtype = "auto",
+) -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
     (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
     formats where they run (`precision.file_formats`: its block-quantized tensors as blocks on verispec's
@@ -204,8 +270,10 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu",
         eos = eos_token_ids(tokenizer, folder, config.eos_token_id)
         torch_dtype = parse_dtype(auto_dtype(device) if dtype == "auto" else dtype)
     if quantize is not None and (torch_dtype != torch.float32 or not fast):
-        raise InvalidArgumentError(f"a model quantized to {quantize} runs with float32 activations on verispec's "
-                                   f"kernels; got {torch_dtype}{'' if fast else ' and fast=False'}")
+        raise InvalidArgumentError(
+            f"a model quantized to {quantize} runs with float32 activations on verispec's "
+            f"kernels; got {torch_dtype}{'' if fast else ' and fast=False'}"
+        )
     if config.tie_word_embeddings and "lm_head" not in blocks:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     with torch.device("meta"):

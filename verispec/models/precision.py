@@ -49,17 +49,24 @@ def kv_dtype_of(module: nn.Module, asked: str | torch.dtype = "auto", batched: b
         return torch.float16 if quantized and not batched else activations
     dtype = parse_dtype(asked)
     if dtype != activations and (dtype, activations) != (torch.float16, torch.float32):
-        raise InvalidArgumentError(f"a key/value cache holds the activations' dtype ({activations})"
-                                   f"{', or float16' if activations == torch.float32 else ''}; got {dtype}")
+        raise InvalidArgumentError(
+            f"a key/value cache holds the activations' dtype ({activations})"
+            f"{', or float16' if activations == torch.float32 else ''}; got {dtype}"
+        )
     return dtype
 
 
 def projections(module: nn.Module) -> dict[str, nn.Linear]:
     """A `LlamaForCausalLM`'s linears by their state-dict prefix (`model.layers.0.self_attn.q_proj`, `lm_head`)."""
-    linears = {f"model.layers.{i}.{part}.{name}": getattr(getattr(block, part), name)
-               for i, block in enumerate(module.model.layers)
-               for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                   ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}
+    linears = {
+        f"model.layers.{i}.{part}.{name}": getattr(getattr(block, part), name)
+        for i, block in enumerate(module.model.layers)
+        for part, names in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        )
+        for name in names
+    }
     return linears | {"lm_head": module.lm_head}
 
 
@@ -70,8 +77,9 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
     if not weights:
         return
     if not kernels.available(torch.float32):
-        raise InvalidArgumentError(f"quantized weights run on verispec's kernels, which do not run here: "
-                                   f"{kernels.reason()}")
+        raise InvalidArgumentError(
+            f"quantized weights run on verispec's kernels, which do not run here: {kernels.reason()}"
+        )
     linears = projections(module)
     for name, weight in weights.items():
         if name == EMBEDDING:
@@ -79,8 +87,10 @@ def quantize_linears(module: nn.Module, weights: Mapping[str, QuantizedWeight]) 
             continue
         linear = linears[name]
         if weight.shape != (linear.out_features, linear.in_features):
-            raise ValueError(f"{name}: a {weight.format} weight of {weight.shape} for a linear of "
-                             f"{(linear.out_features, linear.in_features)}")
+            raise ValueError(
+                f"{name}: a {weight.format} weight of {weight.shape} for a linear of "
+                f"{(linear.out_features, linear.in_features)}"
+            )
         parent, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attribute, QuantizedLinear(weight, linear.bias))
 
@@ -101,15 +111,21 @@ def quantized_at_load(module: nn.Module, format: str) -> dict[str, QuantizedWeig
     linears = projections(module)
     narrow = [name for name, linear in linears.items() if linear.in_features % BLOCK]
     if narrow:
-        raise InvalidArgumentError(f"{format} quantizes rows of a multiple of {BLOCK} inputs; {narrow[0]} has "
-                                   f"{linears[narrow[0]].in_features}")
-    return {name: QuantizedWeight.of(linear.weight, HEAD_FORMAT if name == "lm_head" else format)
-            for name, linear in linears.items()}
+        raise InvalidArgumentError(
+            f"{format} quantizes rows of a multiple of {BLOCK} inputs; {narrow[0]} has {linears[narrow[0]].in_features}"
+        )
+    return {
+        name: QuantizedWeight.of(linear.weight, HEAD_FORMAT if name == "lm_head" else format)
+        for name, linear in linears.items()
+    }
 
 
-def file_formats(weights: dict[str, torch.Tensor | QuantizedWeight], dtype: str | torch.dtype,
-                 device: torch.device | str, keep: bool = True
-                 ) -> tuple[torch.dtype, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+def file_formats(
+    weights: dict[str, torch.Tensor | QuantizedWeight],
+    dtype: str | torch.dtype,
+    device: torch.device | str,
+    keep: bool = True,
+) -> tuple[torch.dtype, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """A GGUF file's weights (by Hugging Face name) as the model will hold them: the activations' dtype, the float
     tensors, and the modules kept as blocks (by `projections`' names, and EMBEDDING; "lm_head" too where the file
     ties it to the embedding). `dtype="auto"` keeps the file's own formats where they run (`keep`, and verispec's
@@ -154,8 +170,7 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
     mlp.down = PackedLinear([mlp.down_proj], rows, own_kernels)
 
 
-def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None
-               ) -> None:
+def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None) -> None:
     """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
     (see `pack_block`). `own_kernels` (by default `kernels.available`: where this machine has them): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention.
     `head`: the LM head packed already (a quantized twin's, which is its target's: models/twin.py)."""

@@ -60,9 +60,16 @@ class CausalLM(Protocol):
     def new_cache(self, max_len: int | None = None) -> Cache:
         """An empty cache for one sequence, `max_len` defaulting to the context length."""
 
-    def __call__(self, tokens: torch.Tensor, cache: Cache, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, *, hidden: Sequence[int] | None = None,
-                 logits_to_keep: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        hidden: Sequence[int] | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (1, T, vocab) for T new tokens (1, T) after what the cache holds; the cache grows by T. With
         `logits_to_keep` n > 0 (as in transformers), the logits of the last n tokens only (1, n, vocab).
 
@@ -70,4 +77,3 @@ class CausalLM(Protocol):
         form a chain. With `hidden` (`capabilities.hidden_states`; block indices, or FINAL) the call returns
         (logits, hidden states (1, T, len(hidden), hidden_size)) instead.
         """
-

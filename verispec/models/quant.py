@@ -54,8 +54,10 @@ class QuantizedWeight:
         if self.format not in KEPT:
             raise ValueError(f"no blocks of {self.format!r}; verispec keeps {', '.join(KEPT)}")
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % self.block_bytes:
-            raise ValueError(f"{self.format} blocks are uint8 (N, K / {self.block_inputs} * {self.block_bytes}); "
-                             f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+            raise ValueError(
+                f"{self.format} blocks are uint8 (N, K / {self.block_inputs} * {self.block_bytes}); "
+                f"got {self.blocks.dtype} {tuple(self.blocks.shape)}"
+            )
 
     @property
     def block_inputs(self) -> int:
@@ -80,8 +82,9 @@ class QuantizedWeight:
         """A float weight (N, K), K a multiple of 32, quantized as llama.cpp quantizes it (from float32)."""
         check_format(format)
         if weight.dim() != 2 or weight.shape[1] % BLOCK:
-            raise InvalidArgumentError(f"{format} quantizes rows of a multiple of {BLOCK} inputs; got a weight of "
-                                       f"{tuple(weight.shape)}")
+            raise InvalidArgumentError(
+                f"{format} quantizes rows of a multiple of {BLOCK} inputs; got a weight of {tuple(weight.shape)}"
+            )
         data = quantize(weight.detach().to(torch.float32).cpu().numpy(), FORMATS[format])
         return QuantizedWeight(format, torch.from_numpy(np.ascontiguousarray(data)))
 

@@ -17,8 +17,16 @@ BYTE_VOCAB = 257  # 256 bytes and <|endoftext|>
 
 def tiny_config(**overrides) -> ModelConfig:
     """A small grouped-query Llama over the byte-level vocabulary; any field can be overridden."""
-    base = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=256)
+    base = dict(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=256,
+    )
     return ModelConfig(**(base | overrides))
 
 
@@ -43,8 +51,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def random_checkpoint(folder: str | Path, config: ModelConfig, seed: int = 0,
-                      dtype: torch.dtype = torch.float32) -> Path:
+def random_checkpoint(
+    folder: str | Path, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Path:
     """Write a checkpoint folder with `random_weights(config, seed)` and the byte-level tokenizer (its first
     `vocab_size` tokens, for a toy vocabulary)."""
     tokenizer = byte_level_tokenizer(min(config.vocab_size, BYTE_VOCAB))  # never more tokens than the table has
@@ -61,8 +70,9 @@ def unrelated_draft(draft_dir: str | Path, folder: str | Path, seed: int = 99) -
     return save_checkpoint(folder, config, random_weights(config, seed), load_tokenizer(draft_dir))
 
 
-def random_pair(folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0,
-                deep_scale: float = 0.2) -> tuple[Path, Path]:
+def random_pair(
+    folder: str | Path, config: ModelConfig, draft_layers: int = 1, seed: int = 0, deep_scale: float = 0.2
+) -> tuple[Path, Path]:
     """A random target and a draft made of its first `draft_layers` layers (same embeddings, norm and head).
 
     The target's deeper layers write `deep_scale` times less into the residual stream, so they correct the

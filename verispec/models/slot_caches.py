@@ -92,14 +92,15 @@ class SlotsLayout:
         real = torch.arange(width)[None] < torch.tensor(counts)[:, None]
         return SlotsLayout(segments, real, torch.cat(positions), max(c.slots for c, *_ in segments))
 
-    def store_and_attend(self, cache: None, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                         ) -> torch.Tensor:
+    def store_and_attend(
+        self, cache: None, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Each sequence's new keys and values k, v (rows, Hkv * D) into its own cache, and its queries q (H, rows, D)
         over its own keys -> (rows, H * D)."""
         out = []
         for own, first, count, visible in self.segments:
-            keys, values = own.store(layer, k[first: first + count], v[first: first + count])
-            out.append(kernels.attend(q[:, first: first + count], keys, values, visible))
+            keys, values = own.store(layer, k[first : first + count], v[first : first + count])
+            out.append(kernels.attend(q[:, first : first + count], keys, values, visible))
         return torch.cat(out)
 
     def advance(self) -> None:

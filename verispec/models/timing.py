@@ -12,8 +12,14 @@ from verispec.models.options import VocabHead
 from verispec.models.native import NativeModel
 
 
-def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, repeats: int = 7,
-                    layers: Sequence[int] | None = None, head: VocabHead | None = None) -> float:
+def forward_seconds(
+    model: NativeModel,
+    new_tokens: int,
+    context: int = 256,
+    repeats: int = 7,
+    layers: Sequence[int] | None = None,
+    head: VocabHead | None = None,
+) -> float:
     """Median time of one forward of `new_tokens` tokens after `context` cached ones (batch 1), running only
     the blocks `layers` (all by default) in the timed forward, and `head` (an LM head over part of the vocabulary)
     in place of the whole one."""
@@ -30,8 +36,9 @@ def forward_seconds(model: NativeModel, new_tokens: int, context: int = 256, rep
     return sorted(times)[len(times) // 2]
 
 
-def head_step_seconds(target: NativeModel, head, vocab: int | None = None, context: int = 256,
-                      repeats: int = 7, width: int = 1) -> float:
+def head_step_seconds(
+    target: NativeModel, head, vocab: int | None = None, context: int = 256, repeats: int = 7, width: int = 1
+) -> float:
     """Median time of one EAGLE drafting step: the head over `width` (feature, token) pairs after `context` cached
     entries (a chain's step is one; an EAGLE-2 tree expands its frontier in one such call), then the target's LM head
     over its `width` predicted features (its first `vocab` rows: a reduced draft vocabulary), or the head's own LM

@@ -44,8 +44,10 @@ class TwinFormat:
     def __post_init__(self) -> None:
         check_format(self.format)
         if self.head != SAME_HEAD and self.head not in FORMATS:
-            raise InvalidArgumentError(f"unknown head format {self.head!r}; choose one of {', '.join(FORMATS)} or "
-                                       f"{SAME_HEAD} (the target's own head)")
+            raise InvalidArgumentError(
+                f"unknown head format {self.head!r}; choose one of {', '.join(FORMATS)} or "
+                f"{SAME_HEAD} (the target's own head)"
+            )
         object.__setattr__(self, "skip", tuple(layer_indices(self.skip)))
 
     @property
@@ -61,8 +63,10 @@ def twin_refusal(target: CausalLM) -> str | None:
     if not target.capabilities.twins:
         return f"a quantized twin is made of a native model's weights; {target.name} is loaded through another runtime"
     if target.dtype not in (torch.float32, torch.bfloat16) or target.device.type != "cpu":
-        return (f"a quantized twin runs on verispec's CPU kernels with float32 activations, beside a float32 or "
-                f"bfloat16 target on the CPU; {target.name} is {target.dtype} on {target.device}")
+        return (
+            f"a quantized twin runs on verispec's CPU kernels with float32 activations, beside a float32 or "
+            f"bfloat16 target on the CPU; {target.name} is {target.dtype} on {target.device}"
+        )
     if not kernels.available(torch.float32):
         return f"a quantized twin runs on verispec's kernels, which do not run here: {kernels.reason()}"
     return None
@@ -79,8 +83,10 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
     originals = projections(source)
     narrow = [name for name, linear in originals.items() if linear.in_features % BLOCK]
     if narrow:
-        raise IncompatibleTargetError(f"a {spec.format} twin quantizes rows of a multiple of {BLOCK} inputs; "
-                                      f"{target.name}'s {narrow[0]} has {originals[narrow[0]].in_features}")
+        raise IncompatibleTargetError(
+            f"a {spec.format} twin quantizes rows of a multiple of {BLOCK} inputs; "
+            f"{target.name}'s {narrow[0]} has {originals[narrow[0]].in_features}"
+        )
     shared_head = _shares_head(source, spec.head, target)
     with torch.device("meta"):
         twin = LlamaForCausalLM(replace(source.config, num_hidden_layers=len(kept)))
@@ -112,8 +118,10 @@ def _shares_head(source: LlamaForCausalLM, head: str, target: NativeModel) -> bo
     if head != SAME_HEAD:
         return theirs is not None and theirs.format == head
     if target.dtype != torch.float32:
-        raise IncompatibleTargetError(f"the twin of {target.name} runs in float32, so it cannot share that "
-                                      f"{target.dtype} target's LM head: give the head a block format")
+        raise IncompatibleTargetError(
+            f"the twin of {target.name} runs in float32, so it cannot share that "
+            f"{target.dtype} target's LM head: give the head a block format"
+        )
     return True
 
 

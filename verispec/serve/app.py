@@ -43,10 +43,18 @@ class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
 
-def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | None = None, *,
-                name: str | None = None, max_batch: int = 16, adaptive: bool = True,
-                options: ServeOptions = ServeOptions(), context: int | None = None,
-                kv_memory: int | None = None) -> FastAPI:
+def serving_app(
+    target: CausalLM,
+    drafter: Drafter | None,
+    target_dir: Path | None = None,
+    *,
+    name: str | None = None,
+    max_batch: int = 16,
+    adaptive: bool = True,
+    options: ServeOptions = ServeOptions(),
+    context: int | None = None,
+    kv_memory: int | None = None,
+) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
     the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences that choose each
     step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step, `context` tokens a request and
@@ -55,8 +63,9 @@ def serving_app(target: CausalLM, drafter: Drafter | None, target_dir: Path | No
     chat = load_chat_template(target_dir) if target_dir is not None else None
     engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
     longest_text = engine.budget.context * longest_token_chars(target.tokenizer)
-    model = ServedModel(name or target.name, target, chat, int(time.time()), longest_text, engine.budget.context,
-                        engine.metrics.exact)
+    model = ServedModel(
+        name or target.name, target, chat, int(time.time()), longest_text, engine.budget.context, engine.metrics.exact
+    )
     return create_app(model, engine, options)
 
 
@@ -72,8 +81,7 @@ def create_app(model: ServedModel, engine: Engine, options: ServeOptions = Serve
         await asyncio.to_thread(worker.stop)  # ends what is still in flight (a forced shutdown)
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="verispec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan,
-                  **docs)
+    app = FastAPI(title="verispec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan, **docs)
     app.state.worker = worker
     app.add_middleware(Guard, options=options)
     _add_error_handlers(app)
@@ -93,16 +101,26 @@ def create_app(model: ServedModel, engine: Engine, options: ServeOptions = Serve
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "verispec",
-                "max_model_len": model.target.context_length}
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "verispec",
+            "max_model_len": model.target.context_length,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
         """503 when the engine's thread has stopped, or has been inside one step for `stall_seconds` with work."""
         stalled = worker.stalled_for
-        status = ("engine thread stopped" if not worker.alive else
-                  f"engine stalled: {stalled:.0f} s in one step" if stalled > options.stall_seconds else "ok")
+        status = (
+            "engine thread stopped"
+            if not worker.alive
+            else f"engine stalled: {stalled:.0f} s in one step"
+            if stalled > options.stall_seconds
+            else "ok"
+        )
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
@@ -112,8 +130,9 @@ def create_app(model: ServedModel, engine: Engine, options: ServeOptions = Serve
     return app
 
 
-async def _respond(worker: EngineWorker, metrics: ServerMetrics, request: Request, prepared: Prepared,
-                   reply: Reply, stream: bool) -> Response:
+async def _respond(
+    worker: EngineWorker, metrics: ServerMetrics, request: Request, prepared: Prepared, reply: Reply, stream: bool
+) -> Response:
     clock = metrics.clock()
     ticket = worker.submit(prepared.request, clock.observe)
     try:
@@ -161,8 +180,9 @@ def _raise_failure(item: Update | Exception) -> None:
         raise EngineFailure(f"generation failed: {type(item).__name__}: {item}") from item
 
 
-async def _events(ticket: Ticket, update: Update, reply: Reply, clock: RequestClock,
-                  prompt_tokens: int) -> AsyncIterator[str]:
+async def _events(
+    ticket: Ticket, update: Update, reply: Reply, clock: RequestClock, prompt_tokens: int
+) -> AsyncIterator[str]:
     """The SSE stream of one request, from its first update to [DONE]."""
     if reply.kind == "chat":
         yield reply.role_chunk()
@@ -240,5 +260,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, err: Exception) -> JSONResponse:
         log.exception("request failed")
-        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"), status_code=500
+        )

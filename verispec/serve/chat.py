@@ -17,8 +17,10 @@ from verispec.models.gguf_file import GGUFFile, is_gguf
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 
 TEMPLATE_FILE = "chat_template.jinja"
-WHERE_TEMPLATES_LIVE = ("no chat_template in its tokenizer_config.json, no chat_template.jinja; in a GGUF file, no "
-                        "tokenizer.chat_template")  # what a checkpoint without a template lacks
+WHERE_TEMPLATES_LIVE = (
+    "no chat_template in its tokenizer_config.json, no chat_template.jinja; in a GGUF file, no "
+    "tokenizer.chat_template"
+)  # what a checkpoint without a template lacks
 
 
 def has_chat_template(folder: Path) -> bool:
@@ -55,8 +57,11 @@ class ChatTemplate:
         """A GGUF file's template, with its special tokens by the names a template uses (`bos_token`, ...)."""
         from transformers import PreTrainedTokenizerFast
 
-        return cls(PreTrainedTokenizerFast(tokenizer_object=vocab.tokenizer, chat_template=vocab.chat_template,
-                                           **vocab.special_tokens))
+        return cls(
+            PreTrainedTokenizerFast(
+                tokenizer_object=vocab.tokenizer, chat_template=vocab.chat_template, **vocab.special_tokens
+            )
+        )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text; a conversation the template refuses (roles out of order, say) is bad input."""

@@ -35,12 +35,23 @@ class Guard:
         if self.options.allowed_hosts is not None:
             name = host_name(headers.get(b"host", b"").decode("latin-1"))
             if name not in self.options.allowed_hosts:
-                return await _refuse(scope, send, 400, f"the Host header names {name!r}, which this server does not "
-                                                       "answer to (see --allowed-hosts)", "invalid_host")
+                return await _refuse(
+                    scope,
+                    send,
+                    400,
+                    f"the Host header names {name!r}, which this server does not answer to (see --allowed-hosts)",
+                    "invalid_host",
+                )
         if self._key is not None and scope["path"].startswith("/v1"):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self._key):
-                return await _refuse(scope, send, 401, "a valid API key is required: send `Authorization: Bearer "
-                                                       "KEY`", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return await _refuse(
+                    scope,
+                    send,
+                    401,
+                    "a valid API key is required: send `Authorization: Bearer KEY`",
+                    "invalid_api_key",
+                    {"WWW-Authenticate": "Bearer"},
+                )
         limit = self.options.max_body_bytes
         too_large = f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)"
         declared = headers.get(b"content-length", b"0")
@@ -69,8 +80,9 @@ class Guard:
         await self.app(scope, replay, send)
 
 
-async def _refuse(scope: Scope, send: Send, status: int, message: str, code: str,
-                  headers: dict[str, str] | None = None) -> None:
+async def _refuse(
+    scope: Scope, send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
+) -> None:
     response = JSONResponse(error_body(message, code=code), status_code=status, headers=headers)
     await response(scope, _nothing, send)
 

@@ -38,27 +38,44 @@ class _EngineCollector:
         snap = self._snapshot()
         m = snap.metrics
         yield GaugeMetricFamily("verispec_requests_running", "Requests in the engine's batch", value=m.running)
-        yield GaugeMetricFamily("verispec_requests_waiting", "Requests waiting for a slot in the batch",
-                                value=m.waiting + snap.queued)
+        yield GaugeMetricFamily(
+            "verispec_requests_waiting", "Requests waiting for a slot in the batch", value=m.waiting + snap.queued
+        )
         yield CounterMetricFamily("verispec_generation_tokens", "Output tokens generated", value=m.generated_tokens)
-        yield CounterMetricFamily("verispec_target_forwards", "Batched target verification forwards (one per engine "
-                                  "step, whatever the batch size)", value=m.target_calls)
+        yield CounterMetricFamily(
+            "verispec_target_forwards",
+            "Batched target verification forwards (one per engine step, whatever the batch size)",
+            value=m.target_calls,
+        )
         yield CounterMetricFamily("verispec_draft_tokens", "Tokens drafted", value=m.drafted_tokens)
-        yield CounterMetricFamily("verispec_draft_accepted_tokens", "Drafted tokens the target accepted",
-                                  value=m.accepted_tokens)
+        yield CounterMetricFamily(
+            "verispec_draft_accepted_tokens", "Drafted tokens the target accepted", value=m.accepted_tokens
+        )
         rate = m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else 0.0
         yield GaugeMetricFamily("verispec_acceptance_rate", "Accepted / drafted tokens since the start", value=rate)
-        yield GaugeMetricFamily("verispec_exact", "1 where each request's tokens are bitwise those it gets alone "
-                                "(batch-invariant forwards)", value=int(m.exact))
-        yield GaugeMetricFamily("verispec_kv_cache_budget_bytes", "Keys and values the running requests may hold "
-                                "together (--kv-cache-memory)", value=m.kv_budget_bytes)
-        yield GaugeMetricFamily("verispec_kv_cache_reserved_bytes", "What the running requests reserve of the budget",
-                                value=m.kv_reserved_bytes)
+        yield GaugeMetricFamily(
+            "verispec_exact",
+            "1 where each request's tokens are bitwise those it gets alone (batch-invariant forwards)",
+            value=int(m.exact),
+        )
+        yield GaugeMetricFamily(
+            "verispec_kv_cache_budget_bytes",
+            "Keys and values the running requests may hold together (--kv-cache-memory)",
+            value=m.kv_budget_bytes,
+        )
+        yield GaugeMetricFamily(
+            "verispec_kv_cache_reserved_bytes",
+            "What the running requests reserve of the budget",
+            value=m.kv_reserved_bytes,
+        )
         yield GaugeMetricFamily("verispec_kv_cache_bytes", "What the key/value cache holds now", value=m.kv_bytes)
         done = self._finished
         tau = done.tokens / done.target_calls if done.target_calls else 0.0
-        yield GaugeMetricFamily("verispec_mean_tokens_per_target_call", "tau: tokens per target forward a sequence "
-                                "took part in, over finished requests", value=tau)
+        yield GaugeMetricFamily(
+            "verispec_mean_tokens_per_target_call",
+            "tau: tokens per target forward a sequence took part in, over finished requests",
+            value=tau,
+        )
 
 
 class ServerMetrics:
@@ -68,12 +85,24 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._totals = _FinishedTotals()
         self.registry.register(_EngineCollector(snapshot, self._totals))
-        self._ttft = Histogram("verispec_time_to_first_token_seconds", "From a request's arrival to its first output "
-                               "token", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._tpot = Histogram("verispec_time_per_output_token_seconds", "A request's mean time per output token "
-                               "after the first", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._finished = Counter("verispec_requests_finished", "Requests that ended, by finish reason (\"error\": "
-                                 "failed in the engine)", ["finish_reason"], registry=self.registry)
+        self._ttft = Histogram(
+            "verispec_time_to_first_token_seconds",
+            "From a request's arrival to its first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._tpot = Histogram(
+            "verispec_time_per_output_token_seconds",
+            "A request's mean time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._finished = Counter(
+            "verispec_requests_finished",
+            'Requests that ended, by finish reason ("error": failed in the engine)',
+            ["finish_reason"],
+            registry=self.registry,
+        )
 
     def clock(self) -> RequestClock:
         """Start timing one request (call at its arrival)."""

@@ -62,8 +62,10 @@ def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
 def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
     _check_model(model, body)
     if model.chat is None:
-        raise ChatUnsupportedError(f"model {model.name} has no chat template ({WHERE_TEMPLATES_LIVE}), so it cannot "
-                                   "tell which text a conversation is; use /v1/completions with a plain prompt")
+        raise ChatUnsupportedError(
+            f"model {model.name} has no chat template ({WHERE_TEMPLATES_LIVE}), so it cannot "
+            "tell which text a conversation is; use /v1/completions with a plain prompt"
+        )
     messages = [{"role": m.role, "content": unicode_text(m.text(), "a message")} for m in body.messages]
     _check_length(model, sum(len(m["content"]) for m in messages), "the messages")
     text = model.chat.render(messages)
@@ -86,8 +88,10 @@ def _response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
 def _check_length(model: ServedModel, length: int, what: str) -> None:
     """Refuse a text of `length` characters that cannot fit in the context before spending time on encoding it."""
     if length > model.longest_text:
-        raise ContextLengthError(f"{what} has {length} characters: more than this model's context of "
-                                 f"{model.context_length} tokens can hold (at most {model.longest_text})")
+        raise ContextLengthError(
+            f"{what} has {length} characters: more than this model's context of "
+            f"{model.context_length} tokens can hold (at most {model.longest_text})"
+        )
 
 
 def _check_model(model: ServedModel, body: ApiRequest) -> None:
@@ -99,12 +103,24 @@ def _prepared(model: ServedModel, body: ApiRequest, ids: list[int], limit: int, 
     limit = whole_number(limit, limit_name, 1)
     context = model.context_length
     if len(ids) + limit > context:
-        raise ContextLengthError(f"this model's maximum context length is {context} tokens; the prompt has "
-                                 f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)")
-    sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-                              0 if body.top_k in (None, -1) else body.top_k, 1.0 if body.top_p is None else body.top_p)
+        raise ContextLengthError(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{len(ids)} and {limit_name} asks for {limit} more ({len(ids) + limit} in all)"
+        )
+    sampling = SamplingParams(
+        DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        0 if body.top_k in (None, -1) else body.top_k,
+        1.0 if body.top_p is None else body.top_p,
+    )
     # Compiled here, on the request's thread: the engine's thread only copies it
     grammar = bind(_response_grammar(body.response_format), model.target, body.ignore_eos)
-    request = Request(ids, limit, sampling, seed=seed_value(body.seed), stop=tuple(stop_strings(body.stop)),
-                      ignore_eos=body.ignore_eos, grammar=grammar)
+    request = Request(
+        ids,
+        limit,
+        sampling,
+        seed=seed_value(body.seed),
+        stop=tuple(stop_strings(body.stop)),
+        ignore_eos=body.ignore_eos,
+        grammar=grammar,
+    )
     return Prepared(request, len(ids))

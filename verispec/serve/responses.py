@@ -17,8 +17,13 @@ from typing import Literal
 from verispec.stats import GenerationStats
 
 # The engine's reasons in the API's words; "abort" (vLLM's word) for a request the server ended at shutdown.
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_length": "length",
-                  "aborted": "abort"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_string": "stop",
+    "max_new_tokens": "length",
+    "context_length": "length",
+    "aborted": "abort",
+}
 DONE = "data: [DONE]\n\n"
 
 
@@ -28,15 +33,24 @@ def sse(payload: dict) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def verispec_stats(stats: GenerationStats, exact: bool) -> dict:
     """The request's speculation numbers: acceptance of drafted tokens and tau (tokens per target call); and whether
     its tokens are bitwise those it gets alone (`exact`)."""
-    return {"acceptance_rate": stats.acceptance_rate, "tau": stats.tau, "target_calls": stats.target_calls,
-            "drafted_tokens": stats.proposed, "accepted_tokens": stats.accepted, "exact": exact}
+    return {
+        "acceptance_rate": stats.acceptance_rate,
+        "tau": stats.tau,
+        "target_calls": stats.target_calls,
+        "drafted_tokens": stats.proposed,
+        "accepted_tokens": stats.accepted,
+        "exact": exact,
+    }
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,9 @@ class Reply:
 
     def role_chunk(self) -> str:
         """Chat streams open with the assistant's role and empty content, as the API's do."""
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
 
     def text_chunk(self, text: str, finish_reason: str | None = None, stats: GenerationStats | None = None) -> str:
         """Newly final text; the last one carries the finish_reason and verispec's stats."""

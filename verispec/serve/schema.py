@@ -53,8 +53,15 @@ class ResponseFormat(BaseModel):
 # Fields of the OpenAI API that verispec does not implement, with the values at which each changes nothing (null,
 # which means "the default", always does too).
 UNSUPPORTED_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (), "echo": (False,), "suffix": (), "best_of": (1,)}
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (),
+    "echo": (False,),
+    "suffix": (),
+    "best_of": (1,),
+}
 
 
 class ApiRequest(BaseModel):
@@ -111,8 +118,9 @@ class CompletionRequest(ApiRequest):
         if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
             return self.prompt
         if len(self.prompt) != 1:
-            raise InvalidArgumentError(f"prompt: a batch of {len(self.prompt)} prompts is not supported; send one "
-                                       "prompt per request")
+            raise InvalidArgumentError(
+                f"prompt: a batch of {len(self.prompt)} prompts is not supported; send one prompt per request"
+            )
         return self.prompt[0]
 
 
@@ -155,8 +163,9 @@ class ChatRequest(ApiRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}. A lone surrogate that the message quotes
     from the request is written as its escape: it has no UTF-8 form to send."""
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -50,10 +50,18 @@ def check_server_options(port: int, grace: float, max_batch: int) -> None:
     whole_number(max_batch, "--max-batch", 1)
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str, grace: float,
-            log_config: dict = uvicorn.config.LOGGING_CONFIG) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN, log_config=log_config)
+def _config(
+    app: FastAPI, host: str, port: int, log_level: str, grace: float, log_config: dict = uvicorn.config.LOGGING_CONFIG
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN,
+        log_config=log_config,
+    )
 
 
 def run_server(app: FastAPI, host: str, port: int, grace: float) -> None:

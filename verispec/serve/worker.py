@@ -157,8 +157,12 @@ class EngineWorker:
             if update.error is not None:  # that request's own failure (logged here); the others went on
                 log.error("request %d failed", update.request_id, exc_info=update.error)
             if ticket is not None:
-                self._deliver(ticket, update if update.error is None else EngineFailure(
-                    f"generation failed: {type(update.error).__name__}: {update.error}"))
+                self._deliver(
+                    ticket,
+                    update
+                    if update.error is None
+                    else EngineFailure(f"generation failed: {type(update.error).__name__}: {update.error}"),
+                )
             if update.finished:
                 self._live.pop(update.request_id, None)
                 if update.error is None:  # the server's log: what `verispec chat` prints after a turn

@@ -58,12 +58,24 @@ def conversation(target: CausalLM, template: ChatTemplate, prompt: Prompt, max_n
         result = generate(target, ids, PromptLookup(4), max_new_tokens=max_new_tokens)
         answers.append(result.text)
         messages.append({"role": "assistant", "content": result.text})
-    return {"key": prompt.key, "turns": list(prompt.turns), "answers": answers, "stop": result.stop_reason,
-            "ids": ids + result.tokens}
+    return {
+        "key": prompt.key,
+        "turns": list(prompt.turns),
+        "answers": answers,
+        "stop": result.stop_reason,
+        "ids": ids + result.tokens,
+    }
 
 
-def distill(target: CausalLM, template: ChatTemplate, prompts: list[Prompt], folder: Path, shard: int = 0,
-            shards: int = 1, max_new_tokens: int = 320) -> Path:
+def distill(
+    target: CausalLM,
+    template: ChatTemplate,
+    prompts: list[Prompt],
+    folder: Path,
+    shard: int = 0,
+    shards: int = 1,
+    max_new_tokens: int = 320,
+) -> Path:
     """Answer this shard's prompts (every `shards`-th from `shard`) not yet in its file, appending one line each."""
     folder.mkdir(parents=True, exist_ok=True)
     file = answers_file(folder, shard, shards)
@@ -76,8 +88,10 @@ def distill(target: CausalLM, template: ChatTemplate, prompts: list[Prompt], fol
             out.write(json.dumps(record) + "\n")
         tokens += len(record["ids"])
         if n % 20 == 0 or n == len(todo):
-            print(f"shard {shard}: {n}/{len(todo)} answered, {tokens / (time.perf_counter() - start):.0f} tokens/s",
-                  flush=True)
+            print(
+                f"shard {shard}: {n}/{len(todo)} answered, {tokens / (time.perf_counter() - start):.0f} tokens/s",
+                flush=True,
+            )
     return file
 
 

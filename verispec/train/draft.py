@@ -18,8 +18,14 @@ from verispec.train.target import TARGET_CONFIG, export, tokenized_split
 
 # 2.5M parameters; one decoding step measured at ~0.08 of the target's on this machine (budget: 1/8).
 DRAFT_VOCAB = 2048  # the most frequent tokens it drafts among by default (models/stdlib-draft/README.md)
-DRAFT_CONFIG = replace(TARGET_CONFIG, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=3, num_key_value_heads=3)
+DRAFT_CONFIG = replace(
+    TARGET_CONFIG,
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+)
 
 
 def kl_loss(teacher: LlamaForCausalLM):
@@ -38,13 +44,17 @@ def agreement_evaluator(teacher: LlamaForCausalLM, tokens: np.ndarray, seq_len: 
     """Validation KL and top-1 agreement of the draft with the target, on fixed windows."""
     batch = even_windows(tokens, windows, seq_len)
     with torch.no_grad():
-        teacher_logits = torch.cat([teacher(batch[i: i + 4, :-1])[0] for i in range(0, windows, 4)])
+        teacher_logits = torch.cat([teacher(batch[i : i + 4, :-1])[0] for i in range(0, windows, 4)])
 
     @torch.no_grad()
     def evaluate(model: LlamaForCausalLM) -> dict:
-        logits = torch.cat([model(batch[i: i + 4, :-1])[0] for i in range(0, windows, 4)])
-        kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(teacher_logits, -1).flatten(0, 1),
-                      log_target=True, reduction="batchmean")
+        logits = torch.cat([model(batch[i : i + 4, :-1])[0] for i in range(0, windows, 4)])
+        kl = F.kl_div(
+            F.log_softmax(logits, -1).flatten(0, 1),
+            F.log_softmax(teacher_logits, -1).flatten(0, 1),
+            log_target=True,
+            reduction="batchmean",
+        )
         agree = (logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
         return {"val_kl": float(kl), "val_top1_agreement": float(agree)}
 
@@ -67,5 +77,7 @@ def train_draft(run_dir: Path, target_dir: Path, cfg: TrainConfig, config=DRAFT_
     # The train split's token frequencies beside it, and the draft vocabulary it drafts over by default
     save_draft_vocab(folder, torch.from_numpy(np.bincount(train_tokens, minlength=target.config.vocab_size)))
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"verispec": {"draft_vocab": DRAFT_VOCAB}}, indent=2) + "\n")
+    (folder / "config.json").write_text(
+        json.dumps(config | {"verispec": {"draft_vocab": DRAFT_VOCAB}}, indent=2) + "\n"
+    )
     return folder

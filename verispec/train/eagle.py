@@ -23,8 +23,9 @@ from verispec.train.features import frozen_target, save_frequencies, target_view
 FEATURE_WEIGHT, TOKEN_WEIGHT, NOISE = 1.0, 0.1, 0.1
 
 
-def head_outputs(head: EagleHead, target: LlamaForCausalLM, batch: torch.Tensor, features: torch.Tensor,
-                 noise: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def head_outputs(
+    head: EagleHead, target: LlamaForCausalLM, batch: torch.Tensor, features: torch.Tensor, noise: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's predicted features f^_1..f^_{L-1} and their logits, from (f_i, x_{i+1}) for i < L - 1."""
     inputs = features[:, :-1]
     if noise:
@@ -56,7 +57,7 @@ def agreement_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: i
     def evaluate(head: EagleHead) -> dict:
         agree = {1: [], 2: []}
         for i in range(0, windows, 4):
-            rows = batch[i: i + 4]
+            rows = batch[i : i + 4]
             features, logits = target_view(target, rows)
             choice = logits.argmax(-1)  # the target's next token after each position
             predicted, first = head_outputs(head, target, rows, features)

@@ -33,14 +33,14 @@ STEPS = 3  # training-time test steps; 1: none (the head only ever sees the targ
 EVAL_STEPS = 5  # depths the validation reports, whatever the training unrolled
 
 
-def target_view(target: LlamaForCausalLM, batch: torch.Tensor, layers: tuple[int, ...], vocab: torch.Tensor,
-                full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def target_view(
+    target: LlamaForCausalLM, batch: torch.Tensor, layers: tuple[int, ...], vocab: torch.Tensor, full: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target over the windows' inputs: fused features (B, L, len(layers) * D) and next-token logits
     (B, L, N) over the draft vocabulary `vocab` (N,) only (the rest of the LM head is never computed), or over the
     whole vocabulary where `full`."""
     with torch.no_grad():
-        _, states = target(batch[:, :-1], options=ForwardOptions(hidden=[*layers, FINAL],
-                                                                  logits_from=batch.shape[1]))
+        _, states = target(batch[:, :-1], options=ForwardOptions(hidden=[*layers, FINAL], logits_from=batch.shape[1]))
         weight = target.lm_head.weight if full else target.lm_head.weight[vocab]
         logits = F.linear(states[-1], weight)
     return torch.cat(states[:-1], dim=-1).float(), logits.float()  # float32: the head's dtype outside autocast
@@ -66,12 +66,13 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     weights = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
     out = weights[..., :T] @ values[0]
     for m in range(1, j + 1):
-        out = out + weights[..., T + m - 1: T + m] * _shift(values[m], j - m)
+        out = out + weights[..., T + m - 1 : T + m] * _shift(values[m], j - m)
     return out
 
 
-def unrolled(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: torch.Tensor,
-             steps: int) -> list[torch.Tensor]:
+def unrolled(
+    head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
     """The head's outputs (B, T, D) at each of `steps` training-time-test steps, from the target's features (B, T,
     3D fused for an EAGLE-3 head, D final-normed for an EAGLE-1 one) and the next tokens' embeddings (B, T, D) (see
     the module's docstring)."""
@@ -79,8 +80,9 @@ def unrolled(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: t
     attn = layer.self_attn
     B, T, _ = embeddings.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
-    cos, sin = rotary(torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype,
-                      head.config.rope_factors)
+    cos, sin = rotary(
+        torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype, head.config.rope_factors
+    )
     h, keys, values, outputs = features, [], [], []
     for j in range(steps):
         x, residual = head.step_inputs(h, embeddings)
@@ -104,15 +106,21 @@ def _inputs(head: Eagle3Head, target: LlamaForCausalLM, batch: torch.Tensor, ful
     return features[:, :-1], embeddings, logits[:, 1:]  # logits[:, i]: the target's guess of x_{i+2}
 
 
-def ttt_loss(head: Eagle3Head | EagleHead, features: torch.Tensor, embeddings: torch.Tensor, p: torch.Tensor,
-             steps: int, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def ttt_loss(
+    head: Eagle3Head | EagleHead,
+    features: torch.Tensor,
+    embeddings: torch.Tensor,
+    p: torch.Tensor,
+    steps: int,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """The training-time test's loss: each step's cross-entropy to the target's distribution `p` (B, T, N) over the
     draft vocabulary, by the logits `logits_of` gives its outputs, step j weighted DECAY**j."""
     total = 0.0
     for j, out in enumerate(unrolled(head, features, embeddings, steps)):
         log_q = F.log_softmax(logits_of(out[:, j:]).float(), -1)
-        total = total + DECAY ** j * -(p[:, j:] * log_q).sum(-1).mean()
-    return total / sum(DECAY ** j for j in range(steps))
+        total = total + DECAY**j * -(p[:, j:] * log_q).sum(-1).mean()
+    return total / sum(DECAY**j for j in range(steps))
 
 
 def eagle3_loss(target: LlamaForCausalLM, steps: int = STEPS):
@@ -132,7 +140,7 @@ def agreement_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: i
     def evaluate(head: Eagle3Head) -> dict:
         agree = [[] for _ in range(EVAL_STEPS)]
         for i in range(0, windows, 4):
-            features, embeddings, logits = _inputs(head, target, batch[i: i + 4], full=True)
+            features, embeddings, logits = _inputs(head, target, batch[i : i + 4], full=True)
             choice = logits.argmax(-1)
             for j, out in enumerate(unrolled(head, features, embeddings, EVAL_STEPS)):
                 drafted = head.own_vocab[head.logits(out[:, j:]).argmax(-1)]
@@ -153,14 +161,31 @@ def new_head(target: LlamaForCausalLM, draft_ids: torch.Tensor) -> Eagle3Head:
     return head
 
 
-def train_eagle3(run_dir: Path, target: LlamaForCausalLM, target_name: str, train_tokens: np.ndarray,
-                 val_tokens: np.ndarray, draft_ids: torch.Tensor, cfg: TrainConfig, steps: int = STEPS,
-                 extra: dict | None = None) -> Path:
+def train_eagle3(
+    run_dir: Path,
+    target: LlamaForCausalLM,
+    target_name: str,
+    train_tokens: np.ndarray,
+    val_tokens: np.ndarray,
+    draft_ids: torch.Tensor,
+    cfg: TrainConfig,
+    steps: int = STEPS,
+    extra: dict | None = None,
+) -> Path:
     """Train a head for the frozen module `target` on the token windows of `train_tokens`; saved in run_dir/model."""
     torch.manual_seed(cfg.seed)
     head = new_head(target, draft_ids)
-    print(f"eagle-3 head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters, {len(draft_ids)} draft "
-          f"tokens, {steps} training-time-test steps", flush=True)
-    train(head, cfg, run_dir, train_tokens, eagle3_loss(target, steps),
-          agreement_evaluator(target, val_tokens, cfg.seq_len))
+    print(
+        f"eagle-3 head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters, {len(draft_ids)} draft "
+        f"tokens, {steps} training-time-test steps",
+        flush=True,
+    )
+    train(
+        head,
+        cfg,
+        run_dir,
+        train_tokens,
+        eagle3_loss(target, steps),
+        agreement_evaluator(target, val_tokens, cfg.seq_len),
+    )
     return save_eagle3(head, run_dir / "model", target_name, extra)

@@ -17,8 +17,9 @@ from verispec.train.loop import TrainConfig
 from verispec.train.target import tokenized_split
 
 
-def frozen_target(run_dir: Path, target_dir: Path, cfg: TrainConfig
-                  ) -> tuple[NativeModel, LlamaForCausalLM, np.ndarray, np.ndarray]:
+def frozen_target(
+    run_dir: Path, target_dir: Path, cfg: TrainConfig
+) -> tuple[NativeModel, LlamaForCausalLM, np.ndarray, np.ndarray]:
     """The target (and its module, frozen), its train and validation tokens; the seed set for the head's init."""
     target = load_model(target_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -32,15 +32,23 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
     log, head = last_log(run_dir), load_head(head_dir, target.config, target.dtype, target.device)
     prompts = validation_prompts(target, num_prompts)
     chain = measure(target, Eagle(head, 4), prompts)
-    tree = measure(target, Eagle(head, EAGLE_TREE_DEPTH, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])),
-                   prompts)
+    tree = measure(
+        target, Eagle(head, EAGLE_TREE_DEPTH, tree=(EAGLE_TREE["tree_top_k"], EAGLE_TREE["tree_tokens"])), prompts
+    )
     size = default_size(head_dir) or EAGLE_VOCAB  # the folder's own reduced vocabulary where it chooses one
     reduced = measure(target, Eagle(head, 4, load_draft_vocab(head_dir, size)), prompts)
     default = reduced if default_size(head_dir) else chain  # what `--method eagle` runs: k = 4, its vocabulary
     step = decode_step_time(target)
     cost, reduced_cost = head_step_seconds(target, head) / step, head_step_seconds(target, head, size) / step
-    numbers = {"head": log, "chain": chain, "tree": tree, "reduced_vocab_chain": reduced, "default": default,
-               "draft_cost_ratio": cost, "reduced_vocab_cost_ratio": reduced_cost}
+    numbers = {
+        "head": log,
+        "chain": chain,
+        "tree": tree,
+        "reduced_vocab_chain": reduced,
+        "default": default,
+        "draft_cost_ratio": cost,
+        "reduced_vocab_cost_ratio": reduced_cost,
+    }
     by_position = _by_position(chain)
     (head_dir / "README.md").write_text(
         f"# verispec EAGLE head for {target.name}\n\nEAGLE-1/2 draft head (Li et al. 2024): fc over [embedding; "
@@ -69,7 +77,8 @@ def write_eagle_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pro
         f"{size}`): acceptance {reduced['acceptance_rate']:.1%}, tau {reduced['tau']:.2f}; identical on "
         f"{reduced['identical_to_autoregressive']:.0%}\n"
         f"- one drafting step costs {cost:.3f} of a target decoding step with the full {target.config.vocab_size}-wide "
-        f"LM head, {reduced_cost:.3f} with the {size}-token one (one thread)\n")
+        f"LM head, {reduced_cost:.3f} with the {size}-token one (one thread)\n"
+    )
     return numbers
 
 
@@ -77,15 +86,21 @@ def write_medusa_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pr
     """Measure Medusa heads for the card (acceptance by depth and tau of the default tree, over the full and the
     reduced draft vocabulary, identity with plain decoding, the drafting step's cost) and write README.md."""
     log = last_log(run_dir)
-    heads, accuracy = load_heads(head_dir, target.hidden_size, target.lm_head_weight.shape[0], target.dtype,
-                                 target.device)
+    heads, accuracy = load_heads(
+        head_dir, target.hidden_size, target.lm_head_weight.shape[0], target.dtype, target.device
+    )
     prompts, vocab = validation_prompts(target, num_prompts), load_draft_vocab(head_dir, EAGLE_VOCAB)
     full = measure(target, Medusa(heads, accuracy), prompts)
     reduced = measure(target, Medusa(heads, accuracy, vocab=vocab), prompts)
     step = decode_step_time(target)
     cost, reduced_cost = medusa_step_seconds(target, heads) / step, medusa_step_seconds(target, heads, vocab) / step
-    numbers = {"heads": log, "tree": full, "reduced_vocab_tree": reduced, "draft_cost_ratio": cost,
-               "reduced_vocab_cost_ratio": reduced_cost}
+    numbers = {
+        "heads": log,
+        "tree": full,
+        "reduced_vocab_tree": reduced,
+        "draft_cost_ratio": cost,
+        "reduced_vocab_cost_ratio": reduced_cost,
+    }
     top1 = ", ".join(f"{rate:.1%}" for rate in log["val_top1_by_head"])
     (head_dir / "README.md").write_text(
         f"# verispec Medusa heads for {target.name}\n\nMedusa-1 heads (Cai et al. 2024): {heads.num_heads} heads on the "
@@ -111,7 +126,8 @@ def write_medusa_card(target: NativeModel, head_dir: Path, run_dir: Path, num_pr
         f"by depth {_by_position(reduced)}, tau {reduced['tau']:.2f}; identical on "
         f"{reduced['identical_to_autoregressive']:.0%}\n"
         f"- one drafting step (all heads, once per target step) costs {cost:.3f} of a target decoding step with full "
-        f"LM heads, {reduced_cost:.3f} with {EAGLE_VOCAB}-row ones (one thread)\n")
+        f"LM heads, {reduced_cost:.3f} with {EAGLE_VOCAB}-row ones (one thread)\n"
+    )
     return numbers
 
 
@@ -123,12 +139,25 @@ def _default_vocab(head_dir: Path) -> str:
 
 # The drafts an EAGLE-3 card measures: a chain of 4 (the issue's), and EAGLE-2 trees (depth, nodes expanded per
 # depth, nodes verified); the best measured becomes the folder's default (`--method eagle` alone).
-EAGLE3_DRAFTS = {"chain k=4": (4, None), "chain k=6": (6, None), "tree 6/2/10": (6, (2, 10)),
-                 "tree 6/3/16": (6, (3, 16)), "tree 8/4/24": (8, (4, 24))}
+EAGLE3_DRAFTS = {
+    "chain k=4": (4, None),
+    "chain k=6": (6, None),
+    "tree 6/2/10": (6, (2, 10)),
+    "tree 6/3/16": (6, (3, 16)),
+    "tree 8/4/24": (8, (4, 24)),
+}
 
 
-def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path, questions: list[dict],
-                      questions_file: str, per_category: int = 4, max_new_tokens: int = 128) -> dict:
+def write_eagle3_card(
+    target: NativeModel,
+    render,
+    head_dir: Path,
+    run_dir: Path,
+    questions: list[dict],
+    questions_file: str,
+    per_category: int = 4,
+    max_new_tokens: int = 128,
+) -> dict:
     """Measure an EAGLE-3 head on Spec-Bench questions (the first `per_category` of each category; every draft in
     EAGLE3_DRAFTS: acceptance by position, tau, identity, speedup) and the cost of its drafting step; record the
     fastest draft as the folder's default (config.json verispec.method) and write README.md."""
@@ -144,8 +173,11 @@ def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path
     config["verispec"]["method"] = {"k": k} | ({} if tree is None else {"tree_top_k": tree[0], "tree_tokens": tree[1]})
     (head_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     numbers |= {"head": log, "draft_cost_ratio": cost, "default": best}
-    rows = "\n".join(f"| {name} | {n['tau']:.2f} | {_by_position(n)} | {n['speedup']:.2f} | "
-                     f"{n['identical_to_autoregressive']:.0%} |" for name in EAGLE3_DRAFTS for n in [numbers[name]])
+    rows = "\n".join(
+        f"| {name} | {n['tau']:.2f} | {_by_position(n)} | {n['speedup']:.2f} | {n['identical_to_autoregressive']:.0%} |"
+        for name in EAGLE3_DRAFTS
+        for n in [numbers[name]]
+    )
     depths = ", ".join(f"{log[key]:.1%}" for key in sorted(log) if key.startswith("val_top1_depth"))
     sizes = config["verispec"].get("training_tokens", {})
     (head_dir / "README.md").write_text(
@@ -155,7 +187,7 @@ def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path
         f"{head.config.hidden_size}), one decoder layer over [norm(embedding); norm(feature)], its own final norm and "
         f"LM head over the {len(head.own_vocab)} tokens most frequent in its training text (`d2t`, `t2d`); "
         f"{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters, bf16. EAGLE-3's checkpoint layout "
-        f"(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; `architectures: [\"LlamaForCausalLMEagle3\"]`), which "
+        f'(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; `architectures: ["LlamaForCausalLMEagle3"]`), which '
         f"vLLM's `eagle3` method and SGLang's `EAGLE3` load as it is (docs/scale-out.md). verispec finds it for a GGUF "
         f"file of this model by the file's metadata (config.json's `verispec.target_match`).\n\n"
         f"Training: `verispec train eagle --target FILE.gguf --hours {log['hours']:.2f}` (after `verispec train "
@@ -175,5 +207,6 @@ def write_eagle3_card(target: NativeModel, render, head_dir: Path, run_dir: Path
         f"on a shared machine (the bench's report is the place for speed):\n\n"
         f"| draft | tau | acceptance by position | speedup | identical |\n| --- | --- | --- | --- | --- |\n{rows}\n\n"
         f"`--method eagle` alone drafts the fastest of these, {best} (config.json verispec.method). One drafting step "
-        f"(the head and its LM head, one token) costs c = {cost:.3f} of a target decoding step (one thread).\n")
+        f"(the head and its LM head, one token) costs c = {cost:.3f} of a target decoding step (one thread).\n"
+    )
     return numbers

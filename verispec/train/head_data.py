@@ -44,8 +44,9 @@ def conversations(folder: Path, split: str) -> list[list[int]]:
     return out
 
 
-def source_documents(name: str, split: str, run_dir: Path, tokenizer: Tokenizer, distill_dir: Path,
-                     data_dir: Path) -> list[list[int]]:
+def source_documents(
+    name: str, split: str, run_dir: Path, tokenizer: Tokenizer, distill_dir: Path, data_dir: Path
+) -> list[list[int]]:
     """One source's documents of one split, as token ids."""
     if name == "distill":
         return conversations(distill_dir, split)
@@ -53,8 +54,9 @@ def source_documents(name: str, split: str, run_dir: Path, tokenizer: Tokenizer,
     return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-def source_tokens(name: str, split: str, run_dir: Path, tokenizer: Tokenizer, sep: int, distill_dir: Path,
-                  data_dir: Path) -> np.ndarray:
+def source_tokens(
+    name: str, split: str, run_dir: Path, tokenizer: Tokenizer, sep: int, distill_dir: Path, data_dir: Path
+) -> np.ndarray:
     """One source's split as one array, documents each followed by `sep`; cached by the tokenizer and, for the
     distilled answers, by how many there are (a run started while they are written reads a fixed set)."""
     docs = source_documents(name, split, run_dir, tokenizer, distill_dir, data_dir) if name == "distill" else None
@@ -80,14 +82,23 @@ def mixture(parts: dict[str, np.ndarray], shares: dict[str, float], total: int) 
     return np.concatenate(pieces)
 
 
-def head_corpus(run_dir: Path, tokenizer: Tokenizer, eos: int, distill_dir: Path, data_dir: Path,
-                shares: dict[str, float] = SHARES, total: int = MIXTURE_TOKENS) -> tuple[np.ndarray, np.ndarray, dict]:
+def head_corpus(
+    run_dir: Path,
+    tokenizer: Tokenizer,
+    eos: int,
+    distill_dir: Path,
+    data_dir: Path,
+    shares: dict[str, float] = SHARES,
+    total: int = MIXTURE_TOKENS,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """The training mixture and the validation tokens (every source's validation split, in the same shares), and a
     summary of the sources' sizes in tokens."""
     run_dir.mkdir(parents=True, exist_ok=True)
     sep = separator(tokenizer, eos)
-    splits = {split: {name: source_tokens(name, split, run_dir, tokenizer, sep, distill_dir, data_dir)
-                      for name in shares} for split in ("train", "validation")}
+    splits = {
+        split: {name: source_tokens(name, split, run_dir, tokenizer, sep, distill_dir, data_dir) for name in shares}
+        for split in ("train", "validation")
+    }
     sizes = {split: {name: len(part) for name, part in parts.items()} for split, parts in splits.items()}
     val_total = sum(sizes["validation"].values())
     return mixture(splits["train"], shares, total), mixture(splits["validation"], shares, val_total), sizes

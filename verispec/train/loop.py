@@ -48,11 +48,13 @@ def init_weights(model: LlamaForCausalLM) -> None:
 
 def windows_at(tokens: np.ndarray, starts, length: int) -> torch.Tensor:
     """(len(starts), length + 1) windows of a 1-D token array: inputs and their next-token targets."""
-    return torch.stack([torch.from_numpy(tokens[s: s + length + 1].astype(np.int64)) for s in starts])
+    return torch.stack([torch.from_numpy(tokens[s : s + length + 1].astype(np.int64)) for s in starts])
 
 
 def random_windows(tokens: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    return windows_at(tokens, torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist(), length)
+    return windows_at(
+        tokens, torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist(), length
+    )
 
 
 def even_windows(tokens: np.ndarray, count: int, length: int) -> torch.Tensor:
@@ -66,9 +68,14 @@ def learning_rate(cfg: TrainConfig, step: int, progress: float) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens: np.ndarray,
-          loss_fn: Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor],
-          evaluate: Callable[[LlamaForCausalLM], dict]) -> dict:
+def train(
+    model: LlamaForCausalLM,
+    cfg: TrainConfig,
+    run_dir: Path,
+    train_tokens: np.ndarray,
+    loss_fn: Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor],
+    evaluate: Callable[[LlamaForCausalLM], dict],
+) -> dict:
     """Train until `cfg.hours` of training time have passed in total, resuming from `run_dir/state.pt`. A step
     that takes more than PAUSED times the usual (the process was stopped with SIGSTOP, or starved) counts as that, so
     that pausing a run does not spend its budget.
@@ -80,8 +87,11 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
     state_file, log_file = run_dir / "state.pt", run_dir / "log.jsonl"
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     step, elapsed, seen = 0, 0.0, 0
     # Heads trained side by side in one ModuleDict (sharing a target's forward) each clip their own gradient, as alone
     parts = list(model.values()) if isinstance(model, torch.nn.ModuleDict) else [model]
@@ -121,13 +131,27 @@ def train(model: LlamaForCausalLM, cfg: TrainConfig, run_dir: Path, train_tokens
         loss_sum, loss_steps = loss_sum + float(loss.detach()), loss_steps + 1
         if elapsed - last_eval >= cfg.eval_every_minutes * 60 or elapsed >= budget:
             model.eval()
-            record = {"step": step, "tokens_seen": seen, "hours": elapsed / 3600, "lr": lr,
-                      "train_loss": loss_sum / loss_steps} | evaluate(model)
+            record = {
+                "step": step,
+                "tokens_seen": seen,
+                "hours": elapsed / 3600,
+                "lr": lr,
+                "train_loss": loss_sum / loss_steps,
+            } | evaluate(model)
             model.train()
             tmp = state_file.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "elapsed": elapsed, "tokens_seen": seen, "train_config": asdict(cfg),
-                        "generator": generator.get_state()}, tmp)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step,
+                    "elapsed": elapsed,
+                    "tokens_seen": seen,
+                    "train_config": asdict(cfg),
+                    "generator": generator.get_state(),
+                },
+                tmp,
+            )
             os.replace(tmp, state_file)  # atomic: a kill mid-save keeps the previous state
             with log_file.open("a") as log:  # after the state, so the log never runs ahead of it
                 log.write(json.dumps(record) + "\n")

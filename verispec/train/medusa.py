@@ -49,7 +49,7 @@ def accuracy_evaluator(target: LlamaForCausalLM, tokens: np.ndarray, seq_len: in
     def evaluate(heads: MedusaHeads) -> dict:
         hits, counts = torch.zeros(heads.num_heads, RANKS), torch.zeros(heads.num_heads)
         for start in range(0, windows, 4):
-            features, logits = target_view(target, batch[start: start + 4])
+            features, logits = target_view(target, batch[start : start + 4])
             choice, ranked = logits.argmax(-1), heads(features).topk(RANKS, -1).indices  # (B, L), (B, L, heads, R)
             L = choice.shape[1]
             for i in range(heads.num_heads):

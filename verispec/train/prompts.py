@@ -16,45 +16,135 @@ from pathlib import Path
 
 TOPICS = Path(__file__).resolve().parents[2] / "data" / "distill_topics.json"
 
-EXPLAIN = ("Explain {c} in simple terms.", "What is {c}?", "How does {c} work?", "Why is {c} important?",
-           "Write a short paragraph about {c}.", "What are three interesting facts about {c}?",
-           "Describe {c} to someone who has never heard of it.", "What are the pros and cons of {c}?",
-           "Can you tell me the history of {c}?", "What is the difference between {c} and {d}?")
-HOWTO = ("How do I {t}?", "Give me step-by-step instructions to {t}.", "What is the best way to {t}?",
-         "I want to {t}. Where should I start?", "What are some tips to {t}?", "Explain how to {t} in five steps.")
-STORY = ("Write a short story about {ch} who {s}.", "Tell me a bedtime story about {ch}.", "Write a poem about {c}.",
-         "Write the opening paragraph of a story about {ch} who {s}.", "Write a funny story about {ch}.",
-         "Write a haiku about {c}.", "Write a letter from {ch} to a friend.")
-LISTS = ("List {n} {li}.", "Give me {n} {li}, with one sentence about each.", "What are some {li}?",
-         "Name {n} {li} and explain why each one matters.")
-ENTITY = ("Tell me about {e}.", "What is {e} famous for?", "Write a short description of {e}.",
-          "What are some facts about {e}?", "Why is {e} important in history?", "Who or what is {e}?")
-REWRITE = ("Rewrite the following sentence {style}: {sent}", "Correct the grammar and spelling: {sent}",
-           "Paraphrase this sentence: {sent}", "Rewrite this text {style}:\n\n{p}")
-SUMMARY = ("Summarize the following text in two sentences:\n\n{p}", "Summarize this article:\n\n{p}",
-           "Write a one-sentence summary of the following paragraph.\n\n{p}", "What is the main point of this text?\n\n{p}",
-           "Give a short title and a summary for this text:\n\n{p}", "Summarize the key points as a bulleted list:\n\n{p}")
-QUESTION = ("Read the text and answer the question.\n\nText: {p}\n\nQuestion: {q}", "{p}\n\n{q}",
-            "Based on the following passage, {q_lower}\n\n{p}")
-TEXT_QUESTIONS = ("What is the text about?", "Who is mentioned in the text?", "What happened, according to the text?",
-                  "What might happen next?", "What is one important fact from the text?",
-                  "Why is this information useful?", "What questions does the text leave unanswered?")
-TRANSLATE = ("Translate the following {lang} sentence into English: {s}", "Translate to English: {s}",
-             "What does \"{s}\" mean in English?")
-TRANSLATE_TO = ("Translate into {lang}: {en}", "How do you say \"{en}\" in {lang}?")
-CODE_TASKS = ("checks whether a number is prime", "counts the words in a string", "computes the factorial of a number",
-              "returns the largest number in a list", "converts Celsius to Fahrenheit", "removes duplicates from a list",
-              "checks if a string is a palindrome", "merges two dictionaries", "computes the average of a list",
-              "reverses the words in a sentence", "finds the second smallest number in a list",
-              "counts how often each letter appears in a string", "returns the Fibonacci numbers below n")
-CODE = ("Write a Python function that {task}.", "How would I write a program that {task}?",
-        "Write a Python function that {task}, and explain how it works.")
-NAMES = ("Anna", "Ben", "Carlos", "Divya", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jack", "Lena", "Omar", "Sara", "Tom")
+EXPLAIN = (
+    "Explain {c} in simple terms.",
+    "What is {c}?",
+    "How does {c} work?",
+    "Why is {c} important?",
+    "Write a short paragraph about {c}.",
+    "What are three interesting facts about {c}?",
+    "Describe {c} to someone who has never heard of it.",
+    "What are the pros and cons of {c}?",
+    "Can you tell me the history of {c}?",
+    "What is the difference between {c} and {d}?",
+)
+HOWTO = (
+    "How do I {t}?",
+    "Give me step-by-step instructions to {t}.",
+    "What is the best way to {t}?",
+    "I want to {t}. Where should I start?",
+    "What are some tips to {t}?",
+    "Explain how to {t} in five steps.",
+)
+STORY = (
+    "Write a short story about {ch} who {s}.",
+    "Tell me a bedtime story about {ch}.",
+    "Write a poem about {c}.",
+    "Write the opening paragraph of a story about {ch} who {s}.",
+    "Write a funny story about {ch}.",
+    "Write a haiku about {c}.",
+    "Write a letter from {ch} to a friend.",
+)
+LISTS = (
+    "List {n} {li}.",
+    "Give me {n} {li}, with one sentence about each.",
+    "What are some {li}?",
+    "Name {n} {li} and explain why each one matters.",
+)
+ENTITY = (
+    "Tell me about {e}.",
+    "What is {e} famous for?",
+    "Write a short description of {e}.",
+    "What are some facts about {e}?",
+    "Why is {e} important in history?",
+    "Who or what is {e}?",
+)
+REWRITE = (
+    "Rewrite the following sentence {style}: {sent}",
+    "Correct the grammar and spelling: {sent}",
+    "Paraphrase this sentence: {sent}",
+    "Rewrite this text {style}:\n\n{p}",
+)
+SUMMARY = (
+    "Summarize the following text in two sentences:\n\n{p}",
+    "Summarize this article:\n\n{p}",
+    "Write a one-sentence summary of the following paragraph.\n\n{p}",
+    "What is the main point of this text?\n\n{p}",
+    "Give a short title and a summary for this text:\n\n{p}",
+    "Summarize the key points as a bulleted list:\n\n{p}",
+)
+QUESTION = (
+    "Read the text and answer the question.\n\nText: {p}\n\nQuestion: {q}",
+    "{p}\n\n{q}",
+    "Based on the following passage, {q_lower}\n\n{p}",
+)
+TEXT_QUESTIONS = (
+    "What is the text about?",
+    "Who is mentioned in the text?",
+    "What happened, according to the text?",
+    "What might happen next?",
+    "What is one important fact from the text?",
+    "Why is this information useful?",
+    "What questions does the text leave unanswered?",
+)
+TRANSLATE = (
+    "Translate the following {lang} sentence into English: {s}",
+    "Translate to English: {s}",
+    'What does "{s}" mean in English?',
+)
+TRANSLATE_TO = ("Translate into {lang}: {en}", 'How do you say "{en}" in {lang}?')
+CODE_TASKS = (
+    "checks whether a number is prime",
+    "counts the words in a string",
+    "computes the factorial of a number",
+    "returns the largest number in a list",
+    "converts Celsius to Fahrenheit",
+    "removes duplicates from a list",
+    "checks if a string is a palindrome",
+    "merges two dictionaries",
+    "computes the average of a list",
+    "reverses the words in a sentence",
+    "finds the second smallest number in a list",
+    "counts how often each letter appears in a string",
+    "returns the Fibonacci numbers below n",
+)
+CODE = (
+    "Write a Python function that {task}.",
+    "How would I write a program that {task}?",
+    "Write a Python function that {task}, and explain how it works.",
+)
+NAMES = (
+    "Anna",
+    "Ben",
+    "Carlos",
+    "Divya",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jack",
+    "Lena",
+    "Omar",
+    "Sara",
+    "Tom",
+)
 ITEMS = ("apples", "books", "pencils", "stickers", "marbles", "cookies", "stamps", "cards", "eggs", "oranges")
 
 # How often each kind of prompt is drawn (relative weights)
-KINDS = {"explain": 16, "howto": 10, "story": 7, "list": 7, "entity": 8, "rewrite": 6, "summary": 10, "question": 8,
-         "math": 10, "translate": 7, "code": 5}
+KINDS = {
+    "explain": 16,
+    "howto": 10,
+    "story": 7,
+    "list": 7,
+    "entity": 8,
+    "rewrite": 6,
+    "summary": 10,
+    "question": 8,
+    "math": 10,
+    "translate": 7,
+    "code": 5,
+}
 MULTI_TURN = 0.2  # the share of prompts that get a second, follow-up turn
 
 
@@ -101,8 +191,9 @@ def _first_turn(kind: str, rng: random.Random, topics: dict, paragraphs: list[st
     if kind == "entity":
         return pick(ENTITY).format(e=pick(topics["entities"]))
     if kind == "rewrite":
-        return pick(REWRITE).format(style=pick(topics["rewrite_styles"]), sent=pick(topics["sentences"]),
-                                    p=pick(paragraphs))
+        return pick(REWRITE).format(
+            style=pick(topics["rewrite_styles"]), sent=pick(topics["sentences"]), p=pick(paragraphs)
+        )
     if kind == "summary":
         return pick(SUMMARY).format(p=pick(paragraphs))
     if kind == "question":
@@ -112,7 +203,9 @@ def _first_turn(kind: str, rng: random.Random, topics: dict, paragraphs: list[st
         return _math(rng)
     if kind == "translate":
         if rng.random() < 0.3:
-            return pick(TRANSLATE_TO).format(lang=pick(sorted(topics["foreign"])), en=pick(topics["english_to_translate"]))
+            return pick(TRANSLATE_TO).format(
+                lang=pick(sorted(topics["foreign"])), en=pick(topics["english_to_translate"])
+            )
         lang = pick(sorted(topics["foreign"]))
         return pick(TRANSLATE).format(lang=lang, s=pick(topics["foreign"][lang]))
     if kind == "code":

@@ -18,8 +18,14 @@ from typing import Iterator
 from verispec.errors import VerispecError
 from verispec.train.corpus import split_of
 
-PACKAGES = ("python3.11-doc", "debian-handbook", "debian-reference-en", "developers-reference", "fortunes",
-            "fortunes-min")
+PACKAGES = (
+    "python3.11-doc",
+    "debian-handbook",
+    "debian-reference-en",
+    "developers-reference",
+    "fortunes",
+    "fortunes-min",
+)
 
 
 class DataError(VerispecError):
@@ -98,7 +104,7 @@ def _fortunes(folder: Path, group: int = 40) -> Iterator[tuple[str, str]]:
             continue
         items = [item.strip() for item in file.read_text(errors="replace").split("\n%\n") if item.strip()]
         for i in range(0, len(items), group):
-            yield f"{folder.name}/{file.name}/{i}", "\n\n".join(items[i: i + group])
+            yield f"{folder.name}/{file.name}/{i}", "\n\n".join(items[i : i + group])
 
 
 def documents(folder: Path) -> Iterator[tuple[str, str]]:
@@ -108,8 +114,11 @@ def documents(folder: Path) -> Iterator[tuple[str, str]]:
         for file in sorted(folder.glob("usr/share/doc/python3.11/html/_sources/**/*.rst.txt")):
             yield f"{name}/{file.relative_to(folder)}", tidy(rst_text(file.read_text(errors="replace")))
     elif name in ("debian-handbook", "developers-reference"):
-        pattern = "usr/share/doc/debian-handbook/html/en-US/*.html" if name == "debian-handbook" else \
-            "usr/share/developers-reference/*.html"
+        pattern = (
+            "usr/share/doc/debian-handbook/html/en-US/*.html"
+            if name == "debian-handbook"
+            else "usr/share/developers-reference/*.html"
+        )
         for file in sorted(folder.glob(pattern)):
             yield f"{name}/{file.name}", html_text(file.read_text(errors="replace"))
     elif name == "debian-reference-en":

@@ -38,8 +38,13 @@ def _add(total: GenerationStats, s: GenerationStats) -> None:
         total.record_position(i, p, a)
 
 
-def measure_questions(target: CausalLM, render: Callable[[list[dict]], str], questions: list[dict],
-                      drafters: dict[str, Drafter], max_new_tokens: int) -> dict:
+def measure_questions(
+    target: CausalLM,
+    render: Callable[[list[dict]], str],
+    questions: list[dict],
+    drafters: dict[str, Drafter],
+    max_new_tokens: int,
+) -> dict:
     """Per method: tau, acceptance (overall and by position), identity with plain decoding on every turn, and its
     wall-clock speedup over plain decoding on the same turns; plus the turns measured."""
     items, skipped = turn_prompts(target, render, questions, max_new_tokens)
@@ -57,7 +62,11 @@ def measure_questions(target: CausalLM, render: Callable[[list[dict]], str], que
     out = {"turns": len(items), "questions": len(questions) - len(skipped), "new_tokens": totals["plain"].new_tokens}
     for name in drafters:
         s = totals[name]
-        out[name] = {"tau": s.tau, "acceptance_rate": s.acceptance_rate, "acceptance_by_position": s.acceptance_by_position,
-                     "identical_to_autoregressive": identical[name] / max(len(items), 1),
-                     "speedup": plain_time / s.total_time if s.total_time else 0.0}
+        out[name] = {
+            "tau": s.tau,
+            "acceptance_rate": s.acceptance_rate,
+            "acceptance_by_position": s.acceptance_by_position,
+            "identical_to_autoregressive": identical[name] / max(len(items), 1),
+            "speedup": plain_time / s.total_time if s.total_time else 0.0,
+        }
     return out

@@ -20,9 +20,18 @@ from verispec.tokenizer import EOT, save_tokenizer
 from verispec.train.tokenizer import train_tokenizer
 
 # 26.7M parameters (4.2M of them the tied embedding), 512 positions.
-TARGET_CONFIG = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=7,
-                            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                            tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+TARGET_CONFIG = ModelConfig(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=7,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def tokenized_split(run_dir: Path, tokenizer: Tokenizer, split: str) -> np.ndarray:
@@ -63,7 +72,7 @@ def evaluator(tokens: np.ndarray, tokenizer: Tokenizer, seq_len: int, windows: i
 
     @torch.no_grad()
     def evaluate(model: LlamaForCausalLM) -> dict:
-        losses = [float(lm_loss(model, batch[i: i + 4])) for i in range(0, windows, 4)]
+        losses = [float(lm_loss(model, batch[i : i + 4])) for i in range(0, windows, 4)]
         loss = sum(losses) / len(losses)
         return {"val_loss": loss, "val_bpb": loss * batch[:, 1:].numel() / (num_bytes * math.log(2))}
 
@@ -72,8 +81,9 @@ def evaluator(tokens: np.ndarray, tokenizer: Tokenizer, seq_len: int, windows: i
 
 def export(model: LlamaForCausalLM, tokenizer_dir: Path, folder: Path) -> Path:
     """A Hugging Face folder in bf16, the format verispec and transformers both load."""
-    weights = {k: v for k, v in model.state_dict().items()
-               if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    weights = {
+        k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+    }
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     return save_checkpoint(folder, model.config, weights, tokenizer, torch.bfloat16)
 
@@ -83,7 +93,10 @@ def train_target(run_dir: Path, cfg: TrainConfig, config: ModelConfig = TARGET_C
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(config)
     init_weights(model)
-    print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"{len(train_tokens) / 1e6:.2f}M train tokens, {len(val_tokens) / 1e6:.2f}M validation tokens", flush=True)
+    print(
+        f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{len(train_tokens) / 1e6:.2f}M train tokens, {len(val_tokens) / 1e6:.2f}M validation tokens",
+        flush=True,
+    )
     train(model, cfg, run_dir, train_tokens, lm_loss, evaluator(val_tokens, tokenizer, cfg.seq_len))
     return export(model, run_dir / "tokenizer", run_dir / "model")

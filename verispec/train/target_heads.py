@@ -29,8 +29,9 @@ DRAFT_VOCAB = 2048  # draft tokens of the head's own LM head: the mixture's most
 PROMPTS = 2400
 
 
-def distill_answers(runs: Path, target_path: Path, count: int = PROMPTS, shard: int = 0, shards: int = 1,
-                    max_new_tokens: int = 320) -> Path:
+def distill_answers(
+    runs: Path, target_path: Path, count: int = PROMPTS, shard: int = 0, shards: int = 1, max_new_tokens: int = 320
+) -> Path:
     """Answer shard `shard` of `shards` of `count` prompts (RUNS/distill/prompts.jsonl, drawn once) with the target."""
     folder = runs / "distill"
     folder.mkdir(parents=True, exist_ok=True)
@@ -51,8 +52,9 @@ def target_identity(target_path: Path) -> dict | None:
     return gguf_fingerprint(target_path) if is_gguf(target_path) else None
 
 
-def train_target_head(runs: Path, target_path: Path, cfg: TrainConfig, steps: int = STEPS,
-                      draft_vocab: int = DRAFT_VOCAB) -> Path:
+def train_target_head(
+    runs: Path, target_path: Path, cfg: TrainConfig, steps: int = STEPS, draft_vocab: int = DRAFT_VOCAB
+) -> Path:
     """Train an EAGLE-3 head for the target in RUNS/eagle3 (resumable); returns its exported folder."""
     run_dir = runs / "eagle3"
     target = load_model(target_path, dtype="bfloat16" if cfg.bf16 else "float32", fast=False)
@@ -64,6 +66,5 @@ def train_target_head(runs: Path, target_path: Path, cfg: TrainConfig, steps: in
     if not ids_file.exists():
         np.save(ids_file, frequent_tokens(train_tokens, target.config.vocab_size, draft_vocab).numpy())
     ids = torch.from_numpy(np.load(ids_file))
-    extra = {"target_match": target_identity(target_path), "training_tokens": sizes,
-             "training_time_test_steps": steps}
+    extra = {"target_match": target_identity(target_path), "training_tokens": sizes, "training_time_test_steps": steps}
     return train_eagle3(run_dir, module, target.name, train_tokens, val_tokens, ids, cfg, steps, extra)
