@@ -10,7 +10,8 @@ from typing import Callable
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as GGML, TokenType
+from gguf import GGMLQuantizationType as GGML
+from gguf import TokenType
 
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows

@@ -10,6 +10,8 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from drafting import OwnSession, last_two_of_four
+from test_verify import P_VALUE_MIN, compare
 from verispec import generate
 from verispec.cost_model import (
     PROBE_BUDGET,
@@ -25,11 +27,8 @@ from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.models.native import load_model
-
-from drafting import OwnSession, last_two_of_four
-from test_verify import compare, P_VALUE_MIN
+from verispec.models.random_init import random_checkpoint, tiny_config
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]
 N = 48

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from drafting import OwnSession, last_two_of_four
+from test_verify import P_VALUE_MIN, compare
 from verispec import generate
 from verispec.cost_model import CALIBRATION_WEIGHT, Calibration, best_prefix
 from verispec.drafters.adaptive import AdaptiveK
@@ -17,9 +19,6 @@ from verispec.models.default import load_default
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.tree import cut_after_eos, subset
-
-from drafting import OwnSession, last_two_of_four
-from test_verify import compare, P_VALUE_MIN
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -192,5 +192,5 @@ def test_coding_questions_note_whether_their_answers_parse(tmp_path, chat_target
         BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1]),
     )
     report = (tmp_path / "out" / "report.md").read_text()
-    assert f"parses as Python (the model's, the same for every method" in report
+    assert "parses as Python (the model's, the same for every method" in report
     assert f"humaneval {int(items[0]['parses'])} of 1; code-edit {int(items[1]['parses'])} of 1" in report

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
+from drafting import in_threads
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
 from verispec.kernels.capture import Program
@@ -20,8 +21,6 @@ from verispec.models.captured import CapturedForward
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
-
-from drafting import in_threads
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

@@ -24,7 +24,6 @@ from verispec.models.native import load_model
 from verispec.retokenize import DraftText, Encoder
 from verispec.tokenizer import EOT, byte_level_tokenizer, load_tokenizer
 from verispec.vocab_map import shared_tokens, token_table
-
 from vocabularies import byte_bpe
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -6,13 +6,14 @@ own vocabulary, zeroed outside the intersection) fails the same check."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
+from drafting import start_session
+from test_verify import P_VALUE_MIN, compare
 from verispec.drafters import draft_model
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, translation_for
 from verispec.drafters.draft_model import DraftModel, IntersectionSession
@@ -23,10 +24,7 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_weights, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams
-
-from drafting import start_session
 from vocabularies import byte_bpe
-from test_verify import P_VALUE_MIN, compare
 
 # "!", '"' and "#" and the target's merge '!"'; the draft merges otherwise. Both end with <|endoftext|>.
 TARGET_TOKENS, TARGET_MERGES = ["!", '"', "#", '!"'], [("!", '"')]

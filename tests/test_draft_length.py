@@ -33,8 +33,8 @@ def test_draft_length_times_each_batch_size_once() -> None:
         length, widths = DraftLength(4), []
 
         def measure(n: int) -> float:
-            widths.append(n)
-            return 0.01 * (1 + slope * (3 * n - 3))  # the cost of a forward of 3 rows x n tokens
+            widths.append(n)  # noqa: B023 (called within this iteration)
+            return 0.01 * (1 + slope * (3 * n - 3))  # the cost of a forward of 3 rows x n tokens  # noqa: B023
 
         assert length.choose(rates, limits, measure) == first
         assert sorted(widths) == [1, 5]

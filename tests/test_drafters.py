@@ -11,19 +11,18 @@ from dataclasses import replace
 import pytest
 import torch
 
+from drafting import OwnSession
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, kernels, stream
 from verispec.drafters.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
-from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.draft_vocab import save_draft_vocab
+from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.native import load_model
 from verispec.models.protocol import FINAL, Capabilities
 from verispec.train.loop import init_weights
-
-from drafting import OwnSession
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]  # "def(x):\n  def" as byte ids
 N = 24

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from drafting import start_session
 from verispec import IncompatibleTargetError, generate
 from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
@@ -21,8 +22,6 @@ from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.train.eagle import agreement_evaluator, eagle_loss
 from verispec.train.loop import TrainConfig, init_weights, train
-
-from drafting import start_session
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 N = 30

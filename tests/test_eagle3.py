@@ -8,26 +8,24 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from gguf import GGMLQuantizationType as GGML
 
+from tests.gguf_files import by_name, gguf_config, write_gguf
 from verispec import generate
 from verispec.bench.methods import our_methods
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
-from verispec.models.default import shipped_head_for
-from verispec.models.fingerprint import gguf_fingerprint
 from verispec.errors import CheckpointError, InvalidArgumentError
+from verispec.models.default import shipped_head_for
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
+from verispec.models.fingerprint import gguf_fingerprint
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.train.eagle3 import agreement_evaluator, eagle3_loss, new_head, unrolled
 from verispec.threads import torch_threads
+from verispec.train.eagle3 import agreement_evaluator, eagle3_loss, new_head, unrolled
 from verispec.train.loop import TrainConfig, train
-
-from tests.gguf_files import by_name, gguf_config, write_gguf
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 N = 30

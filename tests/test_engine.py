@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import kernels
+from drafting import break_the_rule_for
+from test_verify import P_VALUE_MIN, compare
 from verispec import (
     DraftModel,
     InvalidArgumentError,
@@ -20,13 +21,11 @@ from verispec import (
     build_drafter,
     generate,
     generate_batch,
+    kernels,
     load_model,
 )
 from verispec.engine import Engine, Request
 from verispec.models.random_init import random_pair, tiny_config
-
-from drafting import break_the_rule_for
-from test_verify import P_VALUE_MIN, compare
 
 # Prompts of different lengths (byte ids); the last repeats itself, so prompt lookup finds something to propose.
 PROMPTS = [

@@ -9,6 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from test_engine import run, tokens
+from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from verispec import kernels
 from verispec.drafters import DraftModel, PromptLookup, SuffixDecoding
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -21,9 +23,6 @@ from verispec.models.default import load_default
 from verispec.models.native import load_model
 from verispec.sampling import SamplingParams
 from verispec.threads import torch_threads
-
-from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
-from test_engine import run, tokens
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

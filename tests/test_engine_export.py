@@ -12,19 +12,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from drafting import start_session
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.default import DEFAULT_DRAFT, MODELS
 from verispec.models.draft_vocab import OLD_VOCAB_FILE, VOCAB_FILE, load_draft_vocab
 from verispec.models.eagle import load_head
-from verispec.models.eagle3 import is_eagle3
+from verispec.models.eagle3 import is_eagle3, save_eagle3
 from verispec.models.eagle_export import TOKEN_MAP_DIR, export_eagle
 from verispec.models.native import load_model
-from verispec.models.eagle3 import save_eagle3
 from verispec.train.eagle3 import new_head
-
-from drafting import start_session
 
 LOADERS = Path(__file__).parent / "data" / "engine_loaders"
 HEAD = MODELS / "stdlib-eagle"

@@ -13,9 +13,9 @@ from verispec.bench.harness import torch_threads
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup, SuffixDecoding
 from verispec.errors import ContextLengthError
 from verispec.generate import generate
-from verispec.models.default import load_default
 from verispec.models import execution
 from verispec.models.cache import SLOT_BLOCK
+from verispec.models.default import load_default
 from verispec.models.layout import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.models.quant import FORMATS
@@ -201,7 +201,8 @@ def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: Native
 
 
 def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact_torch: NativeModel) -> None:
-    """A branch under the root's second child sits one slot past its positions: its keys are out of place. `FixedWidthKeys`
+    """A branch under the root's second child sits one slot past its positions: its keys are out of place.
+    `FixedWidthKeys`
     gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
     exact = exact_torch
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
@@ -250,7 +251,8 @@ def test_a_mask_covering_the_cache_as_a_draft_tree_passes_it(exact: NativeModel)
 
 
 def test_two_threads_are_exact_too(exact: NativeModel) -> None:
-    """Which thread takes a row must not matter (it does in torch's fused float32 attention, which exact mode avoids)."""
+    """Which thread takes a row must not matter (it does in torch's fused float32 attention, which exact mode
+    avoids)."""
     with torch_threads(2):
         whole, cache = exact(SEQ[:, :18], exact.new_cache())[0], exact.new_cache()
         halves = torch.cat((exact(SEQ[:, :9], cache)[0], exact(SEQ[:, 9:18], cache)[0]))  # rows 9..15 become 0..6

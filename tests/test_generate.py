@@ -8,6 +8,7 @@ from typing import Sequence
 import pytest
 import torch
 
+from drafting import OwnSession
 from verispec import (
     ContextLengthError,
     DraftModel,
@@ -24,8 +25,6 @@ from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.tokenizer import byte_level_tokenizer
-
-from drafting import OwnSession
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]  # "def(x):\n  " as byte ids
 N = 48

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
+from numpy.lib.array_utils import byte_bounds
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from gguf_files import CHATML, SHIPPED_TOKENIZER, USER_DEFINED, bpe_vocab, by_name, gguf_config, spm_vocab, write_gguf

@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
 from verispec import kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.cli import main
@@ -15,7 +16,6 @@ from verispec.models.native import load_model
 from verispec.models.precision import formats
 from verispec.models.quant import FORMATS
 from verispec.models.random_init import random_checkpoint, tiny_config
-from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

@@ -13,6 +13,8 @@ import jsonschema
 import pytest
 import torch
 
+from drafting import OwnSession
+from test_drafters import EXAMPLES, PROMPT, built  # noqa: F401 (built: the fixture that builds each example)
 from verispec import Engine, Request, SamplingParams, generate, generate_batch
 from verispec.cli import main
 from verispec.drafters.base import Needs, Proposal
@@ -22,9 +24,6 @@ from verispec.errors import GrammarError, InvalidArgumentError
 from verispec.grammar import Grammar, TokenGrammar, bind
 from verispec.step import speculative_step
 from verispec.tree import depths
-
-from drafting import OwnSession
-from test_drafters import EXAMPLES, PROMPT, built  # noqa: F401 (built: the fixture that builds each example)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from drafting import OwnSession
+from test_verify import P_VALUE_MIN, compare
 from verispec.constraint import Constraint
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
@@ -26,9 +26,6 @@ from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_weights, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.tokenizer import EOT
-
-from drafting import OwnSession
-from test_verify import P_VALUE_MIN, compare
 
 CHARS = sorted(pre_tokenizers.ByteLevel.alphabet())[:5]  # ! " # $ %: tokens 0-4; <|endoftext|> is 5
 EOS = len(CHARS)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGML
 
+from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from verispec.generate import generate
 from verispec.models.native import load_model
 from verispec.serve.chat import load_chat_template
@@ -18,8 +19,6 @@ from verispec.train.distill import answered, answers_file, distill
 from verispec.train.head_data import conversations, frequent_tokens, mixture
 from verispec.train.prompts import KINDS, build_prompts
 from verispec.train.prose import documents, html_text, paragraphs, rst_text
-
-from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-from pathlib import Path
-
 import pytest
 import torch
 

@@ -11,9 +11,9 @@ import torch
 
 from verispec import kernels
 from verispec.cli import main
+from verispec.drafters import PromptLookup
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
-from verispec.drafters import PromptLookup
 from verispec.models.cache import saturate_f16
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config

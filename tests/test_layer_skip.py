@@ -13,22 +13,21 @@ import pytest
 import torch
 from scipy import stats
 
+from drafting import start_session
 from verispec import CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load, load_model
-from verispec.cli import main
 from verispec.bench.layer_skip_search import search_skip, write_plan
+from verispec.cli import main
+from verispec.errors import IncompatibleTargetError
 from verispec.models.cache import KVCache
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.execution import Execution
 from verispec.models.llama import LlamaForCausalLM
+from verispec.models.native import NativeModel
 from verispec.models.options import ForwardOptions
 from verispec.models.precision import pack_model
-from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs
-from verispec.errors import IncompatibleTargetError
 from verispec.tokenizer import byte_level_tokenizer
-
-from drafting import start_session
 
 PROMPT = "def parse(line):\n    return"
 TEXTS = [

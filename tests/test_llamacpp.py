@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as GGML
 
+from gguf_files import bpe_vocab, by_name, gguf_config
+from gguf_files import write_gguf as write_random_gguf
 from verispec.bench import harness
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench
 from verispec.bench.llamacpp import (
@@ -29,8 +31,6 @@ from verispec.bench.metrics import summarize
 from verispec.cli import main
 from verispec.errors import InvalidArgumentError, PeerError
 from verispec.models.native import load_model
-
-from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf as write_random_gguf
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 PROMPT = b"def parse_header(line):\n"  # what the captured runs were given, 16 new tokens each
@@ -75,7 +75,7 @@ def test_output_without_its_prefill_timing_is_none(kind, line) -> None:
     """A run whose prompt timing is missing cannot be charged its prefill: it is repeated like one cut short."""
     stdout, stderr = captured(kind)
     assert (
-        parse_output(kind, stdout, "".join(l for l in stderr.splitlines(keepends=True) if line not in l), PROMPT)
+        parse_output(kind, stdout, "".join(row for row in stderr.splitlines(keepends=True) if line not in row), PROMPT)
         is None
     )
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from drafting import start_session
 from verispec import generate
 from verispec.drafters.medusa import Medusa
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -18,8 +19,6 @@ from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.train.loop import TrainConfig, train
 from verispec.train.medusa import accuracy_evaluator, medusa_loss
-
-from drafting import start_session
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 N = 30

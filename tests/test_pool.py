@@ -14,6 +14,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
+from tests.test_quantized_matmul import random_weight
 from verispec import kernels
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup, SuffixDecoding
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -22,9 +24,6 @@ from verispec.kernels.build import pool_threads
 from verispec.models.native import load_model
 from verispec.models.quant import KEPT
 from verispec.threads import torch_threads
-
-from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
-from tests.test_quantized_matmul import random_weight
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

@@ -12,6 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from drafting import sampled_pairs, start_session
+from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
+from test_tree_draft import P_VALUE_MIN, compare, no_residual_verify_tree
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, generate_batch, kernels
 from verispec.cli import main
 from verispec.drafters.registry import Method, Resources, build_drafter, check_method
@@ -24,10 +27,6 @@ from verispec.models.twin import SAME_HEAD, TwinFormat, quantized_twin
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.threads import torch_threads
 from verispec.verify import verify
-
-from drafting import sampled_pairs, start_session
-from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
-from test_tree_draft import P_VALUE_MIN, compare, no_residual_verify_tree
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

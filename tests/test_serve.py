@@ -94,7 +94,7 @@ def test_completion(client: openai.OpenAI, models: tuple, caplog: pytest.LogCapt
     stats = reply.model_extra["verispec"]
     assert stats["tau"] == pytest.approx(12 / stats["target_calls"]) and stats["drafted_tokens"] > 0
     assert 0 <= stats["acceptance_rate"] <= 1
-    line = f"(max_new_tokens): [12 tokens, "
+    line = "(max_new_tokens): [12 tokens, "
     assert any(
         line in r.getMessage() and f"tau {stats['tau']:.2f}, acceptance " in r.getMessage() for r in caplog.records
     )

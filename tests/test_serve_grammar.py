@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from test_serve import CHAT_TEMPLATE
 from verispec.drafters.draft_model import DraftModel
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
@@ -20,8 +20,6 @@ from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
 from verispec.serve.server import ServerThread
 from verispec.threads import torch_threads
-
-from test_serve import CHAT_TEMPLATE
 
 SCHEMAS = [
     {

@@ -9,6 +9,9 @@ import random
 import numpy as np
 import pytest
 
+from drafting import in_threads, sampled_pairs, start_session
+from test_tree_draft import no_residual_verify_tree
+from test_verify import P_VALUE_MIN, compare
 from verispec import InvalidArgumentError, Method, SuffixDecoding, build_drafter, generate, generate_batch, load_default
 from verispec.cli import main
 from verispec.drafters.suffix import Recorded, SuffixOptions
@@ -17,10 +20,6 @@ from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.tree import depth
-
-from drafting import in_threads, sampled_pairs, start_session
-from test_tree_draft import no_residual_verify_tree
-from test_verify import P_VALUE_MIN, compare
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -136,13 +135,13 @@ def test_the_tree_is_deepest_where_likeliest_and_bounded() -> None:
     index, _ = chain(text)
     best = index.speculate(text, Limits(4, 3, 8.0, 0.0, True))
     assert best.tokens == [3, 4, 1, 5] and best.parents == [-1, 0, 1, -1]
-    for nodes, depth in ((1, 1), (3, 2), (6, 8)):
-        got = index.speculate(text, Limits(nodes, depth, 8.0, 0.0, True))
+    for nodes, deepest in ((1, 1), (3, 2), (6, 8)):
+        got = index.speculate(text, Limits(nodes, deepest, 8.0, 0.0, True))
         levels = []
         for parent in got.parents:
             assert parent < len(levels)
             levels.append(1 if parent < 0 else levels[parent] + 1)
-        assert len(got.tokens) <= nodes and max(levels) <= depth
+        assert len(got.tokens) <= nodes and max(levels) <= deepest
         siblings = [(p, t) for p, t in zip(got.parents, got.tokens)]
         assert len(set(siblings)) == len(siblings)  # distinct candidates under every parent
 
@@ -368,11 +367,11 @@ def test_sampling_through_generate_keeps_the_target_distribution(enumerable, mon
 def test_the_eagle_combination_drafts_with_the_head_where_matches_are_short(tmp_path, target) -> None:
     """SAM-Decoding's combination: a long match proposes from the tree, a short one takes the head's chain; greedy
     output stays the target's."""
+    import torch
+
     from verispec.drafters.registry import Resources
     from verispec.models.eagle import EagleHead, head_config, save_head
     from verispec.train.loop import init_weights
-
-    import torch
 
     torch.manual_seed(0)
     head = EagleHead(head_config(target.config))

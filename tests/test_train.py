@@ -15,13 +15,13 @@ import transformers
 from verispec import generate, load_model
 from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
-from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
+from verispec.tokenizer import EOT, save_tokenizer
 from verispec.train.card import write_cards
+from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest
 from verispec.train.draft import agreement_evaluator, kl_loss
 from verispec.train.loop import TrainConfig, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, lm_loss
 from verispec.train.tokenizer import train_tokenizer
-from verispec.tokenizer import EOT, save_tokenizer
 
 SOURCES = {f"pkg/mod{i}.py": f"def f{i}(x):\n    return x * {i}\n" for i in range(40)}
 

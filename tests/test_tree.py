@@ -7,13 +7,12 @@ from typing import Sequence
 import pytest
 import torch
 
+from drafting import OwnSession
 from verispec import DrafterError, Proposal, SideBranch, Verdict, generate
+from verispec.drafters.base import Needs
 from verispec.models.cache import KVCache
 from verispec.sampling import SamplingParams
-from verispec.drafters.base import Needs
 from verispec.tree import cut_after_eos, depths, layout, verify_tree
-
-from drafting import OwnSession
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 

@@ -12,16 +12,15 @@ import pytest
 import torch
 from scipy import stats
 
+from drafting import start_session
 from verispec import DraftModel, InvalidArgumentError, Proposal, Verdict, generate
 from verispec.cli import main
 from verispec.drafters.draft_model import DraftModelSession, tree_size
-from verispec.models.protocol import Capabilities
 from verispec.models.native import NativeModel, load_model
+from verispec.models.protocol import Capabilities
 from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.tree import verify_tree
-
-from drafting import start_session
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]
 

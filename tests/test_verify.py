@@ -16,6 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
+from drafting import OwnSession
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
 from verispec.generate import Generation, generate
@@ -24,8 +25,6 @@ from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.verify import greedy_match, one_hot_probs, speculative_sampling
-
-from drafting import OwnSession
 
 Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Generator | None"], tuple[torch.Tensor, torch.Tensor]]
 

@@ -3,8 +3,8 @@
 from verispec import openmp  # noqa: F401  (first: before torch loads OpenMP)
 from verispec.drafters import (
     DraftContext,
-    DraftModel,
     Drafter,
+    DraftModel,
     DraftSession,
     LayerSkip,
     Lookahead,
@@ -19,6 +19,7 @@ from verispec.drafters import (
     build_drafter,
 )
 from verispec.drafters.adaptive import AdaptiveK
+from verispec.engine import Engine, Request, Update, generate_batch
 from verispec.errors import (
     CheckpointError,
     ContextLengthError,
@@ -32,7 +33,6 @@ from verispec.errors import (
     VerispecError,
 )
 from verispec.generate import Generation, Stream, generate, stream
-from verispec.engine import Engine, Request, Update, generate_batch
 from verispec.grammar import Grammar, TokenGrammar, bind
 from verispec.models.auto import load
 from verispec.models.default import load_default

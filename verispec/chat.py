@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generator, Sequence
 
+from verispec.detokenize import Piece
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidArgumentError
-from verispec.detokenize import Piece
 from verispec.generate import Generation, Stream, stream
 from verispec.models.protocol import CausalLM
 

@@ -10,10 +10,10 @@ import torch
 
 from verispec.arguments import generation_args
 from verispec.commit import commit_step
+from verispec.constraint import Constraint
 from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import DrafterError, InvalidArgumentError
-from verispec.constraint import Constraint
 from verispec.grammar import Grammar, TokenGrammar, bind, grammar_option
 from verispec.models.protocol import Cache, CausalLM
 from verispec.sampling import SamplingParams, seeded_generator

@@ -12,15 +12,15 @@ from typing import Sequence
 import torch
 
 from verispec.bench.costs import timing
+from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.bench.llamacpp import llama_cpp_methods
 from verispec.bench.methods import our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.metrics import BASELINE, summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
-from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS, is_spec_bench, parsed, turn_prompts
+from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
+from verispec.bench.spec_bench import is_spec_bench, parsed, turn_prompts
 from verispec.bench.suite import SUITE, check_items, read_suite
-
-from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.drafters import DraftModel
 from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
@@ -28,13 +28,13 @@ from verispec.drafters.registry import Method, Resources, build_drafter, method_
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
-from verispec.models.native import NativeModel, load_model
-from verispec.models.precision import formats
-from verispec.models.twin import twin_refusal
-from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.models.draft_vocab import default_size, head_section
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.models.native import NativeModel, load_model
+from verispec.models.precision import formats
+from verispec.models.random_init import random_pair, tiny_config, unrelated_draft
+from verispec.models.twin import twin_refusal
 from verispec.serve.chat import load_chat_template
 from verispec.threads import torch_threads
 from verispec.vocab_map import shared_tokens, token_table

@@ -102,7 +102,8 @@ def our_methods(
 ) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
     each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
-    a tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip set of the target's
+    a tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip
+    set of the target's
     layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
     (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the

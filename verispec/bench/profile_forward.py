@@ -236,7 +236,8 @@ def write_profile(out: Path, target_dir: Path, profiles: list[ForwardProfile], b
         f"torch {m['torch']}.  ",
         f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (a timed sum over a 256 MB float32 tensor, at the run's "
         "threads; the median over the rounds below).\n",
-        f"One token after 256 cached ones; the {len(profiles)} settings loaded side by side and measured in turns (each "
+        f"One token after 256 cached ones; the {len(profiles)} settings loaded side by side and measured in turns "
+        "(each "
         "round: 3 timed forwards and 1 profiled forward of each), so that the machine's changing load falls on "
         "all alike. Wall time: median of the unprofiled forwards. Kinds of work: median over the profiled "
         "forwards (torch.profiler; op self time, by the innermost module or rotary call around the op). The "

@@ -14,7 +14,8 @@ from verispec.kernels.build import cpu_flags
 
 LLAMA_CPP_NOTE = (
     " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
-    "it is, a folder as a GGUF copy in this dtype), one process per prompt, greedy, EOS banned, at this thread count: llama-completion, "
+    "it is, a folder as a GGUF copy in this dtype), one process per prompt, greedy, EOS banned, at this thread count: "
+    "llama-completion, "
     "llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time is llama.cpp's own "
     "timing: its prefill of the prompt (completion's `prompt eval time` line, the others' `encoded N tokens` line) and "
     "its decoding (completion's `eval time` line, the others' `decoded N tokens` line); their exact match compares "
@@ -91,7 +92,7 @@ def _table(summary: dict, category: str) -> list[str]:
         e = by_category.get(category)
         if e is None:
             continue
-        fmt = lambda key, spec=".2f": format(e[key], spec) if key in e else "-"
+        fmt = lambda key, spec=".2f", e=e: format(e[key], spec) if key in e else "-"
         decode = e.get("decode_tokens_per_second")
         lines.append(
             f"| {method} | {e['tokens_per_second']:.1f} | {'-' if decode is None else format(decode, '.1f')} | "
@@ -277,7 +278,8 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
         + f"{info['prompts']} prompts, {info['repeats']} repeats; each time is a per-prompt median over repeats, with "
         "the methods in a fresh random order for every prompt. tok/s counts the whole generation, the prompt's "
         "prefill included; decode tok/s leaves the prefill out (each row's own measure of it taken off: ours timed, "
-        "llama.cpp's as it prints it; transformers' rows are not split). Speedup is against our autoregressive baseline: the "
+        "llama.cpp's as it prints it; transformers' rows are not split). Speedup is against our autoregressive "
+        "baseline: the "
         "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "
         "of tokens it actually drafted (a tree's step: its drafting plus r of the tokens its one forward verifies, "
         "bench/costs.py); efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "

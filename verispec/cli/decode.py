@@ -122,8 +122,8 @@ def chat_command(args: argparse.Namespace) -> int:
 def serve_command(args: argparse.Namespace) -> None:
     """`verispec serve`: the OpenAI-compatible server, until SIGINT or SIGTERM."""
     from verispec.serve.app import serving_app  # FastAPI and uvicorn load on demand
-    from verispec.serve.server import check_server_options, run_server
     from verispec.serve.options import ServeOptions, allowed_hosts, api_key
+    from verispec.serve.server import check_server_options, run_server
 
     check_server_options(args.port, args.shutdown_grace, args.max_batch)
     options = ServeOptions(

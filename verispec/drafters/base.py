@@ -67,7 +67,8 @@ class Drafter(Protocol):
     k: int  # the deepest proposal: at most this many tokens can be accepted per step
     width: int  # the most tokens one proposal puts into the target's forward (tree nodes and side branch)
     needs: Needs
-    # `begin_batch(target, slots) -> drafters.batch.BatchDraftSession` drafts for the batched engine (`verispec.engine`);
+    # `begin_batch(target, slots) -> drafters.batch.BatchDraftSession` drafts for the batched engine
+    # (`verispec.engine`);
     # a drafter that does not declare it cannot draft there
     batched: bool
 

@@ -1,9 +1,9 @@
 """The one place that builds a drafter from a method record: the CLI, the bench and the server all use it.
 
 A `Method` is a family name, a draft length k (None: the family's default; "auto": chosen per step by
-`verispec.drafters.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a tree or a
-window, cut by its own estimates for a drafter that scores its tokens) and the family's options. Adding a drafter means adding its family here, with the options it takes and what
-it needs of the target.
+`verispec.drafters.adaptive.AdaptiveK`, up to AUTO_MAX_K for a chain, on or off at the family's default size for a
+tree or a window, cut by its own estimates for a drafter that scores its tokens) and the family's options. Adding a
+drafter means adding its family here, with the options it takes and what it needs of the target.
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.arguments import whole_number
+from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.cross_vocab import WAYS, translation_for
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
-from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.drafters.layer_skip import LayerSkip, read_plan
 from verispec.drafters.lookahead import Lookahead
+from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.drafters.ngram import PromptLookup
 from verispec.drafters.selfquant import SelfQuant, skip_option
-from verispec.drafters.suffix import K as SUFFIX_K, SuffixDecoding, SuffixOptions
+from verispec.drafters.suffix import K as SUFFIX_K
+from verispec.drafters.suffix import SuffixDecoding, SuffixOptions
 from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
 from verispec.models.default import default_head
 from verispec.models.draft_vocab import head_draft_vocab, head_section

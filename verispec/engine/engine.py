@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from verispec.cost_model import Acceptance, Costs
 from verispec.arguments import generation_args, whole_number
+from verispec.cost_model import Acceptance, Costs
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target
 from verispec.drafters.batch import SequenceStart

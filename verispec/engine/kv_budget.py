@@ -30,7 +30,8 @@ class KVBudget:
 
     @staticmethod
     def context_for(model_context: int, context: int | None) -> int:
-        """A request's positions: `context` (--max-model-len), default the smaller of the model's and DEFAULT_CONTEXT."""
+        """A request's positions: `context` (--max-model-len), default the smaller of the model's and
+        DEFAULT_CONTEXT."""
         if context is not None and not 1 <= context <= model_context:
             raise InvalidArgumentError(
                 f"--max-model-len must be from 1 to the model's context, {model_context}; got {context}"

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.cost_model import Acceptance
 from verispec.commit import commit_step
 from verispec.constraint import Constraint
+from verispec.cost_model import Acceptance
 from verispec.detokenize import TextTracker
 from verispec.engine.request import Request, Update
 from verispec.stats import GenerationStats

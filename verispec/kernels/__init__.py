@@ -21,12 +21,13 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GGML
 
 from verispec.kernels import quant_pack
 from verispec.kernels.build import isa, library, reason
-from verispec.kernels.quant_pack import QUANTIZED
 from verispec.kernels.capture import NotCapturable, Program, capturing, kernel_address, note
+from verispec.kernels.quant_pack import QUANTIZED
 
 __all__ = [
     "available",

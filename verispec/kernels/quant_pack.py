@@ -3,7 +3,8 @@ kernels.pack_quantized packs them (kernels/pack.cpp; quant.cpp's header gives th
 
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GGML
 
 QUANT_COLS = 16  # output columns per packed block (quant.cpp QCOLS)
 # Each format the matmul reads, as ggml's type: its blocks' inputs and bytes (gguf.GGML_QUANT_SIZES). The order is

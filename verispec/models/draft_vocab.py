@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 
 from verispec.errors import CheckpointError
 
-
 EXTRAS = "verispec"  # the subfolder of a head's folder for what only verispec reads
 VOCAB_FILE = f"{EXTRAS}/draft_vocab.safetensors"
 OLD_VOCAB_FILE = "draft_vocab.safetensors"  # where folders written before the move keep it

@@ -19,12 +19,12 @@ from torch import nn
 
 from verispec import kernels
 from verispec.errors import CheckpointError
-from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.cache import KVCache
-from verispec.models.config import ModelConfig
-from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.captured import replay
+from verispec.models.checkpoint import fill_head, read_head
+from verispec.models.config import ModelConfig
 from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
+from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.llama import Block
 from verispec.models.precision import pack_block
 from verispec.models.protocol import FINAL

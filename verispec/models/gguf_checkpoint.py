@@ -3,7 +3,8 @@
 (`checkpoint.param_shapes`), Q and K rows back in Hugging Face's order.
 
 Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
-(ggml's blocks, untouched: views of the file's memory map, models/gguf_file.py); F32, F16 and BF16 as torch tensors of that dtype; the other block formats read here
+(ggml's blocks, untouched: views of the file's memory map, models/gguf_file.py); F32, F16 and BF16 as torch tensors of
+that dtype; the other block formats read here
 (Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
@@ -27,7 +28,8 @@ from verispec.models.checkpoint import param_shapes
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
-from verispec.models.quant import KEPT as KEPT_FORMATS, QuantizedWeight
+from verispec.models.quant import KEPT as KEPT_FORMATS
+from verispec.models.quant import QuantizedWeight
 from verispec.tokenizer import check_tokenizer_fits
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}  # general.architecture = model_type

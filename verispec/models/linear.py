@@ -7,7 +7,8 @@ slowest); the same weight reordered once, at load time, into the kernel's blocke
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
-Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, on any thread count), a linear uses them: they
+Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, on any thread count), a linear uses
+them: they
 stream the weight once for every few rows and give a row the same bits whatever else shares the call.
 Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`,
 bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN

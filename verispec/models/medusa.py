@@ -5,7 +5,8 @@ predicts the token after that one by i + 1 more: a residual SiLU block (`linear`
 head, initialised from the target's. Key names follow the Medusa reference repository's model (`medusa_head.{i}.0.
 linear.weight`/`.bias`, `medusa_head.{i}.1.weight`), but the folder is verispec's own: no current serving engine
 serves these heads (SGLang has no Medusa algorithm; vLLM's Medusa model reads other names and drops the rest, so it
-would run its heads uninitialised), and the reference repository's own files (`medusa_lm_head.safetensors`, `base_model_name_or_path`) are not written.
+would run its heads uninitialised), and the reference repository's own files (`medusa_lm_head.safetensors`,
+`base_model_name_or_path`) are not written.
 
 The tree the heads draft is built from their measured accuracy (`choices`): each path is a tuple of ranks, (r1, r2,
 ...) meaning head 0's r1-th best token, then head 1's r2-th best, and so on; the paths with the highest product of

@@ -172,7 +172,8 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
 
 def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None) -> None:
     """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
-    (see `pack_block`). `own_kernels` (by default `kernels.available`: where this machine has them): verispec's kernels run the matmuls, norms, rotary and, where they take the head size, attention.
+    (see `pack_block`). `own_kernels` (by default `kernels.available`: where this machine has them): verispec's
+    kernels run the matmuls, norms, rotary and, where they take the head size, attention.
     `head`: the LM head packed already (a quantized twin's, which is its target's: models/twin.py)."""
     param = module.model.norm.weight  # the activations' dtype (the LM head may be quantized)
     module.own_kernels = kernels.available(param.dtype, param.device) if own_kernels is None else own_kernels

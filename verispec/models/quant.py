@@ -4,7 +4,8 @@ makes of a float checkpoint.
 A `QuantizedWeight` is a linear's weight (N, K) as N rows of K / 32 blocks, each block 32 consecutive inputs of one
 row, laid out byte for byte as ggml lays it out (and as a GGUF tensor's data is):
 - Q8_0: d (float16), then 32 int8 q: w = d * q;
-- Q4_0: d (float16), then 16 bytes, element j in byte j's low nibble and element j + 16 in its high one: w = d * (q - 8);
+- Q4_0: d (float16), then 16 bytes, element j in byte j's low nibble and element j + 16 in its high one: w = d * (q -
+8);
 - Q4_1: d (float16), m (float16), then the nibbles as Q4_0: w = d * q + m;
 - Q5_0, Q5_1: as Q4_0 and Q4_1 with a fifth bit for each element (w = d * (q - 16), d * q + m);
 - Q4_K, Q5_K, Q6_K (a GGUF's, not made here: the `gguf` package cannot quantize to them): super-blocks of 256
@@ -23,7 +24,7 @@ from functools import cached_property
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
+from gguf import GGML_QUANT_SIZES, dequantize, quantize
 from torch import nn
 
 from verispec import kernels

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from verispec import kernels
-from verispec.models.layers import kept_layers, layer_indices
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
+from verispec.models.layers import kept_layers, layer_indices
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
 from verispec.models.precision import pack_model, projections, quantize_linears

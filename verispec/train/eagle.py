@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.llama import LlamaForCausalLM
-from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 from verispec.train.features import frozen_target, save_frequencies, target_view
+from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 
 FEATURE_WEIGHT, TOKEN_WEIGHT, NOISE = 1.0, 0.1, 0.1
 

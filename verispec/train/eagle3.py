@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.eagle3 import Eagle3Head, feature_layers, save_eagle3
 from verispec.models.eagle import EagleHead, head_config
+from verispec.models.eagle3 import Eagle3Head, feature_layers, save_eagle3
 from verispec.models.layout import apply_rotary, rotary
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions
@@ -84,7 +84,7 @@ def unrolled(
         torch.arange(T, device=embeddings.device), d, head.config.rope_theta, embeddings.dtype, head.config.rope_factors
     )
     h, keys, values, outputs = features, [], [], []
-    for j in range(steps):
+    for _ in range(steps):
         x, residual = head.step_inputs(h, embeddings)
         q = apply_rotary(attn.q_proj(x).view(B, T, H, d).transpose(1, 2), cos, sin)
         k = apply_rotary(attn.k_proj(x).view(B, T, Hkv, d).transpose(1, 2), cos, sin)

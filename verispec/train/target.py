@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaForCausalLM
+from verispec.tokenizer import EOT, save_tokenizer
 from verispec.train.corpus import load_split
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
-from verispec.tokenizer import EOT, save_tokenizer
 from verispec.train.tokenizer import train_tokenizer
 
 # 26.7M parameters (4.2M of them the tied embedding), 512 positions.
