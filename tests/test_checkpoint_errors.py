@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as hf_logging
 
 from verispec import CheckpointError, load
+from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
 from verispec.models import checkpoint
 from verispec.models.config import read_config
 from verispec.models.random_init import random_checkpoint, tiny_config
-from verispec.tokenizer import byte_level_tokenizer
 
 
 def _checkpoint(tmp_path: Path, **config) -> Path:

@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from verispec import InvalidArgumentError, generate
+from verispec.checkpoints.tokenizer import EOT, byte_level_tokenizer, load_tokenizer
 from verispec.cli import main
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, translation_for
 from verispec.drafters.draft_model import DraftModel
@@ -22,7 +23,6 @@ from verispec.models.auto import load
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import load_model
 from verispec.retokenize import DraftText, Encoder
-from verispec.tokenizer import EOT, byte_level_tokenizer, load_tokenizer
 from verispec.vocab_map import shared_tokens, token_table
 from vocabularies import byte_bpe
 

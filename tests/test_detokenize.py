@@ -6,9 +6,9 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.detokenize import TextTracker
 from verispec.stops import StopMatcher
-from verispec.tokenizer import byte_level_tokenizer
 
 
 def sentencepiece_like() -> Tokenizer:

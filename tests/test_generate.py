@@ -21,10 +21,10 @@ from verispec import (
     load_model,
     stream,
 )
+from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
-from verispec.tokenizer import byte_level_tokenizer
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]  # "def(x):\n  " as byte ids
 N = 48

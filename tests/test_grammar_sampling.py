@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from drafting import OwnSession
 from test_verify import P_VALUE_MIN, compare
+from verispec.checkpoints.tokenizer import EOT
 from verispec.constraint import Constraint
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
@@ -25,7 +26,6 @@ from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import random_weights, tiny_config
 from verispec.reference import full_lm_forward, load_params
-from verispec.tokenizer import EOT
 
 CHARS = sorted(pre_tokenizers.ByteLevel.alphabet())[:5]  # ! " # $ %: tokens 0-4; <|endoftext|> is 5
 EOS = len(CHARS)

@@ -16,6 +16,7 @@ from scipy import stats
 from drafting import start_session
 from verispec import CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load, load_model
 from verispec.bench.layer_skip_search import search_skip, write_plan
+from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
 from verispec.errors import IncompatibleTargetError
 from verispec.models.cache import KVCache
@@ -27,7 +28,6 @@ from verispec.models.options import ForwardOptions
 from verispec.models.precision import pack_model
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs
-from verispec.tokenizer import byte_level_tokenizer
 
 PROMPT = "def parse(line):\n    return"
 TEXTS = [

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from verispec import reference
+from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.checkpoint import save_checkpoint
 from verispec.models.config import ModelConfig
@@ -19,7 +20,6 @@ from verispec.reference import (
     load_params,
     speculative_decode_step,
 )
-from verispec.tokenizer import byte_level_tokenizer
 
 PROMPT = np.array([3, 14, 15, 9, 26])
 K = 4

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import param_shapes
 from verispec.models.config import ModelConfig
@@ -30,7 +31,6 @@ from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.models.quant import KEPT as KEPT_FORMATS
 from verispec.models.quant import QuantizedWeight
-from verispec.tokenizer import check_tokenizer_fits
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}  # general.architecture = model_type
 KEPT = {ggml_type: name for name, ggml_type in KEPT_FORMATS.items()}  # stay blocks: QuantizedWeight

@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from verispec import kernels
+from verispec.checkpoints.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
@@ -32,7 +33,6 @@ from verispec.models.precision import (
 )
 from verispec.models.protocol import Capabilities
 from verispec.models.slot_caches import SlotCaches
-from verispec.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 
 
 def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> bool:

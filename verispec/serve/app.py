@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from verispec.checkpoints.tokenizer import longest_token_chars
 from verispec.drafters.base import Drafter
 from verispec.engine.engine import Engine
 from verispec.engine.request import Update
@@ -34,7 +35,6 @@ from verispec.serve.prepare import Prepared, ServedModel, UnknownModelError, pre
 from verispec.serve.responses import DONE, Reply, sse, usage
 from verispec.serve.schema import ChatRequest, CompletionRequest, error_body
 from verispec.serve.worker import EngineFailure, EngineWorker, Ticket
-from verispec.tokenizer import longest_token_chars
 
 log = logging.getLogger("verispec.serve")
 

@@ -6,7 +6,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from verispec.tokenizer import EOT
+from verispec.checkpoints.tokenizer import EOT
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
