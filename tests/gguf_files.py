@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 from gguf import TokenType
 
-from verispec.models.config import ModelConfig
+from verispec.checkpoints.config import ModelConfig
 from verispec.models.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows
 from verispec.models.random_init import random_weights
 

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as hf_logging
 
 from verispec import CheckpointError, load
+from verispec.checkpoints.config import read_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
 from verispec.models import checkpoint
-from verispec.models.config import read_config
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 

@@ -20,8 +20,8 @@ from gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, spm_v
 from test_gguf import TEXTS, _transformers
 from verispec import generate, kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
+from verispec.checkpoints.config import llama3_rope_factors
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.config import llama3_rope_factors
 from verispec.models.gguf_file import GGUFFile
 from verispec.models.gguf_tokenizer import TEKKEN, read_vocab
 from verispec.models.hf_adapter import load_transformers_model

@@ -14,10 +14,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from verispec import reference
+from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
 from verispec.generate import generate
-from verispec.models.config import ModelConfig, read_config
 from verispec.models.native import NativeModel, load_model
 from verispec.models.random_init import BYTE_VOCAB, random_checkpoint, tiny_config
 

@@ -8,10 +8,10 @@ import torch
 import transformers
 
 from verispec import reference
+from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.checkpoint import save_checkpoint
-from verispec.models.config import ModelConfig
 from verispec.reference import (
     build_causal_mask,
     full_lm_forward,

@@ -13,9 +13,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.tokenizer import save_tokenizer
 from verispec.errors import CheckpointError
-from verispec.models.config import ModelConfig
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.checkpoint import param_shapes
-from verispec.models.config import ModelConfig
 from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.models.quant import KEPT as KEPT_FORMATS

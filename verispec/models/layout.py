@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from verispec import kernels
+from verispec.checkpoints.config import ModelConfig
 from verispec.errors import ContextLengthError
 from verispec.models.cache import KVCache
-from verispec.models.config import ModelConfig
 
 TAIL = 32  # a row's last TAIL keys are gathered into position order; the rest are used where they sit
 

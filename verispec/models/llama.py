@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
+from verispec.checkpoints.config import ModelConfig
 from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
-from verispec.models.config import ModelConfig
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
 from verispec.models.linear import PackedLinear, packed_here, rows_of
 from verispec.models.options import ForwardOptions, VocabHead

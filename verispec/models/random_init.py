@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.models.checkpoint import param_shapes, save_checkpoint
-from verispec.models.config import ModelConfig
 
 BYTE_VOCAB = 257  # 256 bytes and <|endoftext|>
 
@@ -63,8 +63,8 @@ def random_checkpoint(
 def unrelated_draft(draft_dir: str | Path, folder: str | Path, seed: int = 99) -> Path:
     """A draft that never agrees with its target but by chance, at the real draft's cost: the config and tokenizer
     of `draft_dir` with random weights (the benchmark's never-agreeing pair)."""
+    from verispec.checkpoints.config import read_config
     from verispec.checkpoints.tokenizer import load_tokenizer
-    from verispec.models.config import read_config
 
     config = read_config(draft_dir)
     return save_checkpoint(folder, config, random_weights(config, seed), load_tokenizer(draft_dir))
