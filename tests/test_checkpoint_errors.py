@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as hf_logging
 
 from verispec import CheckpointError, load
+from verispec.checkpoints import folder as hf_folder
 from verispec.checkpoints.config import read_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
-from verispec.models import checkpoint
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 
@@ -230,9 +230,9 @@ def test_unreadable_weights_are_not_called_corrupt(tmp_path, monkeypatch) -> Non
     def denied(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(checkpoint, "load_file", denied)
+    monkeypatch.setattr(hf_folder, "load_file", denied)
     with pytest.raises(CheckpointError, match="permission denied") as caught:
-        checkpoint.load_weights(folder, read_config(folder))
+        hf_folder.load_weights(folder, read_config(folder))
     assert "corrupt" not in str(caught.value)
 
 

@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from verispec import InvalidArgumentError, generate
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import EOT, byte_level_tokenizer, load_tokenizer
 from verispec.cli import main
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, translation_for
@@ -20,7 +21,6 @@ from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter, check_method
 from verispec.errors import TokenizerMismatchError
 from verispec.models.auto import load
-from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import load_model
 from verispec.retokenize import DraftText, Encoder
 from verispec.vocab_map import shared_tokens, token_table

@@ -21,8 +21,8 @@ from verispec import (
     load_model,
     stream,
 )
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
-from verispec.models.checkpoint import save_checkpoint
 from verispec.models.native import NativeModel
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 

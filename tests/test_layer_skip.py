@@ -16,11 +16,11 @@ from scipy import stats
 from drafting import start_session
 from verispec import CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load, load_model
 from verispec.bench.layer_skip_search import search_skip, write_plan
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
 from verispec.errors import IncompatibleTargetError
 from verispec.models.cache import KVCache
-from verispec.models.checkpoint import save_checkpoint
 from verispec.models.execution import Execution
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel

@@ -9,9 +9,9 @@ import transformers
 
 from verispec import reference
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import InvalidArgumentError
-from verispec.models.checkpoint import save_checkpoint
 from verispec.reference import (
     build_causal_mask,
     full_lm_forward,

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from verispec.checkpoints.config import read_config
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import EOT
-from verispec.models.checkpoint import save_checkpoint
 
 
 def byte_bpe(tokens: list[str], merges: list[tuple[str, str]], special: tuple[str, ...] = (EOT,)) -> Tokenizer:

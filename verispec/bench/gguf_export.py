@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import weight_files
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.checkpoint import weight_files
 from verispec.models.gguf_checkpoint import ROPE_FREQS, llama_cpp_rows
 from verispec.models.precision import HEAD_FORMAT
 from verispec.models.quant import FORMATS

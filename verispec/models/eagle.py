@@ -19,10 +19,10 @@ from torch import nn
 
 from verispec import kernels
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
 from verispec.models.cache import KVCache
 from verispec.models.captured import replay
-from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
 from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.llama import Block

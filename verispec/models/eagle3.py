@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
 from verispec.models.cache import KVCache
-from verispec.models.checkpoint import fill_head, read_head
 from verispec.models.eagle import head_layout
 from verispec.models.layout import AttentionMask, rotary
 from verispec.models.llama import MLP, Attention, RMSNorm

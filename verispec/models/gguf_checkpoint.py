@@ -24,9 +24,9 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import param_shapes
 from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.checkpoint import param_shapes
 from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.models.quant import KEPT as KEPT_FORMATS

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from verispec.checkpoints.folder import unreadable
 from verispec.errors import CheckpointError
-from verispec.models.checkpoint import unreadable
 from verispec.models.mapped import MappedFile
 
 SUFFIX = ".gguf"

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
-from verispec.models.checkpoint import fill_head, read_head
 
 ACCURACY_FILE = "verispec/medusa_accuracy.json"  # beside verispec's other extras (models/draft_vocab.py)
 

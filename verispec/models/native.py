@@ -11,11 +11,11 @@ from tokenizers import Tokenizer
 
 from verispec import kernels
 from verispec.checkpoints.config import ModelConfig, read_config
+from verispec.checkpoints.folder import check_finite, check_folder, load_weights
 from verispec.checkpoints.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
-from verispec.models.checkpoint import check_finite, check_folder, load_weights
 from verispec.models.device import usable_device
 from verispec.models.execution import Execution
 from verispec.models.gguf_checkpoint import read_gguf

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import param_shapes, save_checkpoint
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
-from verispec.models.checkpoint import param_shapes, save_checkpoint
 
 BYTE_VOCAB = 257  # 256 bytes and <|endoftext|>
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from verispec.checkpoints.config import ModelConfig
+from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.tokenizer import EOT, save_tokenizer
-from verispec.models.checkpoint import save_checkpoint
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.corpus import load_split
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
