@@ -20,8 +20,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from verispec.checkpoints.folder import unreadable
+from verispec.checkpoints.mapped import MappedFile
 from verispec.errors import CheckpointError
-from verispec.models.mapped import MappedFile
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
-from verispec.models.mapped import forget_pages
+from verispec.checkpoints.mapped import forget_pages
 from verispec.models.quant import QuantizedWeight
 
 
