@@ -21,9 +21,9 @@ from test_gguf import TEXTS, _transformers
 from verispec import generate, kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.checkpoints.config import llama3_rope_factors
+from verispec.checkpoints.gguf_file import GGUFFile
+from verispec.checkpoints.gguf_tokenizer import TEKKEN, read_vocab
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.gguf_file import GGUFFile
-from verispec.models.gguf_tokenizer import TEKKEN, read_vocab
 from verispec.models.hf_adapter import load_transformers_model
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, tiny_config

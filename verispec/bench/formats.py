@@ -19,8 +19,8 @@ import torch
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import cpu_line, machine
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.models.captured import CapturedForward
-from verispec.models.gguf_file import is_gguf
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.quant import FORMATS

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from verispec.bench.gguf_export import GGUF_DTYPES, write_gguf
 from verispec.bench.methods import BenchMethod, Run
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.errors import CheckpointError, InvalidArgumentError, PeerError, PeerUnavailable
-from verispec.models.gguf_file import is_gguf
 from verispec.models.protocol import CausalLM
 from verispec.openmp import child_environment
 

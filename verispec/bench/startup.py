@@ -19,8 +19,8 @@ from pathlib import Path
 
 from verispec.bench.llamacpp import BINARIES
 from verispec.bench.report import cpu_line, machine
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.errors import InvalidArgumentError
-from verispec.models.gguf_file import is_gguf
 from verispec.openmp import child_environment
 
 PROMPT = "def add(a, b):"

@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from verispec.models.gguf_file import GGUFFile
+from verispec.checkpoints.gguf_file import GGUFFile
 
 NAMES = ("general.architecture", "general.basename", "general.size_label", "general.finetune")
 SHAPES = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv")

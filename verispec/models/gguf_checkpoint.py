@@ -1,11 +1,11 @@
 """A GGUF checkpoint as the native runtime reads it: the config from the metadata, the tokenizer from
-`tokenizer.ggml.*` (models/gguf_tokenizer.py), and the weights under the Hugging Face names the native model uses
+`tokenizer.ggml.*` (checkpoints/gguf_tokenizer.py), and the weights under the Hugging Face names the native model uses
 (`checkpoint.param_shapes`), Q and K rows back in Hugging Face's order.
 
 Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
-(ggml's blocks, untouched: views of the file's memory map, models/gguf_file.py); F32, F16 and BF16 as torch tensors of
-that dtype; the other block formats read here
-(Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
+(ggml's blocks, untouched: views of the file's memory map, checkpoints/gguf_file.py); F32, F16 and BF16 as torch
+tensors of that dtype; the other block formats read here (Q2_K, Q3_K) as float32, dequantized exactly by the `gguf`
+package (ggml's reference code).
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
 llama.cpp's converter reorders each head's rows of W_q and W_k for llama (its RoPE rotates adjacent pairs, Hugging
@@ -25,10 +25,10 @@ from gguf import GGMLQuantizationType as GGML
 
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.folder import param_shapes
+from verispec.checkpoints.gguf_file import GGUFFile, GGUFTensor
+from verispec.checkpoints.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.gguf_file import GGUFFile, GGUFTensor
-from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.models.quant import KEPT as KEPT_FORMATS
 from verispec.models.quant import QuantizedWeight
 

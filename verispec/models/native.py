@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from verispec import kernels
 from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.folder import check_finite, check_folder, load_weights
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.checkpoints.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.batch_cache import BatchKVCache
@@ -19,7 +20,6 @@ from verispec.models.cache import KVCache
 from verispec.models.device import usable_device
 from verispec.models.execution import Execution
 from verispec.models.gguf_checkpoint import read_gguf
-from verispec.models.gguf_file import is_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from verispec.checkpoints.gguf_file import GGUFFile, is_gguf
+from verispec.checkpoints.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.gguf_file import GGUFFile, is_gguf
-from verispec.models.gguf_tokenizer import GGUFVocab, read_vocab
 
 TEMPLATE_FILE = "chat_template.jinja"
 WHERE_TEMPLATES_LIVE = (

@@ -21,9 +21,9 @@ import numpy as np
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.tokenizer import conventional_eos
 from verispec.errors import CheckpointError
-from verispec.models.gguf_file import GGUFFile
 
 # llama.cpp's regular expressions, by pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_*); llama3's and qwen2's with the
 # case-insensitive contractions spelled out, as llama.cpp adapted them.
