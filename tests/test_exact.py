@@ -10,6 +10,7 @@ import torch
 
 from verispec import kernels
 from verispec.bench.harness import torch_threads
+from verispec.checkpoints.blocks import FORMATS
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup, SuffixDecoding
 from verispec.errors import ContextLengthError
 from verispec.generate import generate
@@ -18,7 +19,6 @@ from verispec.models.cache import SLOT_BLOCK
 from verispec.models.default import load_default
 from verispec.models.layout import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
-from verispec.models.quant import FORMATS
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
 PREFIX = 10

@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType as GGML
 from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, write_gguf
 from verispec import kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
+from verispec.checkpoints.blocks import FORMATS
 from verispec.cli import main
 from verispec.models.native import load_model
 from verispec.models.precision import formats
-from verispec.models.quant import FORMATS
 from verispec.models.random_init import random_checkpoint, tiny_config
 
 needs_kernels = pytest.mark.skipif(

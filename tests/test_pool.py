@@ -17,12 +17,12 @@ from gguf import GGMLQuantizationType as GGML
 from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from tests.test_quantized_matmul import random_weight
 from verispec import kernels
+from verispec.checkpoints.blocks import KEPT
 from verispec.drafters import DraftModel, LayerSkip, Lookahead, PromptLookup, SuffixDecoding
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.kernels.build import pool_threads
 from verispec.models.native import load_model
-from verispec.models.quant import KEPT
 from verispec.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from verispec.checkpoints.blocks import FORMATS, QuantizedWeight
 from verispec.errors import InvalidArgumentError
-from verispec.models.quant import FORMATS, QuantizedWeight
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

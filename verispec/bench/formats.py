@@ -19,11 +19,11 @@ import torch
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import cpu_line, machine
+from verispec.checkpoints.blocks import FORMATS
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.models.captured import CapturedForward
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
-from verispec.models.quant import FORMATS
 from verispec.models.timing import forward_seconds
 from verispec.threads import torch_threads
 

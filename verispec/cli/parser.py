@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from verispec.checkpoints.blocks import FORMATS
 from verispec.drafters.registry import FAMILIES, OPTIONS, families_taking
 from verispec.engine.kv_budget import DEFAULT_CONTEXT, DEFAULT_MEMORY, byte_size
 from verispec.errors import InvalidArgumentError
 from verispec.models.auto import BACKENDS
 from verispec.models.precision import DTYPES, KV_DTYPES
-from verispec.models.quant import FORMATS
 from verispec.serve.options import API_KEY_ENV, MAX_BODY_BYTES, STALL_SECONDS
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from verispec.arguments import whole_number
+from verispec.checkpoints.blocks import FORMATS
 from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.cross_vocab import WAYS, translation_for
@@ -32,7 +33,6 @@ from verispec.models.eagle import load_head
 from verispec.models.eagle3 import is_eagle3, load_eagle3
 from verispec.models.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
-from verispec.models.quant import FORMATS
 from verispec.models.twin import SAME_HEAD, TwinFormat
 
 

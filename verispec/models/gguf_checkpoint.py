@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGML
 
+from verispec.checkpoints.blocks import KEPT as KEPT_FORMATS
+from verispec.checkpoints.blocks import QuantizedWeight
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.folder import param_shapes
 from verispec.checkpoints.gguf_file import GGUFFile, GGUFTensor
 from verispec.checkpoints.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.quant import KEPT as KEPT_FORMATS
-from verispec.models.quant import QuantizedWeight
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}  # general.architecture = model_type
 KEPT = {ggml_type: name for name, ggml_type in KEPT_FORMATS.items()}  # stay blocks: QuantizedWeight

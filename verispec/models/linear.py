@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import kernels
+from verispec.checkpoints.blocks import QuantizedWeight
 from verispec.checkpoints.mapped import forget_pages
-from verispec.models.quant import QuantizedWeight
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:

@@ -1,7 +1,7 @@
 """Where a model's weights get their format and are packed for the kernels that run them.
 
 Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats (Q8_0, Q4_0, Q4_1,
-Q5_0 and Q5_1; a GGUF's Q4_K, Q5_K and Q6_K too; models/quant.py), kept quantized linear by linear
+Q5_0 and Q5_1; a GGUF's Q4_K, Q5_K and Q6_K too; checkpoints/blocks.py), kept quantized linear by linear
 (`QuantizedLinear`) where verispec's kernels run, with float32 activations. `quantize_linears` puts a model's
 projections and LM head into a block format (`--quantize`, or a GGUF file's own tensors); `pack_model` then lays
 every projection and the LM head out as prepacked, fused matmuls (models/linear.py) and says which of the model's
@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from verispec import kernels
+from verispec.checkpoints.blocks import BLOCK, KEPT, QuantizedWeight, check_format
 from verispec.errors import InvalidArgumentError
 from verispec.models.linear import PackedLinear
-from verispec.models.quant import BLOCK, KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, check_format
+from verispec.models.quant import QuantizedEmbedding, QuantizedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 EMBEDDING = "model.embed_tokens"  # the token embedding table's state-dict prefix

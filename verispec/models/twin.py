@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from verispec import kernels
+from verispec.checkpoints.blocks import BLOCK, FORMATS, QuantizedWeight, check_format
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.layers import kept_layers, layer_indices
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
 from verispec.models.precision import pack_model, projections, quantize_linears
 from verispec.models.protocol import CausalLM
-from verispec.models.quant import BLOCK, FORMATS, QuantizedWeight, check_format
 
 SAME_HEAD = "target"  # `TwinFormat.head`: the target's own LM head, shared as it is
 
