@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as GGML
 from gguf import TokenType
 
 from verispec.checkpoints.config import ModelConfig
-from verispec.models.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows
+from verispec.checkpoints.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows
 from verispec.models.random_init import random_weights
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "stdlib-target" / "tokenizer.json"

@@ -19,11 +19,11 @@ from gguf_files import CHATML, SHIPPED_TOKENIZER, USER_DEFINED, bpe_vocab, by_na
 from verispec import generate, kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.checkpoints.blocks import QuantizedWeight
+from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.gguf_tokenizer import read_vocab
 from verispec.checkpoints.mapped import forget_pages
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.gguf_checkpoint import read_gguf
 from verispec.models.native import load_model
 from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.serve.chat import load_chat_template

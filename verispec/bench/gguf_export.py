@@ -18,8 +18,8 @@ import numpy as np
 from verispec.checkpoints.blocks import FORMATS
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.folder import weight_files
+from verispec.checkpoints.gguf_checkpoint import ROPE_FREQS, llama_cpp_rows
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.gguf_checkpoint import ROPE_FREQS, llama_cpp_rows
 from verispec.models.precision import HEAD_FORMAT
 
 GGUF_DTYPES = ("float32", "bfloat16", "float16", *FORMATS)  # llama.cpp has no float64 weights

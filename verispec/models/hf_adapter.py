@@ -13,11 +13,11 @@ from typing import Iterator, Sequence
 import torch
 
 from verispec.checkpoints.folder import check_finite, check_folder
+from verispec.checkpoints.gguf_checkpoint import ROPE_FREQS
 from verispec.checkpoints.gguf_file import GGUFFile, is_gguf
 from verispec.checkpoints.tokenizer import as_id_set, check_tokenizer_fits
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.device import usable_device
-from verispec.models.gguf_checkpoint import ROPE_FREQS
 from verispec.models.precision import parse_dtype
 from verispec.models.protocol import Capabilities
 

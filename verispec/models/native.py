@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from verispec import kernels
 from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.folder import check_finite, check_folder, load_weights
+from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.checkpoints.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 from verispec.errors import InvalidArgumentError
@@ -19,7 +20,6 @@ from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
 from verispec.models.device import usable_device
 from verispec.models.execution import Execution
-from verispec.models.gguf_checkpoint import read_gguf
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions, VocabHead
@@ -245,7 +245,7 @@ def load_model(
     kv_dtype: str | torch.dtype = "auto",
 ) -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
-    (models/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
+    (checkpoints/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
     formats where they run (`precision.file_formats`: its block-quantized tensors as blocks on verispec's
     kernels, with float32 activations; a BF16 file in bfloat16), and for a folder is `auto_dtype(device)`.
     `quantize` (q8_0, q4_0, q4_1, q5_0 or q5_1): every projection kept in that block format and the LM head in Q8_0
