@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.errors import CheckpointError
 from verispec.models.draft_vocab import head_section
-from verispec.models.fingerprint import gguf_fingerprint
 from verispec.models.native import NativeModel, load_model
 
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
@@ -39,7 +39,7 @@ def load_default(
 
 def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
     """The head of `kind` under `models/` made for the GGUF file `target`: the one whose config.json
-    (verispec.target_match) holds the file's fingerprint (models/fingerprint.py), never matched by path."""
+    (verispec.target_match) holds the file's fingerprint (checkpoints/fingerprint.py), never matched by path."""
     identity = gguf_fingerprint(target)
     for folder in sorted((models or MODELS).iterdir()):
         section = head_section(folder) if folder.is_dir() else {}

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
-from verispec.models.fingerprint import gguf_fingerprint
 from verispec.models.native import load_model
 from verispec.serve.chat import load_chat_template
 from verispec.train.distill import distill
