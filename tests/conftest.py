@@ -8,8 +8,8 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
+from verispec.checkpoints.random_init import random_checkpoint, random_pair, tiny_config
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_checkpoint, random_pair, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.threads import torch_threads
 from vocabularies import twin_checkpoint

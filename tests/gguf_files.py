@@ -15,7 +15,7 @@ from gguf import TokenType
 
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.gguf_checkpoint import ARCHITECTURES, llama_cpp_rows
-from verispec.models.random_init import random_weights
+from verispec.checkpoints.random_init import random_weights
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "stdlib-target" / "tokenizer.json"
 CHATML = (

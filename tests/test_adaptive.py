@@ -13,6 +13,7 @@ import pytest
 from drafting import OwnSession, last_two_of_four
 from test_verify import P_VALUE_MIN, compare
 from verispec import generate
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cost_model import (
     PROBE_BUDGET,
     PROBE_FIRST,
@@ -28,7 +29,6 @@ from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32, 100, 101, 102]
 N = 48

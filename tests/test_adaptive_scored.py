@@ -10,6 +10,7 @@ import pytest
 from drafting import OwnSession, last_two_of_four
 from test_verify import P_VALUE_MIN, compare
 from verispec import generate
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cost_model import CALIBRATION_WEIGHT, Calibration, best_prefix
 from verispec.drafters.adaptive import AdaptiveK
 from verispec.drafters.base import Proposal, Verdict
@@ -17,7 +18,6 @@ from verispec.drafters.registry import Method, build_drafter
 from verispec.drafters.suffix import SuffixDecoding
 from verispec.models.default import load_default
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.tree import cut_after_eos, subset
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -7,8 +7,8 @@ import torch
 
 from verispec import kernels
 from verispec.bench import formats
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 
 @pytest.mark.skipif(not kernels.available(torch.float32), reason=f"no kernels here: {kernels.reason()}")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from verispec import reference
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import ContextLengthError
 from verispec.models.cache import SLOT_BLOCK, KVCache
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 LAYERS, KV_HEADS, MAX_LEN, HEAD_DIM = 2, 2, 16, 8
 ATOL = 1e-5

@@ -16,9 +16,9 @@ import pytest
 
 from verispec import DraftModel, InvalidArgumentError, generate, load_model
 from verispec.chat import Chat
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.cli.output import GREEN
-from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.chat import load_chat_template
 
 TEMPLATE = (

@@ -20,9 +20,9 @@ from transformers.utils import logging as hf_logging
 from verispec import CheckpointError, load
 from verispec.checkpoints import folder as hf_folder
 from verispec.checkpoints.config import read_config
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 
 def _checkpoint(tmp_path: Path, **config) -> Path:

@@ -206,7 +206,7 @@ def test_a_draft_with_another_tokenizer_is_refused_with_the_ways_that_would_draf
 
 
 def test_no_shared_token_leaves_reencode(tmp_path, target) -> None:
-    from verispec.models.random_init import random_weights, tiny_config
+    from verispec.checkpoints.random_init import random_weights, tiny_config
 
     config = tiny_config(vocab_size=3, eos_token_id=2)
     other = load_model(save_checkpoint(tmp_path, config, random_weights(config), byte_bpe(["ab", "cd"], [], ("<e>",))))

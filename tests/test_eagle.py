@@ -11,6 +11,7 @@ import torch
 
 from drafting import start_session
 from verispec import IncompatibleTargetError, generate
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -18,7 +19,6 @@ from verispec.errors import CheckpointError
 from verispec.models.draft_vocab import load_draft_vocab, save_draft_vocab
 from verispec.models.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.train.eagle import agreement_evaluator, eagle_loss
 from verispec.train.loop import TrainConfig, init_weights, train

@@ -14,6 +14,7 @@ from tests.gguf_files import by_name, gguf_config, write_gguf
 from verispec import generate
 from verispec.bench.methods import our_methods
 from verispec.checkpoints.fingerprint import gguf_fingerprint
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
@@ -22,7 +23,6 @@ from verispec.models.default import shipped_head_for
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 from verispec.train.eagle3 import agreement_evaluator, eagle3_loss, new_head, unrolled
 from verispec.train.loop import TrainConfig, train

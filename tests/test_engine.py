@@ -24,8 +24,8 @@ from verispec import (
     kernels,
     load_model,
 )
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.engine import Engine, Request
-from verispec.models.random_init import random_pair, tiny_config
 
 # Prompts of different lengths (byte ids); the last repeats itself, so prompt lookup finds something to propose.
 PROMPTS = [

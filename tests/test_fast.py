@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from verispec import kernels
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 TOKENS = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
 CONFIGS = {
@@ -131,7 +131,7 @@ def test_where_onednn_cannot_prepack_bfloat16_the_fused_weight_runs_through_pyto
 import sys, torch
 from verispec.models.linear import _prepacked_here
 from tests.test_fast import pair, decode
-from verispec.models.random_init import random_checkpoint, tiny_config
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 torch.set_num_threads(1)
 assert not _prepacked_here(torch.bfloat16), "oneDNN still prepacks bfloat16 under ONEDNN_MAX_CPU_ISA=AVX2"
 folder = random_checkpoint(sys.argv[1], tiny_config(num_hidden_layers=2), seed=3)

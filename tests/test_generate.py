@@ -22,9 +22,9 @@ from verispec import (
     stream,
 )
 from verispec.checkpoints.folder import save_checkpoint
+from verispec.checkpoints.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.models.native import NativeModel
-from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10, 32, 32]  # "def(x):\n  " as byte ids
 N = 48

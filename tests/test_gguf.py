@@ -23,9 +23,9 @@ from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.gguf_tokenizer import read_vocab
 from verispec.checkpoints.mapped import forget_pages
+from verispec.checkpoints.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.serve.chat import load_chat_template
 
 TEXTS = [

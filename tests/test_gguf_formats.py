@@ -12,10 +12,10 @@ from tests.gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config,
 from verispec import kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.checkpoints.blocks import FORMATS
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.models.native import load_model
 from verispec.models.precision import formats
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

@@ -23,10 +23,10 @@ from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.checkpoints.config import llama3_rope_factors
 from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.gguf_tokenizer import TEKKEN, read_vocab
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.hf_adapter import load_transformers_model
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.serve.chat import load_chat_template
 
 # Llama 3.1's scaling over a short original context, so that a prompt's positions turn the scaled frequencies far:

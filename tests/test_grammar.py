@@ -223,8 +223,8 @@ def test_bad_grammars_are_refused_with_the_reason(target, options, message) -> N
 
 
 def test_a_vocabulary_that_cannot_complete_the_grammar_is_refused(tmp_path) -> None:
+    from verispec.checkpoints.random_init import random_checkpoint, tiny_config
     from verispec.models.native import load_model
-    from verispec.models.random_init import random_checkpoint, tiny_config
 
     toy = load_model(random_checkpoint(tmp_path, tiny_config(vocab_size=6, eos_token_id=5)))  # ! " # $ % &
     with pytest.raises(GrammarError, match="cannot be completed in this vocabulary"):

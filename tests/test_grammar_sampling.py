@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from drafting import OwnSession
 from test_verify import P_VALUE_MIN, compare
 from verispec.checkpoints.folder import save_checkpoint
+from verispec.checkpoints.random_init import random_weights, tiny_config
 from verispec.checkpoints.tokenizer import EOT
 from verispec.constraint import Constraint
 from verispec.drafters.base import Proposal
@@ -24,7 +25,6 @@ from verispec.errors import DrafterError
 from verispec.generate import generate
 from verispec.grammar import Grammar, TokenGrammar, bind
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_weights, tiny_config
 from verispec.reference import full_lm_forward, load_params
 
 CHARS = sorted(pre_tokenizers.ByteLevel.alphabet())[:5]  # ! " # $ %: tokens 0-4; <|endoftext|> is 5

@@ -17,8 +17,8 @@ from verispec import (
     load,
     load_model,
 )
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer, save_tokenizer
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10]
 N = 32

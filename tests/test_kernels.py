@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from verispec import kernels
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import InvalidArgumentError
 from verispec.kernels.build import ISAS, chosen_isa, cpu_flags
 from verispec.models.greedy import argmax as greedy_argmax
 from verispec.models.layout import apply_rotary
 from verispec.models.llama import RMSNorm
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -172,7 +172,7 @@ def test_without_the_kernels_the_runtime_keeps_torchs_and_says_why(tmp_path) -> 
     # Where no build runs here at all (another architecture lists none of the flags), that is the reason given.
     assert said.startswith(f"False | the {chosen_isa()[0]} build did not compile" if chosen_isa()[0] else "False | ")
     code = (
-        "from verispec.models.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
+        "from verispec.checkpoints.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
         "from verispec.models.native import load_model; "
         f"m = load_model(random_checkpoint(pathlib.Path({str(tmp_path)!r}) / 'm', tiny_config()), exact=True); "
         "print(m.module.own_kernels, tuple(m(torch.tensor([[1, 2, 3]]), m.new_cache()).shape))"

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from verispec import kernels
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters import PromptLookup
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.cache import saturate_f16
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 needs_kernels = pytest.mark.skipif(
     not kernels.available(torch.float32), reason=f"verispec's kernels do not run here: {kernels.reason()}"

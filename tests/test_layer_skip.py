@@ -17,6 +17,7 @@ from drafting import start_session
 from verispec import CheckpointError, InvalidArgumentError, LayerSkip, TransformersModel, generate, load, load_model
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.checkpoints.folder import save_checkpoint
+from verispec.checkpoints.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import main
 from verispec.errors import IncompatibleTargetError
@@ -26,7 +27,6 @@ from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
 from verispec.models.options import ForwardOptions
 from verispec.models.precision import pack_model
-from verispec.models.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs
 
 PROMPT = "def parse(line):\n    return"

@@ -11,11 +11,11 @@ from scipy import stats
 
 from drafting import start_session
 from verispec import InvalidArgumentError, Lookahead, TransformersModel, Verdict, generate, load
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters.lookahead import NgramPool, candidate_tree, window_layout
 from verispec.errors import IncompatibleTargetError
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 # The tiny random target decodes this prompt greedily into short loops (e.g. 25 12 71 25 12 71 ...), the kind of
 # repetition that lookahead's n-grams catch.

@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from verispec import reference
 from verispec.checkpoints.config import ModelConfig, read_config
+from verispec.checkpoints.random_init import BYTE_VOCAB, random_checkpoint, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import BYTE_VOCAB, random_checkpoint, tiny_config
 
 TOKENS = torch.randint(0, BYTE_VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
 

@@ -10,9 +10,9 @@ import torch
 from verispec import kernels
 from verispec.bench import profile_forward
 from verispec.bench.bandwidth import weight_bytes
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 
 
 @pytest.mark.parametrize("tied", [False, True])

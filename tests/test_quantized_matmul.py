@@ -13,12 +13,12 @@ from tests.gguf_files import random_blocks
 from verispec import kernels
 from verispec.bench.bandwidth import weight_bytes
 from verispec.checkpoints.blocks import FORMATS, KEPT, QuantizedWeight
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import InvalidArgumentError
 from verispec.kernels.quant_pack import bytes_per_block
 from verispec.models.linear import FormatRuns
 from verispec.models.native import load_model
 from verispec.models.quant import QuantizedLinear
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.threads import torch_threads
 
 needs_kernels = pytest.mark.skipif(

@@ -16,13 +16,13 @@ from drafting import sampled_pairs, start_session
 from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from test_tree_draft import P_VALUE_MIN, compare, no_residual_verify_tree
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, generate_batch, kernels
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters.registry import Method, Resources, build_drafter, check_method
 from verispec.drafters.selfquant import SelfQuant
 from verispec.models.auto import load
 from verispec.models.native import load_model
 from verispec.models.precision import projections
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.models.twin import SAME_HEAD, TwinFormat, quantized_twin
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.threads import torch_threads

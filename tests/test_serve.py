@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
@@ -25,7 +26,6 @@ from verispec.engine import Engine
 from verispec.errors import DrafterError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
 from verispec.serve.server import ServerThread
 from verispec.serve.worker import EngineWorker

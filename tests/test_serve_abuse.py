@@ -17,13 +17,13 @@ import openai
 import pytest
 
 from drafting import break_the_rule_for
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.errors import DrafterError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
 from verispec.serve.options import API_KEY_ENV, ServeOptions, allowed_hosts, api_key
 from verispec.serve.server import ServerThread

@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from test_serve import CHAT_TEMPLATE
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.drafters.draft_model import DraftModel
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_pair, tiny_config
 from verispec.serve.app import serving_app
 from verispec.serve.server import ServerThread
 from verispec.threads import torch_threads

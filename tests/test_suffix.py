@@ -13,11 +13,11 @@ from drafting import in_threads, sampled_pairs, start_session
 from test_tree_draft import no_residual_verify_tree
 from test_verify import P_VALUE_MIN, compare
 from verispec import InvalidArgumentError, Method, SuffixDecoding, build_drafter, generate, generate_batch, load_default
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters.suffix import Recorded, SuffixOptions
 from verispec.drafters.suffix_tree import NOTHING, Limits, SuffixTree
 from verispec.models.native import load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams
 from verispec.tree import depth
 

@@ -14,11 +14,11 @@ from scipy import stats
 
 from drafting import start_session
 from verispec import DraftModel, InvalidArgumentError, Proposal, Verdict, generate
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.drafters.draft_model import DraftModelSession, tree_size
 from verispec.models.native import NativeModel, load_model
 from verispec.models.protocol import Capabilities
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.tree import verify_tree
 

@@ -17,11 +17,11 @@ import torch
 from scipy import stats
 
 from drafting import OwnSession
+from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
 from verispec.generate import Generation, generate
 from verispec.models.native import NativeModel, load_model
-from verispec.models.random_init import random_checkpoint, tiny_config
 from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 from verispec.verify import greedy_match, one_hot_probs, speculative_sampling

@@ -18,8 +18,8 @@ from numpy.typing import ArrayLike
 
 from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.folder import load_weights
+from verispec.checkpoints.random_init import random_weights
 from verispec.errors import InvalidArgumentError
-from verispec.models.random_init import random_weights
 
 Params = dict[str, Any]  # weight name -> float64 ndarray, and "config" -> ModelConfig
 

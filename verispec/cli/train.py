@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from verispec.arguments import whole_number
+from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.errors import InvalidArgumentError
 from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths
 from verispec.models.native import load_model
-from verispec.models.random_init import random_pair, tiny_config
 from verispec.threads import set_threads
 
 
