@@ -14,13 +14,13 @@ import torch
 
 from drafting import start_session
 from test_verify import P_VALUE_MIN, compare
+from verispec.checkpoints.draft_vocab import spread
 from verispec.checkpoints.folder import save_checkpoint
 from verispec.checkpoints.random_init import random_weights, tiny_config
 from verispec.drafters import draft_model
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE, translation_for
 from verispec.drafters.draft_model import DraftModel, IntersectionSession
 from verispec.generate import generate
-from verispec.models.draft_vocab import spread
 from verispec.models.native import NativeModel, load_model
 from verispec.reference import full_lm_forward, load_params
 from verispec.sampling import SamplingParams

@@ -13,11 +13,11 @@ import torch
 
 from drafting import OwnSession
 from verispec import IncompatibleTargetError, InvalidArgumentError, generate, kernels, stream
+from verispec.checkpoints.draft_vocab import save_draft_vocab
 from verispec.drafters.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
-from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.native import load_model

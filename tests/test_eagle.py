@@ -11,12 +11,12 @@ import torch
 
 from drafting import start_session
 from verispec import IncompatibleTargetError, generate
+from verispec.checkpoints.draft_vocab import load_draft_vocab, save_draft_vocab
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError
-from verispec.models.draft_vocab import load_draft_vocab, save_draft_vocab
 from verispec.models.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.native import load_model
 from verispec.sampling import SamplingParams

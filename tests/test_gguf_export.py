@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from verispec.bench.gguf_export import write_gguf
+from verispec.checkpoints.draft_vocab import OLD_VOCAB_FILE, save_draft_vocab
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
-from verispec.models.draft_vocab import OLD_VOCAB_FILE, save_draft_vocab
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "models" / "stdlib-draft"
 LAYER_PARTS = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"}

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from verispec import generate, load_model
+from verispec.checkpoints.draft_vocab import save_draft_vocab
 from verispec.checkpoints.tokenizer import EOT, save_tokenizer
-from verispec.models.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.card import write_cards
 from verispec.train.corpus import MANIFEST, build_manifest, load_split, read_manifest, split_of, write_manifest

@@ -21,6 +21,7 @@ from verispec.bench.runner import run_suite
 from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
 from verispec.bench.spec_bench import is_spec_bench, parsed, turn_prompts
 from verispec.bench.suite import SUITE, check_items, read_suite
+from verispec.checkpoints.draft_vocab import default_size, head_section
 from verispec.checkpoints.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.drafters import DraftModel
 from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
@@ -29,7 +30,6 @@ from verispec.drafters.registry import Method, Resources, build_drafter, method_
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
-from verispec.models.draft_vocab import default_size, head_section
 from verispec.models.eagle import EagleHead, head_config, save_head
 from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.native import NativeModel, load_model

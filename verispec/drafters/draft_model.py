@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from verispec.arguments import whole_number
+from verispec.checkpoints.draft_vocab import spread
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.drafters.cross_vocab import (
     INTERSECTION,
@@ -22,7 +23,6 @@ from verispec.drafters.cross_vocab import (
 from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.drafters.reencode import ReencodeSession
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
-from verispec.models.draft_vocab import spread
 from verispec.models.protocol import CausalLM
 from verispec.retokenize import DraftText
 from verispec.sampling import draw, logits_to_probs

@@ -6,9 +6,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from verispec.checkpoints.draft_vocab import spread
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
-from verispec.models.draft_vocab import spread
 from verispec.models.options import VocabHead
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from verispec.checkpoints.draft_vocab import head_section
 from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.errors import CheckpointError
-from verispec.models.draft_vocab import head_section
 from verispec.models.native import NativeModel, load_model
 
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)

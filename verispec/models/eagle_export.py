@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from verispec.checkpoints.draft_vocab import VOCAB_FILE, default_size, load_draft_vocab, vocab_file
 from verispec.checkpoints.folder import read_head
 from verispec.errors import InvalidArgumentError
-from verispec.models.draft_vocab import VOCAB_FILE, default_size, load_draft_vocab, vocab_file
 from verispec.models.eagle import without_zero_bias
 from verispec.models.eagle3 import is_eagle3
 

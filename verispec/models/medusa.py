@@ -26,7 +26,7 @@ from torch import nn
 from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
 
-ACCURACY_FILE = "verispec/medusa_accuracy.json"  # beside verispec's other extras (models/draft_vocab.py)
+ACCURACY_FILE = "verispec/medusa_accuracy.json"  # beside verispec's other extras (checkpoints/draft_vocab.py)
 
 
 class ResBlock(nn.Module):

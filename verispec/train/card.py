@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from verispec.checkpoints.draft_vocab import default_size, load_draft_vocab
 from verispec.drafters import Drafter, DraftModel
 from verispec.generate import generate
-from verispec.models.draft_vocab import default_size, load_draft_vocab
 from verispec.models.native import NativeModel
 from verispec.models.options import VocabHead
 from verispec.stats import GenerationStats

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.draft_vocab import save_draft_vocab
+from verispec.checkpoints.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import load_model
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train

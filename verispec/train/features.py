@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verispec.models.draft_vocab import save_draft_vocab
+from verispec.checkpoints.draft_vocab import save_draft_vocab
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel, load_model
 from verispec.models.options import ForwardOptions

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH
+from verispec.checkpoints.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
-from verispec.models.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
 from verispec.models.eagle import load_head
 from verispec.models.eagle3 import load_eagle3
 from verispec.models.medusa import load_heads
