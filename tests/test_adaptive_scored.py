@@ -16,8 +16,7 @@ from verispec.drafters.adaptive import AdaptiveK
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.registry import Method, build_drafter
 from verispec.drafters.suffix import SuffixDecoding
-from verispec.models.default import load_default
-from verispec.models.native import load_model
+from verispec.models.native import load_default, load_model
 from verispec.tree import cut_after_eos, subset
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -18,10 +18,10 @@ import torch
 from verispec import kernels
 from verispec.bench import harness, report
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
+from verispec.checkpoints.shipped import default_paths
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.cli import decode, inputs, loading, main
 from verispec.cli.output import GREEN
-from verispec.models.default import default_paths
 from verispec.threads import torch_threads
 
 generate_module = importlib.import_module("verispec.generate")  # `verispec.generate` the attribute is the function

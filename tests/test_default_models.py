@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from verispec import DraftModel, generate, load_default
+from verispec.checkpoints.shipped import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.cli import main
-from verispec.models.default import DEFAULT_DRAFT, DEFAULT_TARGET
 
 PROMPT = "def parse_header(line):"
 

@@ -15,11 +15,11 @@ from verispec import generate
 from verispec.bench.methods import our_methods
 from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
+from verispec.checkpoints.shipped import shipped_head_for
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.default import shipped_head_for
 from verispec.models.eagle import EagleHead, head_config
 from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
 from verispec.models.native import load_model
@@ -198,7 +198,7 @@ def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(
 ) -> None:
     """`verispec generate --target FILE.gguf --method eagle`: the head under models/ made for that file's model, by
     its metadata, drafting its folder's default; a file of another model is told to pass --head."""
-    import verispec.models.default as default
+    import verispec.checkpoints.shipped as default
 
     q8, q4, tuned = gguf_files
     target = load_model(q8)

@@ -19,8 +19,7 @@ from verispec.engine.kv_budget import KVBudget, byte_size
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.cache import FIRST_SLOTS
-from verispec.models.default import load_default
-from verispec.models.native import load_model
+from verispec.models.native import load_default, load_model
 from verispec.sampling import SamplingParams
 from verispec.threads import torch_threads
 

@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 from drafting import start_session
 from verispec.checkpoints.draft_vocab import OLD_VOCAB_FILE, VOCAB_FILE, load_draft_vocab
+from verispec.checkpoints.shipped import DEFAULT_DRAFT, MODELS
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.default import DEFAULT_DRAFT, MODELS
 from verispec.models.eagle import load_head
 from verispec.models.eagle3 import is_eagle3, save_eagle3
 from verispec.models.eagle_export import TOKEN_MAP_DIR, export_eagle

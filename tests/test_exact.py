@@ -16,9 +16,8 @@ from verispec.errors import ContextLengthError
 from verispec.generate import generate
 from verispec.models import execution
 from verispec.models.cache import SLOT_BLOCK
-from verispec.models.default import load_default
 from verispec.models.layout import TAIL
-from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.native import EXACT_ROWS, NativeModel, load_default, load_model
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
 PREFIX = 10

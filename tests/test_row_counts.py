@@ -10,10 +10,10 @@ import torch
 from verispec import kernels
 from verispec.bench.suite import read_suite
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
+from verispec.checkpoints.shipped import default_paths
 from verispec.checkpoints.tokenizer import load_tokenizer
 from verispec.models import execution
 from verispec.models.cache import KVCache
-from verispec.models.default import default_paths
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 
 

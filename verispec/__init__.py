@@ -35,9 +35,8 @@ from verispec.errors import (
 from verispec.generate import Generation, Stream, generate, stream
 from verispec.grammar import Grammar, TokenGrammar, bind
 from verispec.models.auto import load
-from verispec.models.default import load_default
 from verispec.models.hf_adapter import TransformersModel, load_transformers_model
-from verispec.models.native import NativeModel, load_model
+from verispec.models.native import NativeModel, load_default, load_model
 from verispec.sampling import SamplingParams
 from verispec.stats import GenerationStats
 from verispec.threads import default_threads, set_threads, torch_threads

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from verispec.arguments import whole_number
 from verispec.checkpoints.gguf_file import is_gguf
+from verispec.checkpoints.shipped import MODELS, default_paths, shipped_head_for
 from verispec.cli.inputs import whole_numbers
 from verispec.cli.loading import checked_method, load_models
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError
-from verispec.models.default import MODELS, default_paths, shipped_head_for
 from verispec.models.native import load_model
 from verispec.threads import set_threads, torch_threads
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from verispec.checkpoints.shipped import default_paths
 from verispec.cli.inputs import whole_numbers
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.registry import AUTO, OPTIONS, Method, Resources, build_drafter, check_method
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from verispec.models.auto import load
-from verispec.models.default import default_paths
 from verispec.models.native import own_kernels_run
 from verispec.models.protocol import CausalLM
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from verispec.arguments import whole_number
 from verispec.checkpoints.random_init import random_pair, tiny_config
+from verispec.checkpoints.shipped import DEFAULT_TARGET, MODELS, default_paths
 from verispec.errors import InvalidArgumentError
-from verispec.models.default import DEFAULT_TARGET, MODELS, default_paths
 from verispec.models.native import load_model
 from verispec.threads import set_threads
 

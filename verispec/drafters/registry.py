@@ -15,6 +15,7 @@ from typing import Any, Callable
 from verispec.arguments import whole_number
 from verispec.checkpoints.blocks import FORMATS
 from verispec.checkpoints.draft_vocab import head_draft_vocab, head_section
+from verispec.checkpoints.shipped import default_head
 from verispec.drafters.adaptive import AUTO_MAX_K, AdaptiveK
 from verispec.drafters.base import Drafter, Needs
 from verispec.drafters.cross_vocab import WAYS, translation_for
@@ -28,7 +29,6 @@ from verispec.drafters.selfquant import SelfQuant, skip_option
 from verispec.drafters.suffix import K as SUFFIX_K
 from verispec.drafters.suffix import SuffixDecoding, SuffixOptions
 from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
-from verispec.models.default import default_head
 from verispec.models.eagle import load_head
 from verispec.models.eagle3 import is_eagle3, load_eagle3
 from verispec.models.medusa import load_heads

@@ -14,6 +14,7 @@ from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.folder import check_finite, check_folder, load_weights
 from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.checkpoints.gguf_file import is_gguf
+from verispec.checkpoints.shipped import default_paths
 from verispec.checkpoints.tokenizer import check_tokenizer_fits, eos_token_ids, load_tokenizer
 from verispec.errors import InvalidArgumentError
 from verispec.models.batch_cache import BatchKVCache
@@ -292,3 +293,12 @@ def load_model(
     if fast and packable(torch_dtype, device):
         pack_model(module, EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos, name, exact=exact, kv_dtype=kv_dtype)
+
+
+def load_default(
+    device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *, exact: bool = False
+) -> tuple[NativeModel, NativeModel]:
+    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default. `exact` is the
+    target's mode (see `NativeModel`); the draft runs ordinarily either way, since the target decides every token."""
+    target_dir, draft_dir = default_paths()
+    return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)

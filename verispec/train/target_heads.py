@@ -48,7 +48,7 @@ def distill_answers(
 
 
 def target_identity(target_path: Path) -> dict | None:
-    """What a shipped head records to be found for this target (models/default.py): a GGUF file's fingerprint."""
+    """What a shipped head records to be found for this target (checkpoints/shipped.py): a GGUF file's fingerprint."""
     return gguf_fingerprint(target_path) if is_gguf(target_path) else None
 
 

@@ -1,16 +1,14 @@
-"""The default pair that ships in `models/`: a target and its draft, trained on the Python standard library."""
+"""What ships in `models/` beside the package: the default pair (a target and its draft, trained on the Python
+standard library) and the drafting heads made for a target, found by its fingerprint."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from verispec.checkpoints.draft_vocab import head_section
 from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.errors import CheckpointError
-from verispec.models.native import NativeModel, load_model
 
 MODELS = Path(__file__).resolve().parents[2] / "models"  # beside the package in a clone (pip install -e .)
 DEFAULT_TARGET = MODELS / "stdlib-target"
@@ -26,15 +24,6 @@ def default_paths() -> tuple[Path, Path]:
                 "(pip install -e .), or pass --target/--draft"
             )
     return DEFAULT_TARGET, DEFAULT_DRAFT
-
-
-def load_default(
-    device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *, exact: bool = False
-) -> tuple[NativeModel, NativeModel]:
-    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default. `exact` is the
-    target's mode (see `NativeModel`); the draft runs ordinarily either way, since the target decides every token."""
-    target_dir, draft_dir = default_paths()
-    return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)
 
 
 def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
