@@ -16,10 +16,10 @@ import pytest
 
 from verispec import DraftModel, InvalidArgumentError, generate, load_model
 from verispec.chat import Chat
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.cli.output import GREEN
-from verispec.serve.chat import load_chat_template
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

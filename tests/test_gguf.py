@@ -19,6 +19,7 @@ from gguf_files import CHATML, SHIPPED_TOKENIZER, USER_DEFINED, bpe_vocab, by_na
 from verispec import generate, kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
 from verispec.checkpoints.blocks import QuantizedWeight
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.gguf_tokenizer import read_vocab
@@ -26,7 +27,6 @@ from verispec.checkpoints.mapped import forget_pages
 from verispec.checkpoints.random_init import random_checkpoint, random_weights, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.native import load_model
-from verispec.serve.chat import load_chat_template
 
 TEXTS = [
     "Hello, world!",

@@ -20,6 +20,7 @@ from gguf_files import SHIPPED_TOKENIZER, bpe_vocab, by_name, gguf_config, spm_v
 from test_gguf import TEXTS, _transformers
 from verispec import generate, kernels
 from verispec.bench.gguf_export import write_gguf as export_folder
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.config import llama3_rope_factors
 from verispec.checkpoints.gguf_file import GGUFFile
 from verispec.checkpoints.gguf_tokenizer import TEKKEN, read_vocab
@@ -27,7 +28,6 @@ from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.hf_adapter import load_transformers_model
 from verispec.models.native import load_model
-from verispec.serve.chat import load_chat_template
 
 # Llama 3.1's scaling over a short original context, so that a prompt's positions turn the scaled frequencies far:
 # head_dim 64 at theta 5e5 gives three factors of 1, three interpolated and 26 of 8

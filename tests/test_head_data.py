@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as GGML
 
 from tests.gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.generate import generate
 from verispec.models.native import load_model
-from verispec.serve.chat import load_chat_template
 from verispec.train.distill import answered, answers_file, distill
 from verispec.train.head_data import conversations, frequent_tokens, mixture
 from verispec.train.prompts import KINDS, build_prompts

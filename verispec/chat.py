@@ -22,9 +22,9 @@ Messages = list[dict[str, str]]
 class Chat:
     """`say(text)` streams the assistant's reply to one more user message; `reset()` starts over.
 
-    `render(messages)` is the checkpoint's chat template (`verispec.serve.chat.ChatTemplate.render`): the prompt
-    text, ending where the assistant's reply begins, special tokens included. `options` are `stream`'s; without
-    `max_new_tokens` a reply runs to the end of its turn (the room left in the context).
+    `render(messages)` is the checkpoint's chat template (`verispec.checkpoints.chat_template.ChatTemplate.render`):
+    the prompt text, ending where the assistant's reply begins, special tokens included. `options` are `stream`'s;
+    without `max_new_tokens` a reply runs to the end of its turn (the room left in the context).
     """
 
     def __init__(

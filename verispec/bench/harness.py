@@ -21,6 +21,7 @@ from verispec.bench.runner import run_suite
 from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
 from verispec.bench.spec_bench import is_spec_bench, parsed, turn_prompts
 from verispec.bench.suite import SUITE, check_items, read_suite
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.draft_vocab import default_size, head_section
 from verispec.checkpoints.random_init import random_pair, tiny_config, unrelated_draft
 from verispec.drafters import DraftModel
@@ -35,7 +36,6 @@ from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.twin import twin_refusal
-from verispec.serve.chat import load_chat_template
 from verispec.threads import torch_threads
 from verispec.vocab_map import shared_tokens, token_table
 

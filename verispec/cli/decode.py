@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from verispec.chat import Chat
+from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate, load_chat_template
 from verispec.cli.inputs import check_options, decoding_options, grammar_from, read_prompt, unescape
 from verispec.cli.loading import checked_method, load_models
 from verispec.cli.output import GREEN, RESET, print_stream, stats_lines, use_color
@@ -15,7 +16,6 @@ from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.generate import generate, stream
 from verispec.sampling import SamplingParams
-from verispec.serve.chat import WHERE_TEMPLATES_LIVE, ChatTemplate, load_chat_template
 from verispec.threads import set_threads
 
 

@@ -21,13 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.tokenizer import longest_token_chars
 from verispec.drafters.base import Drafter
 from verispec.engine.engine import Engine
 from verispec.engine.request import Update
 from verispec.errors import ContextLengthError, GrammarError, VerispecError
 from verispec.models.protocol import CausalLM
-from verispec.serve.chat import load_chat_template
 from verispec.serve.guard import Guard
 from verispec.serve.metrics import RequestClock, ServerMetrics
 from verispec.serve.options import ServeOptions

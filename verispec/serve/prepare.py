@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verispec.arguments import prompt_ids, seed_value, stop_strings, unicode_text, whole_number
+from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate
 from verispec.engine.request import Request
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.grammar import Grammar, bind
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams
-from verispec.serve.chat import WHERE_TEMPLATES_LIVE, ChatTemplate
 from verispec.serve.schema import ApiRequest, ChatRequest, CompletionRequest, ResponseFormat
 
 COMPLETION_MAX_TOKENS = 16  # the OpenAI completions API's default; chat defaults to the rest of the context

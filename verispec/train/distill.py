@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from verispec.checkpoints.chat_template import ChatTemplate
 from verispec.drafters.ngram import PromptLookup
 from verispec.generate import generate
 from verispec.models.protocol import CausalLM
-from verispec.serve.chat import ChatTemplate
 from verispec.train.prompts import Prompt
 
 

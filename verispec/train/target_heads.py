@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.models.native import load_model
-from verispec.serve.chat import load_chat_template
 from verispec.train.distill import distill
 from verispec.train.eagle3 import STEPS, train_eagle3
 from verispec.train.head_data import frequent_tokens, head_corpus
