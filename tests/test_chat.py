@@ -11,15 +11,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
+import gguf
 import pytest
 
+from gguf_files import bpe_vocab, gguf_config, write_gguf
 from verispec import DraftModel, InvalidArgumentError, generate, load_model
 from verispec.chat import Chat
+from verispec.checkpoints import gguf_tokenizer
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.cli.output import GREEN
+from verispec.serve.app import serving_app
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -203,3 +208,29 @@ def test_a_reply_runs_to_the_end_of_its_turn_unless_told(chat_pair) -> None:
     assert steps.stats.new_tokens > 128  # the old fixed default
     assert len(chat._cached) == target.context_length - 1  # prompt and reply fill the context (the last token not yet
     # in the cache)
+
+
+def test_a_gguf_targets_tokenizer_is_built_once_per_load(tmp_path, monkeypatch, capsys) -> None:
+    """The chat template of a loaded GGUF target is held by the target's own tokenizer, not a second one built from
+    the file: `generate --chat`, `chat`, the server and a library user's `load_chat_template(path, tokenizer)` build
+    the file's tokenizer once, when the model loads, and render what a template of its own renders."""
+    path = write_gguf(tmp_path / "m.gguf", gguf_config(len(bpe_vocab()[0])), lambda name: gguf.GGMLQuantizationType.F32)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = load_chat_template(path).render(messages)
+    builds = mock.patch.object(gguf_tokenizer, "_byte_level_bpe", wraps=gguf_tokenizer._byte_level_bpe)
+    options = ["--target", str(path), "--max-new-tokens", "2", "--color", "never", "--threads", "1"]
+    with builds as built:
+        assert main(["generate", "--chat", "hi", *options]) == 0
+        assert built.call_count == 1
+        monkeypatch.setattr("builtins.input", lambda prompt: "hi" if built.call_count == 1 else _end())
+        assert main(["chat", *options]) == 0
+        assert built.call_count == 2
+        target = load_model(path)
+        serving_app(target, None, path)
+        assert load_chat_template(path, target.tokenizer).render(messages) == expected
+        assert built.call_count == 3
+    capsys.readouterr()
+
+
+def _end() -> str:
+    raise EOFError

@@ -266,7 +266,7 @@ def _turns(
         check_items(suite)
         return suite if max_new_tokens is None else [item | {"max_new_tokens": max_new_tokens} for item in suite], None
     limit = SPEC_BENCH_TOKENS if max_new_tokens is None else max_new_tokens
-    template = load_chat_template(target_dir)
+    template = load_chat_template(target_dir, target.tokenizer)
     items, skipped = turn_prompts(target, None if template is None else template.render, suite, limit)
     if not items:
         raise InvalidArgumentError(f"no question of the suite fits the context of {target.context_length} tokens")

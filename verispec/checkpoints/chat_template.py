@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from verispec.checkpoints.gguf_file import GGUFFile, is_gguf
-from verispec.checkpoints.gguf_tokenizer import GGUFVocab, read_vocab
+from verispec.checkpoints.gguf_tokenizer import chat_metadata, read_vocab
 from verispec.errors import CheckpointError, InvalidArgumentError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -23,11 +25,13 @@ WHERE_TEMPLATES_LIVE = (
 )  # what a checkpoint without a template lacks
 
 
-def has_chat_template(folder: Path) -> bool:
-    """Whether the checkpoint folder ships a chat template, read without loading a tokenizer."""
-    if (folder / TEMPLATE_FILE).is_file():
+def has_chat_template(checkpoint: Path) -> bool:
+    """Whether the checkpoint folder or GGUF file ships a chat template, read without building a tokenizer."""
+    if is_gguf(checkpoint):
+        return bool(GGUFFile(checkpoint).get("tokenizer.chat_template", str))
+    if (checkpoint / TEMPLATE_FILE).is_file():
         return True
-    config = folder / "tokenizer_config.json"
+    config = checkpoint / "tokenizer_config.json"
     if not config.is_file():
         return False
     try:
@@ -53,15 +57,12 @@ class ChatTemplate:
             raise CheckpointError(f"{folder}: cannot load the tokenizer that holds the chat template ({err})") from None
 
     @classmethod
-    def from_gguf(cls, vocab: GGUFVocab) -> ChatTemplate:
-        """A GGUF file's template, with its special tokens by the names a template uses (`bos_token`, ...)."""
+    def from_gguf(cls, tokenizer: Tokenizer, special_tokens: dict[str, str], template: str) -> ChatTemplate:
+        """A GGUF file's template, with its special tokens by the names a template uses (`bos_token`, ...), held by
+        (a copy of) the file's tokenizer."""
         from transformers import PreTrainedTokenizerFast
 
-        return cls(
-            PreTrainedTokenizerFast(
-                tokenizer_object=vocab.tokenizer, chat_template=vocab.chat_template, **vocab.special_tokens
-            )
-        )
+        return cls(PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template, **special_tokens))
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text; a conversation the template refuses (roles out of order, say) is bad input."""
@@ -73,10 +74,17 @@ class ChatTemplate:
             raise InvalidArgumentError(f"messages: the model's chat template refused them ({err})") from None
 
 
-def load_chat_template(checkpoint: Path) -> ChatTemplate | None:
+def load_chat_template(checkpoint: Path, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
     """The chat template of a checkpoint folder or GGUF file, or None where it has none (chat requests are then
-    refused)."""
+    refused). `tokenizer`: the one a model loaded from the GGUF file already holds (`model.tokenizer`), taken instead
+    of building the file's tokenizer a second time (the template and special tokens are then read from its metadata
+    alone); a folder's template comes with its own transformers tokenizer either way."""
     if is_gguf(checkpoint):
-        vocab = read_vocab(GGUFFile(checkpoint))
-        return ChatTemplate.from_gguf(vocab) if vocab.chat_template else None
+        file = GGUFFile(checkpoint)
+        if tokenizer is None:
+            vocab = read_vocab(file)
+            tokenizer, special_tokens, template = vocab.tokenizer, vocab.special_tokens, vocab.chat_template
+        else:
+            special_tokens, template = chat_metadata(file)
+        return ChatTemplate.from_gguf(tokenizer, special_tokens, template) if template else None
     return ChatTemplate.from_folder(checkpoint) if has_chat_template(checkpoint) else None

@@ -122,9 +122,20 @@ def read_vocab(file: GGUFFile) -> GGUFVocab:
             added[key] = tokens[ids[key]]
     tokenizer.post_processor = _added_around(added.get("bos_token_id"), added.get("eos_token_id"), tokenizer)
     eos_ids = frozenset(ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids)
-    special = {name: tokens[ids[key]] for name, key in SPECIAL_KEYS.items() if key in ids}
     template = file.get("tokenizer.chat_template", str)
-    return GGUFVocab(tokenizer, eos_ids or conventional_eos(tokenizer), special, template)
+    return GGUFVocab(tokenizer, eos_ids or conventional_eos(tokenizer), _by_name(tokens, ids), template)
+
+
+def chat_metadata(file: GGUFFile) -> tuple[dict[str, str], str | None]:
+    """What a chat template needs of `file` besides its tokenizer, read from the metadata alone: the special tokens
+    by transformers' names (`GGUFVocab.special_tokens`) and the template (None where it has none)."""
+    tokens: list[str] = file.get("tokenizer.ggml.tokens", list) or []
+    ids = _special_ids(file, len(tokens), sentencepiece=file.get("tokenizer.ggml.model", str) == "llama")
+    return _by_name(tokens, ids), file.get("tokenizer.chat_template", str)
+
+
+def _by_name(tokens: list[str], ids: dict[str, int]) -> dict[str, str]:
+    return {name: tokens[ids[key]] for name, key in SPECIAL_KEYS.items() if key in ids}
 
 
 def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tuple[Tokenizer, bool]:

@@ -7,8 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from verispec.chat import Chat
-from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate, load_chat_template
+from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate, has_chat_template, load_chat_template
 from verispec.cli.inputs import check_options, decoding_options, grammar_from, read_prompt, unescape
 from verispec.cli.loading import checked_method, load_models
 from verispec.cli.output import GREEN, RESET, print_stream, stats_lines, use_color
@@ -35,7 +37,9 @@ def generate_command(args: argparse.Namespace) -> int:
             *([{"role": "system", "content": args.system}] if args.system else []),
             {"role": "user", "content": args.prompt},
         ]
-        prompt = target.tokenizer.encode(chat_template(args).render(turn), add_special_tokens=False).ids
+        prompt = target.tokenizer.encode(
+            chat_template(args, target.tokenizer).render(turn), add_special_tokens=False
+        ).ids
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
         for warm in (drafter, None):
             generate(target, prompt, warm, **(options | dict(max_new_tokens=min(8, args.max_new_tokens))))
@@ -65,15 +69,20 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_template(args: argparse.Namespace) -> ChatTemplate:
-    """The target checkpoint's own chat template; one without refuses chat rather than guess a format."""
-    template = load_chat_template(Path(args.target))
+def chat_template(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> ChatTemplate:
+    """The target checkpoint's own chat template (held by the loaded target's `tokenizer`, for a GGUF file); one
+    without refuses chat rather than guess a format."""
+    template = load_chat_template(Path(args.target), tokenizer)
     if template is None:
-        raise InvalidArgumentError(
-            f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
-            "model's own; give `verispec generate` a plain prompt instead"
-        )
+        raise _no_template(args)
     return template
+
+
+def _no_template(args: argparse.Namespace) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
+        "model's own; give `verispec generate` a plain prompt instead"
+    )
 
 
 def chat_command(args: argparse.Namespace) -> int:
@@ -83,8 +92,10 @@ def chat_command(args: argparse.Namespace) -> int:
     check_options(args)
     set_threads(args.threads)
     method = checked_method(args)  # (fills in the shipped pair)
-    template = chat_template(args)  # before seconds of loading
+    if not has_chat_template(Path(args.target)):  # before seconds of loading
+        raise _no_template(args)
     target, drafter = load_models(args, method)
+    template = chat_template(args, target.tokenizer)
     chat, color = (
         Chat(target, template.render, drafter, system=args.system, **decoding_options(args)),
         use_color(args.color),

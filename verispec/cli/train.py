@@ -51,7 +51,7 @@ def train_command(args: argparse.Namespace) -> None:
         target = load(args.target, "native", "cpu", "auto", exact=True)
         numbers = write_eagle3_card(
             target,
-            chat_template(args).render,
+            chat_template(args, target.tokenizer).render,
             runs / "eagle3" / "model",
             runs / "eagle3",
             read_suite(Path(args.questions)),

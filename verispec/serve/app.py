@@ -60,7 +60,7 @@ def serving_app(
     step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step, `context` tokens a request and
     `kv_memory` bytes of keys and values in all (engine/kv_budget.py); `options`: who may call it and what it
     accepts."""
-    chat = load_chat_template(target_dir) if target_dir is not None else None
+    chat = load_chat_template(target_dir, target.tokenizer) if target_dir is not None else None
     engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
     longest_text = engine.budget.context * longest_token_chars(target.tokenizer)
     model = ServedModel(

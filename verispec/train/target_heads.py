@@ -41,7 +41,7 @@ def distill_answers(
         file.write_text("".join(json.dumps({"key": p.key, "turns": p.turns}) + "\n" for p in drawn))
     prompts = [Prompt(d["key"], tuple(d["turns"])) for d in map(json.loads, file.read_text().splitlines())][:count]
     target = load_model(target_path, dtype="auto", exact=True)
-    template = load_chat_template(target_path)
+    template = load_chat_template(target_path, target.tokenizer)
     if template is None:
         raise ValueError(f"{target_path} has no chat template to render the prompts with")
     return distill(target, template, prompts, folder, shard, shards, max_new_tokens)
