@@ -10,8 +10,8 @@ from verispec.bench.metrics import summarize
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import Medusa
-from verispec.models.eagle import EagleHead, head_config
-from verispec.models.medusa import MedusaHeads
+from verispec.heads.eagle import EagleHead, head_config
+from verispec.heads.medusa import MedusaHeads
 
 
 class MadeUpPrices:

@@ -14,11 +14,11 @@ import torch
 from drafting import in_threads
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
+from verispec.heads.eagle import EagleHead, head_config
 from verispec.kernels.capture import Program
 from verispec.models import captured
 from verispec.models.cache import KVCache
 from verispec.models.captured import CapturedForward
-from verispec.models.eagle import EagleHead, head_config
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
 from verispec.train.loop import init_weights
 

@@ -18,8 +18,8 @@ from verispec.drafters.adaptive import AdaptiveK, AdaptiveSession
 from verispec.drafters.base import Needs, Proposal, Verdict
 from verispec.drafters.draft_model import DraftModel, DraftModelSession
 from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, check_method
-from verispec.models.eagle import EagleHead, head_config, save_head
-from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.heads.eagle import EagleHead, head_config, save_head
+from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.models.native import load_model
 from verispec.models.protocol import FINAL, Capabilities
 from verispec.train.loop import init_weights

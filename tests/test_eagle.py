@@ -17,7 +17,7 @@ from verispec.drafters.base import Verdict
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError
-from verispec.models.eagle import EagleHead, head_config, load_head, save_head
+from verispec.heads.eagle import EagleHead, head_config, load_head, save_head
 from verispec.models.native import load_model
 from verispec.sampling import SamplingParams
 from verispec.train.eagle import agreement_evaluator, eagle_loss

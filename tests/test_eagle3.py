@@ -20,8 +20,8 @@ from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.eagle import EagleHead, head_config
-from verispec.models.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
+from verispec.heads.eagle import EagleHead, head_config
+from verispec.heads.eagle3 import ARCHITECTURE, feature_layers, is_eagle3, load_eagle3, save_eagle3
 from verispec.models.native import load_model
 from verispec.threads import torch_threads
 from verispec.train.eagle3 import agreement_evaluator, eagle3_loss, new_head, unrolled

@@ -18,9 +18,9 @@ from verispec.checkpoints.shipped import DEFAULT_DRAFT, MODELS
 from verispec.cli import main
 from verispec.drafters.eagle import Eagle
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.eagle import load_head
-from verispec.models.eagle3 import is_eagle3, save_eagle3
-from verispec.models.eagle_export import TOKEN_MAP_DIR, export_eagle
+from verispec.heads.eagle import load_head
+from verispec.heads.eagle3 import is_eagle3, save_eagle3
+from verispec.heads.eagle_export import TOKEN_MAP_DIR, export_eagle
 from verispec.models.native import load_model
 from verispec.train.eagle3 import new_head
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from verispec.checkpoints.draft_vocab import save_draft_vocab
-from verispec.models.eagle import EagleHead, head_config, save_head
-from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.heads.eagle import EagleHead, head_config, save_head
+from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.train.head_cards import write_eagle_card, write_medusa_card
 from verispec.train.loop import init_weights
 

@@ -15,7 +15,7 @@ from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.drafters.medusa import Medusa
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.errors import CheckpointError, IncompatibleTargetError
-from verispec.models.medusa import MedusaHeads, best_paths, load_heads, save_heads
+from verispec.heads.medusa import MedusaHeads, best_paths, load_heads, save_heads
 from verispec.models.native import load_model
 from verispec.train.loop import TrainConfig, train
 from verispec.train.medusa import accuracy_evaluator, medusa_loss

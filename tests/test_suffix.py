@@ -370,7 +370,7 @@ def test_the_eagle_combination_drafts_with_the_head_where_matches_are_short(tmp_
     import torch
 
     from verispec.drafters.registry import Resources
-    from verispec.models.eagle import EagleHead, head_config, save_head
+    from verispec.heads.eagle import EagleHead, head_config, save_head
     from verispec.train.loop import init_weights
 
     torch.manual_seed(0)

@@ -31,8 +31,8 @@ from verispec.drafters.registry import Method, Resources, build_drafter, method_
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
-from verispec.models.eagle import EagleHead, head_config, save_head
-from verispec.models.medusa import MedusaHeads, save_heads
+from verispec.heads.eagle import EagleHead, head_config, save_head
+from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.twin import twin_refusal

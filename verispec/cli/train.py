@@ -129,7 +129,7 @@ def init_random_command(args: argparse.Namespace) -> None:
 
 def export_command(args: argparse.Namespace) -> None:
     """`verispec export eagle OUT --for ENGINE`: the EAGLE head as vLLM or SGLang loads it."""
-    from verispec.models.eagle_export import export_eagle
+    from verispec.heads.eagle_export import export_eagle
 
     head = Path(args.head) if args.head else MODELS / "stdlib-eagle"
     draft_vocab = None if args.draft_vocab is None else whole_number(args.draft_vocab, "--draft-vocab", 0)

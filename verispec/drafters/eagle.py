@@ -17,7 +17,7 @@ SpecInfer's rule (draws without replacement from p) stays lossless.
 8192-wide LM head is most of the head's cost on a small target, and verification stays exact because the target
 still scores the full vocabulary; a token outside the subset is simply never proposed.
 
-An EAGLE-3 head (models/eagle3.py) drafts the same way from the target's fused low, middle and high features (the
+An EAGLE-3 head (heads/eagle3.py) drafts the same way from the target's fused low, middle and high features (the
 blocks its `feature_layers` name) and over its own LM head and draft vocabulary (`own_vocab`); a head declares both.
 """
 
@@ -30,8 +30,8 @@ import torch
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
-from verispec.models.eagle import EagleHead
-from verispec.models.eagle3 import Eagle3Head
+from verispec.heads.eagle import EagleHead
+from verispec.heads.eagle3 import Eagle3Head
 from verispec.models.linear import matmul_by
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.sampling import constrain, draw

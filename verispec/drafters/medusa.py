@@ -16,7 +16,7 @@ import torch
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError
-from verispec.models.medusa import MedusaHeads, best_paths
+from verispec.heads.medusa import MedusaHeads, best_paths
 from verispec.models.protocol import FINAL, CausalLM
 
 # Until a head's accuracy is measured, rank r of head i is taken to be right 0.6 * 0.7**i / (r + 1) of the time:

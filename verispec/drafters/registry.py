@@ -29,9 +29,9 @@ from verispec.drafters.selfquant import SelfQuant, skip_option
 from verispec.drafters.suffix import K as SUFFIX_K
 from verispec.drafters.suffix import SuffixDecoding, SuffixOptions
 from verispec.errors import CheckpointError, IncompatibleTargetError, InvalidArgumentError
-from verispec.models.eagle import load_head
-from verispec.models.eagle3 import is_eagle3, load_eagle3
-from verispec.models.medusa import load_heads
+from verispec.heads.eagle import load_head
+from verispec.heads.eagle3 import is_eagle3, load_eagle3
+from verispec.heads.medusa import load_heads
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.models.twin import SAME_HEAD, TwinFormat
 

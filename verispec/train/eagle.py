@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.eagle import EagleHead, head_config, save_head
+from verispec.heads.eagle import EagleHead, head_config, save_head
 from verispec.models.llama import LlamaForCausalLM
 from verispec.train.features import frozen_target, save_frequencies, target_view
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train

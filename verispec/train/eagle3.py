@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.eagle import EagleHead, head_config
-from verispec.models.eagle3 import Eagle3Head, feature_layers, save_eagle3
+from verispec.heads.eagle import EagleHead, head_config
+from verispec.heads.eagle3 import Eagle3Head, feature_layers, save_eagle3
 from verispec.models.layout import apply_rotary, rotary
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.options import ForwardOptions

@@ -10,9 +10,9 @@ from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH
 from verispec.checkpoints.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
-from verispec.models.eagle import load_head
-from verispec.models.eagle3 import load_eagle3
-from verispec.models.medusa import load_heads
+from verispec.heads.eagle import load_head
+from verispec.heads.eagle3 import load_eagle3
+from verispec.heads.medusa import load_heads
 from verispec.models.native import NativeModel
 from verispec.models.timing import head_step_seconds, medusa_step_seconds
 from verispec.train.card import decode_step_time, last_log, measure, validation_prompts

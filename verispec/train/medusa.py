@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.medusa import MedusaHeads, save_heads
 from verispec.train.features import frozen_target, save_frequencies, target_view
 from verispec.train.loop import TrainConfig, even_windows, train
 

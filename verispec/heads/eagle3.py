@@ -24,8 +24,8 @@ from torch import nn
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
+from verispec.heads.eagle import head_layout
 from verispec.models.cache import KVCache
-from verispec.models.eagle import head_layout
 from verispec.models.layout import AttentionMask, rotary
 from verispec.models.llama import MLP, Attention, RMSNorm
 

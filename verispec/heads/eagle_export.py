@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from verispec.checkpoints.draft_vocab import VOCAB_FILE, default_size, load_draft_vocab, vocab_file
 from verispec.checkpoints.folder import read_head
 from verispec.errors import InvalidArgumentError
-from verispec.models.eagle import without_zero_bias
-from verispec.models.eagle3 import is_eagle3
+from verispec.heads.eagle import without_zero_bias
+from verispec.heads.eagle3 import is_eagle3
 
 # The class each engine's registry maps a head's `architectures` to
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}

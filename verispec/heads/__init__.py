@@ -1,0 +1,1 @@
+"""Trained drafting heads: EAGLE, EAGLE-3 and Medusa networks over a target's features, and their exports."""
