@@ -157,9 +157,15 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torc
     save_file(
         {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}, str(folder / "model.safetensors")
     )
-    c = head.config
-    config = {
-        "architectures": ["EagleLlamaForCausalLM"],
+    config = {"architectures": ["EagleLlamaForCausalLM"]} | layer_config(head.config, dtype) | {"bias": False}
+    config["verispec"] = {"drafter": "eagle", "target": target_name}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def layer_config(c: ModelConfig, dtype: torch.dtype) -> dict:
+    """A one-layer head's config.json as a Llama's, the part EAGLE's and EAGLE-3's layouts share."""
+    return {
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": c.hidden_size,
@@ -172,13 +178,9 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, dtype: torc
         "rope_theta": c.rope_theta,
         "vocab_size": c.vocab_size,
         "hidden_act": "silu",
-        "bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "verispec": {"drafter": "eagle", "target": target_name},
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
 
 
 def without_zero_bias(weights: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:

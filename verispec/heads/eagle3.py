@@ -24,7 +24,7 @@ from torch import nn
 from verispec.checkpoints.config import ModelConfig
 from verispec.checkpoints.folder import fill_head, read_head
 from verispec.errors import CheckpointError
-from verispec.heads.eagle import head_layout
+from verispec.heads.eagle import head_layout, layer_config
 from verispec.models.cache import KVCache
 from verispec.models.layout import AttentionMask, rotary
 from verispec.models.llama import MLP, Attention, RMSNorm
@@ -152,27 +152,10 @@ def save_eagle3(
         k: (v if not v.is_floating_point() else v.detach().to(dtype)).contiguous() for k, v in head.state_dict().items()
     }
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    c = head.config
-    config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.dim_per_head,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "vocab_size": c.vocab_size,
-        "draft_vocab_size": len(head.d2t),
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "verispec": {"drafter": "eagle", "target": target_name, "feature_layers": list(head.feature_layers)}
-        | (extra or {}),
-    }
+    config = {"architectures": [ARCHITECTURE]} | layer_config(head.config, dtype) | {"draft_vocab_size": len(head.d2t)}
+    config["verispec"] = {"drafter": "eagle", "target": target_name, "feature_layers": list(head.feature_layers)} | (
+        extra or {}
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
