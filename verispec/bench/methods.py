@@ -12,6 +12,7 @@ import torch
 
 from verispec.drafters.base import Drafter
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE
+from verispec.drafters.eagle import EAGLE_TREE, EAGLE_TREE_DEPTH
 from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.grammar import TokenGrammar
@@ -75,11 +76,6 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
 
     label = f"{method.family} (unrelated) k={method.k}" if unrelated else method.label
     return BenchMethod(label, run, method, unrelated, drafter)
-
-
-# EAGLE-2's tree at the bench, 6 deep: 2 expanded per depth, 10 verified (measured on the shipped pair in bfloat16
-# exact mode, where a forward's rows cost: ahead of 4 expanded and 15 verified, and of 8 or 12 verified)
-EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
 
 
 # Suffix decoding as a tree as wide as its default chain is long; with EAGLE (SAM-Decoding's combination) on the steps

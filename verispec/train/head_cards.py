@@ -6,9 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from verispec.bench.methods import EAGLE_TREE, EAGLE_TREE_DEPTH
 from verispec.checkpoints.draft_vocab import default_size, head_draft_vocab, load_draft_vocab
-from verispec.drafters.eagle import Eagle
+from verispec.drafters.eagle import EAGLE_TREE, EAGLE_TREE_DEPTH, Eagle
 from verispec.drafters.medusa import TREE_TOKENS, Medusa
 from verispec.heads.eagle import load_head
 from verispec.heads.eagle3 import load_eagle3
