@@ -10,12 +10,12 @@ import pytest
 
 from verispec import InvalidArgumentError, generate
 from verispec.bench.harness import BenchOptions, run_bench
-from verispec.bench.spec_bench import MULTI_TURN, is_spec_bench, parsed, parses_as_python, turn_prompts
 from verispec.bench.suite import read_suite
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.cli import main
 from verispec.models.native import load_model
+from verispec.spec_bench import MULTI_TURN, is_spec_bench, parsed, parses_as_python, turn_prompts
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -18,8 +18,6 @@ from verispec.bench.methods import our_methods, ours, transformers_methods, unre
 from verispec.bench.metrics import BASELINE, summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
-from verispec.bench.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
-from verispec.bench.spec_bench import is_spec_bench, parsed, turn_prompts
 from verispec.bench.suite import SUITE, check_items, read_suite
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.draft_vocab import default_size, head_section
@@ -36,6 +34,8 @@ from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.models.native import NativeModel, load_model
 from verispec.models.precision import formats
 from verispec.models.twin import twin_refusal
+from verispec.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
+from verispec.spec_bench import is_spec_bench, parsed, turn_prompts
 from verispec.threads import torch_threads
 from verispec.vocab_map import shared_tokens, token_table
 
@@ -260,7 +260,7 @@ def _turns(
     target: NativeModel, target_dir: Path, suite: list[dict], max_new_tokens: int | None
 ) -> tuple[list[dict], dict | None]:
     """The suite's prompts: a Spec-Bench suite's questions become a prompt per turn, through the target's chat
-    template (`spec_bench.py`), with a note of how; another suite's items as they are, at `max_new_tokens` if
+    template (`verispec/spec_bench.py`), with a note of how; another suite's items as they are, at `max_new_tokens` if
     given."""
     if not is_spec_bench(suite):
         check_items(suite)

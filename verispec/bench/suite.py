@@ -87,7 +87,7 @@ def write_suite(suite: list[dict], path: Path = SUITE) -> None:
 
 
 def read_suite(path: Path = SUITE, per_category: int | None = None) -> list[dict]:
-    """A suite's lines, each a JSON object: this suite's items, or Spec-Bench's questions (bench/spec_bench.py);
+    """A suite's lines, each a JSON object: this suite's items, or Spec-Bench's questions (verispec/spec_bench.py);
     `per_category`: only the first that many of each category, in the file's order."""
     items = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):

@@ -1,5 +1,5 @@
 """Measuring drafters on Spec-Bench questions for a head's card: every turn rendered with the target's chat template
-(a second turn after the target's own first answer, as bench/spec_bench.py does), each method asked for exactly the
+(a second turn after the target's own first answer, as verispec/spec_bench.py does), each method asked for exactly the
 target's plain greedy answer, plain decoding and the methods interleaved turn by turn (so that a busy machine slows
 them alike), greedy.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from verispec.bench.spec_bench import turn_prompts
 from verispec.drafters.base import Drafter
 from verispec.generate import generate
 from verispec.models.protocol import CausalLM
+from verispec.spec_bench import turn_prompts
 from verispec.stats import GenerationStats
 
 

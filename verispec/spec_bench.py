@@ -1,5 +1,6 @@
-"""Spec-Bench (Xia et al. 2024) as a bench suite: its question.jsonl, one question a line with `question_id`,
-`category` and `turns` (the user's messages; MT-bench's questions have two).
+"""Spec-Bench (Xia et al. 2024) as prompts: its question.jsonl, one question a line with `question_id`, `category` and
+`turns` (the user's messages; MT-bench's questions have two). The bench runs them as a suite (bench/harness.py) and
+training measures its heads on them (train/question_measure.py), so they live below both.
 
 Each turn is one prompt of the suite, rendered by the target's chat template. As in Spec-Bench's own inference, a
 second turn follows the model's own first answer: the conversation is the first question, the answer the target gives
