@@ -16,7 +16,7 @@ import torch
 from verispec.arguments import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import CheckpointError, InvalidArgumentError
-from verispec.models.layers import kept_layers, layer_indices
+from verispec.models.kept_layers import kept_layers, layer_indices
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw
 

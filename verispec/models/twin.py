@@ -23,7 +23,7 @@ from torch import nn
 from verispec import kernels
 from verispec.checkpoints.blocks import BLOCK, FORMATS, QuantizedWeight, check_format
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
-from verispec.models.layers import kept_layers, layer_indices
+from verispec.models.kept_layers import kept_layers, layer_indices
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
 from verispec.models.precision import pack_model, projections, quantize_linears
