@@ -23,9 +23,9 @@ from verispec.cli import main
 from verispec.errors import IncompatibleTargetError
 from verispec.models.cache import KVCache
 from verispec.models.execution import Execution
+from verispec.models.forward_options import ForwardOptions
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
-from verispec.models.options import ForwardOptions
 from verispec.models.precision import pack_model
 from verispec.sampling import SamplingParams, logits_to_probs
 

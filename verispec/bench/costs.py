@@ -22,8 +22,8 @@ from verispec.drafters.draft_model import DraftModel, tree_size
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import Medusa
 from verispec.drafters.registry import AUTO
+from verispec.models.forward_options import VocabHead
 from verispec.models.native import NativeModel
-from verispec.models.options import VocabHead
 from verispec.models.timing import forward_seconds, head_step_seconds, medusa_step_seconds
 
 LOOKAHEAD_NOTE = (

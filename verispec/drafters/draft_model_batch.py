@@ -9,7 +9,7 @@ import torch
 from verispec.checkpoints.draft_vocab import spread
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
-from verispec.models.options import VocabHead
+from verispec.models.forward_options import VocabHead
 from verispec.models.protocol import CausalLM
 from verispec.sampling import draw
 

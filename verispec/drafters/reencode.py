@@ -9,7 +9,7 @@ import torch
 
 from verispec.drafters.base import Proposal, Verdict
 from verispec.drafters.cross_vocab import DraftWindow, Translation
-from verispec.models.options import VocabHead
+from verispec.models.forward_options import VocabHead
 from verispec.models.protocol import CausalLM
 from verispec.retokenize import DraftText
 from verispec.sampling import argmax

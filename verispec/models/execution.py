@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
 from verispec.models.captured import lookup, replay, replay_causal, replay_chain
+from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.greedy import argmax
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, as_index, covering, exact_layout, visible_slots
 from verispec.models.linear import packed_here
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.options import ForwardOptions, VocabHead
 from verispec.models.slot_caches import SlotsLayout
 
 LONG_ROWS = 256  # exact mode's chunks on verispec's attention, where they bound only memory (see `_exact`)

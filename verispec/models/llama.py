@@ -16,9 +16,9 @@ from verispec import kernels
 from verispec.checkpoints.config import ModelConfig
 from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
+from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
 from verispec.models.linear import PackedLinear, packed_here, rows_of
-from verispec.models.options import ForwardOptions, VocabHead
 from verispec.models.slot_caches import SlotsLayout
 
 Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`); None on

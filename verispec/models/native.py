@@ -21,9 +21,9 @@ from verispec.models.batch_cache import BatchKVCache
 from verispec.models.cache import KVCache
 from verispec.models.device import usable_device
 from verispec.models.execution import Execution
+from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.options import ForwardOptions, VocabHead
 from verispec.models.precision import (
     file_formats,
     kv_dtype_of,

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import torch
 
+from verispec.models.forward_options import VocabHead
 from verispec.models.linear import matmul_by
 from verispec.models.native import NativeModel
-from verispec.models.options import VocabHead
 
 
 def forward_seconds(

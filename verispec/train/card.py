@@ -13,8 +13,8 @@ import torch
 from verispec.checkpoints.draft_vocab import default_size, load_draft_vocab
 from verispec.drafters import Drafter, DraftModel
 from verispec.generate import generate
+from verispec.models.forward_options import VocabHead
 from verispec.models.native import NativeModel
-from verispec.models.options import VocabHead
 from verispec.stats import GenerationStats
 from verispec.train.corpus import load_split
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from verispec.heads.eagle import EagleHead, head_config
 from verispec.heads.eagle3 import Eagle3Head, feature_layers, save_eagle3
+from verispec.models.forward_options import ForwardOptions
 from verispec.models.layout import apply_rotary, rotary
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.options import ForwardOptions
 from verispec.models.protocol import FINAL
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from verispec.checkpoints.draft_vocab import save_draft_vocab
+from verispec.models.forward_options import ForwardOptions
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel, load_model
-from verispec.models.options import ForwardOptions
 from verispec.models.protocol import FINAL
 from verispec.train.loop import TrainConfig
 from verispec.train.target import tokenized_split
