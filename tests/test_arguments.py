@@ -17,7 +17,7 @@ from verispec import (
     generate,
     stream,
 )
-from verispec.arguments import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from verispec.argument_checks import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from verispec.cli import main
 
 PROMPT = [100, 101, 102, 40, 120, 41, 58, 10]

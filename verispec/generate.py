@@ -8,7 +8,7 @@ from typing import Generator, Iterator, Sequence
 
 import torch
 
-from verispec.arguments import generation_args
+from verispec.argument_checks import generation_args
 from verispec.commit import commit_step
 from verispec.constraint import Constraint
 from verispec.detokenize import Piece, TextTracker

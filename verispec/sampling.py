@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.arguments import real_number, whole_number
+from verispec.argument_checks import real_number, whole_number
 from verispec.errors import InvalidArgumentError
 from verispec.models.greedy import argmax
 

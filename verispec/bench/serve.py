@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidArgumentError, VerispecError
 from verispec.models.protocol import CausalLM

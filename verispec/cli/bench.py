@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.checkpoints.shipped import MODELS, default_paths, shipped_head_for
 from verispec.cli.inputs import whole_numbers

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.checkpoints.random_init import random_pair, tiny_config
 from verispec.checkpoints.shipped import DEFAULT_TARGET, MODELS, default_paths
 from verispec.errors import InvalidArgumentError

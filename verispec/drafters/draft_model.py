@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.checkpoints.draft_vocab import spread
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.drafters.cross_vocab import (

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.heads.eagle import EagleHead

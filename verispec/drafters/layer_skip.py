@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.kept_layers import kept_layers, layer_indices

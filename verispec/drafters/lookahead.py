@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
 from verispec.models.greedy import argmax
 from verispec.models.protocol import CausalLM

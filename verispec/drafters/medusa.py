@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.errors import IncompatibleTargetError
 from verispec.heads.medusa import MedusaHeads, best_paths

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
 from verispec.errors import InvalidArgumentError

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.checkpoints.blocks import FORMATS
 from verispec.checkpoints.draft_vocab import head_draft_vocab, head_section
 from verispec.checkpoints.shipped import default_head

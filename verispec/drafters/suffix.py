@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from verispec.arguments import real_number, whole_number
+from verispec.argument_checks import real_number, whole_number
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Needs, Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
 from verispec.drafters.suffix_tree import NOTHING, Candidate, Limits, SuffixTree, TreeSequence

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from verispec.arguments import generation_args, whole_number
+from verispec.argument_checks import generation_args, whole_number
 from verispec.cost_model import Acceptance, Costs
 from verispec.detokenize import TextTracker
 from verispec.drafters.base import Drafter, Proposal, Verdict, check_target

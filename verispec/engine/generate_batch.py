@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from verispec.arguments import prompt_ids, stop_strings
+from verispec.argument_checks import prompt_ids, stop_strings
 from verispec.drafters.base import Drafter
 from verispec.engine.engine import Engine
 from verispec.engine.request import Request

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.errors import InvalidArgumentError
 
 API_KEY_ENV = "VERISPEC_API_KEY"  # read where --api-key is not given

@@ -1,15 +1,15 @@
 """An OpenAI request body -> the engine's `Request`: the prompt's tokens, the token limit and sampling, checked.
 
-Ranges are judged by the Python API's own validators (`verispec.arguments`, `SamplingParams`), so the server refuses
-exactly what `verispec.generate` refuses, with the same words; each refusal is a `VerispecError` that the app turns
-into OpenAI's 400 error JSON.
+Ranges are judged by the Python API's own validators (`verispec.argument_checks`, `SamplingParams`), so the server
+refuses exactly what `verispec.generate` refuses, with the same words; each refusal is a `VerispecError` that the app
+turns into OpenAI's 400 error JSON.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.arguments import prompt_ids, seed_value, stop_strings, unicode_text, whole_number
+from verispec.argument_checks import prompt_ids, seed_value, stop_strings, unicode_text, whole_number
 from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate
 from verispec.engine.request import Request
 from verispec.errors import ContextLengthError, InvalidArgumentError

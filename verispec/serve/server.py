@@ -19,7 +19,7 @@ import uvicorn
 import uvicorn.config
 from fastapi import FastAPI
 
-from verispec.arguments import whole_number
+from verispec.argument_checks import whole_number
 from verispec.errors import InvalidArgumentError
 from verispec.serve.options import SHUTDOWN_MARGIN
 
