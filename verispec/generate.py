@@ -15,7 +15,7 @@ from verispec.detokenize import Piece, TextTracker
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, Verdict, check_target
 from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.grammar import Grammar, TokenGrammar, bind, grammar_option
-from verispec.models.protocol import Cache, CausalLM
+from verispec.models.protocol import CausalLM, SequenceCache
 from verispec.sampling import SamplingParams, seeded_generator
 from verispec.stats import GenerationStats
 from verispec.step import speculative_step
@@ -60,7 +60,7 @@ def stream(
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
-    cache: Cache | None = None,
+    cache: SequenceCache | None = None,
     json_schema: dict | str | None = None,
     regex: str | None = None,
     grammar: str | Grammar | TokenGrammar | None = None,
@@ -131,7 +131,7 @@ class _Run:
     generator: torch.Generator
     max_new_tokens: int
     eos: frozenset[int]
-    cache: Cache
+    cache: SequenceCache
     text: TextTracker
     grammar: Constraint | None
     stats: GenerationStats = field(default_factory=GenerationStats)

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from verispec.constraint import Constraint
-from verispec.models.protocol import Cache, CausalLM
+from verispec.models.protocol import CausalLM, SequenceCache
 from verispec.proposal import Proposal
 from verispec.sampling import SamplingParams, constrain
 from verispec.tree import layout, verify_tree
@@ -26,7 +26,7 @@ class StepResult:
 
 def speculative_step(
     target: CausalLM,
-    cache: Cache,
+    cache: SequenceCache,
     last: int,
     proposal: Proposal,
     sampling: SamplingParams,

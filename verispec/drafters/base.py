@@ -14,7 +14,7 @@ import torch
 
 from verispec.constraint import Constraint
 from verispec.errors import IncompatibleTargetError
-from verispec.models.protocol import Cache, CausalLM
+from verispec.models.protocol import CausalLM, SequenceCache
 from verispec.proposal import Proposal, SideBranch, Verdict
 from verispec.sampling import SamplingParams
 
@@ -41,7 +41,7 @@ class DraftContext:
     generator: torch.Generator
     # The target's cache: at each `propose` it holds every committed token but the last. A drafter that runs the
     # target itself (layer skip) may write past that and must truncate back before returning.
-    cache: Cache
+    cache: SequenceCache
     # (len(prompt) - 1, len(layers), D): the target's hidden states at the prefilled prompt tokens (all but the
     # last), when `needs.hidden_states` names layers; None otherwise.
     hidden: torch.Tensor | None = None

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
-from verispec.models.protocol import Cache, CausalLM
+from verispec.models.protocol import CausalLM, SequenceCache
 from verispec.retokenize import DraftText, Encoder
 from verispec.vocab_map import VocabMap, shared_tokens, token_table
 
@@ -95,7 +95,7 @@ class DraftWindow:
         self.offset = 0  # the first token of text.ids the draft reads
         self.fed: list[int] = []
 
-    def sync(self, cache: Cache, context: Sequence[int]) -> list[int]:
+    def sync(self, cache: SequenceCache, context: Sequence[int]) -> list[int]:
         """The draft's tokens for `context` (committed target tokens), within the window; the cache cut back to what
         it holds of them, at least their last one left unseen (its logits are the first draft step's)."""
         same = self.text.update(context) - self.offset

@@ -34,7 +34,10 @@ class Capabilities:
     twins: bool = False
 
 
-class Cache(Protocol):
+class SequenceCache(Protocol):
+    """One sequence's cache as the generation loop drives it (a native `KVCache`, an adapted model's cache): a length
+    that rolls back after each verdict. Where a forward stores its keys and values is `models/llama.py`'s `Cache`."""
+
     length: int
     max_len: int
 
@@ -57,13 +60,13 @@ class CausalLM(Protocol):
     capabilities: Capabilities
     device: torch.device
 
-    def new_cache(self, max_len: int | None = None) -> Cache:
+    def new_cache(self, max_len: int | None = None) -> SequenceCache:
         """An empty cache for one sequence, `max_len` defaulting to the context length."""
 
     def __call__(
         self,
         tokens: torch.Tensor,
-        cache: Cache,
+        cache: SequenceCache,
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         *,
