@@ -201,9 +201,9 @@ def _selfquant(method: Method, res: Resources) -> SelfQuant:
 def _eagle(method: Method, res: Resources) -> Eagle:
     _reads_features(res, "eagle")
     folder = res.head_dir or default_head(res.target_dir, "eagle")
-    own = is_eagle3(folder)  # an EAGLE-3 head, with its own draft vocabulary
-    head = (load_eagle3 if own else load_head)(folder, res.target.config, res.target.dtype, res.target.device)
-    if own and method.options.get("draft_vocab"):
+    eagle3 = is_eagle3(folder)  # an EAGLE-3 head, with its own draft vocabulary
+    head = (load_eagle3 if eagle3 else load_head)(folder, res.target.config, res.target.dtype, res.target.device)
+    if eagle3 and method.options.get("draft_vocab"):
         raise InvalidArgumentError(
             f"this EAGLE-3 head drafts over its own {len(head.own_vocab)}-token vocabulary; it takes no draft_vocab"
         )
@@ -215,7 +215,7 @@ def _eagle(method: Method, res: Resources) -> Eagle:
             "an EAGLE tree takes both tree_top_k (nodes expanded per depth, children per "
             "node) and tree_tokens (nodes verified)"
         )
-    vocab = None if own else _draft_vocab(method, folder)
+    vocab = None if eagle3 else _draft_vocab(method, folder)
     return Eagle(head, method.k or 4, vocab, tree=None if tree[0] is None else tree)
 
 

@@ -181,9 +181,10 @@ class SuffixSession:
                 ]
             )
         if self.fallback is not None:
-            own = bool(best.tokens) and best.match >= self.drafter.fallback_below
-            proposal = self.fallback.propose(context, 0 if own else k)  # 0: it drafts nothing but follows the text
-            if not own:
+            suffix_proposes = bool(best.tokens) and best.match >= self.drafter.fallback_below
+            # k 0 where the suffix trees propose: the fallback drafts nothing but follows the text
+            proposal = self.fallback.propose(context, 0 if suffix_proposes else k)
+            if not suffix_proposes:
                 return proposal
         return Proposal(best.tokens, None, best.parents if self.limits.tree else None, confidence=best.probs)
 

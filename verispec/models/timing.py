@@ -46,8 +46,8 @@ def head_step_seconds(
     feature = torch.zeros(1, width, target.hidden_size, dtype=target.dtype, device=target.device)
     embedding = target.embed(torch.zeros(1, width, dtype=torch.long, device=target.device))
     cache = head.new_cache(context + width, target.dtype, target.device)
-    own = head.own_vocab is not None  # as the drafter runs it
-    times, lm_head = [], head.logits if own else matmul_by(target.lm_head_weight[:vocab].contiguous())
+    has_own_head = head.own_vocab is not None  # as the drafter runs it
+    times, lm_head = [], head.logits if has_own_head else matmul_by(target.lm_head_weight[:vocab].contiguous())
     with torch.inference_mode():
         head(feature[:, :1].expand(1, context, -1), embedding[:, :1].expand(1, context, -1), cache)
         for _ in range(repeats):
