@@ -123,22 +123,22 @@ class Execution:
         cache.reserve(tokens.shape[1] + n - 1)
         start = cache.length
         try:
-            own = self._captured(tokens, cache)
-            if own and tokens.shape[1] > 2:
+            replaying = self._captured(tokens, cache)
+            if replaying and tokens.shape[1] > 2:
                 self.forward(tokens[:, :-1], cache, ForwardOptions(logits_from=tokens.shape[1] - 2))
                 tokens = tokens[:, -1:]
             T, ids = tokens.shape[1], None if head is None else head.ids
             vocab = vocab if head is None else len(ids)
             first = (
                 lookup(self.captured, self._key(T, ForwardOptions(logits_from=T - 1, head=head), cache))
-                if own
+                if replaying
                 else None
             )
             step = (
                 first
                 if T == 1
                 else lookup(self.captured, self._key(1, ForwardOptions(head=head), cache))
-                if own
+                if replaying
                 else None
             )
             if first is None or step is None:
@@ -214,11 +214,11 @@ class Execution:
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         start, slots, device = cache.length, cache.slots, tokens.device
-        own = self.module.own_attention
+        on_kernels = self.module.own_attention
         floor = self.row_floor(cache.rows)
-        R = LONG_ROWS if own else cache.rows
+        R = LONG_ROWS if on_kernels else cache.rows
         # (T, P) the cache slots each token sees, as `VisibleSlots` takes them (uint8) or `FixedWidthKeys` (bool)
-        visible = visible_slots(options.mask, T, start, slots, torch.uint8 if own else torch.bool, device)
+        visible = visible_slots(options.mask, T, start, slots, torch.uint8 if on_kernels else torch.bool, device)
         if T > R and any(visible[c : c + R, start + c + R :].any() for c in range(0, T - R, R)):
             raise ValueError(f"exact mode runs {T} tokens as chunks of {R}; a token here sees a later chunk's")
         logits, states = [], []
@@ -239,7 +239,10 @@ class Execution:
                 elif floor > 1:
                     first = 0  # a padded chunk's head runs over all its rows: always the same count
                 out = self._run(
-                    x, cache, exact_layout(own, rows, cache.width), replace(options, positions=where, logits_from=first)
+                    x,
+                    cache,
+                    exact_layout(on_kernels, rows, cache.width),
+                    replace(options, positions=where, logits_from=first),
                 )
                 out = (out, None) if options.hidden is None else out
                 logits.append(out[0][:, : max(n - first, 0)])
