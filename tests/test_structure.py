@@ -1,16 +1,48 @@
 """The package's shape, read from its source: no import cycles inside verispec/ (imports inside functions and under
-TYPE_CHECKING included), and the two lowest layers (DESIGN.md) import only from themselves and below: kernels/ knows
-nothing of models, models/ nothing of sampling, drafters or anything else above it."""
+TYPE_CHECKING included), and every module in one of the layers below, importing only from its own layer and the
+layers under it, never from one above (docs/architecture.md shows the same table). A module whose package or name is
+in no layer fails too, so that a new one is placed on purpose."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "verispec"
-# What each of the lowest layers may import (DESIGN.md), besides itself: everything else is above it. Named as what
-# is allowed, not what is forbidden, so that a module added above (or one forgotten, as sampling was) is caught too.
-BELOW = {"kernels": (), "models": ("kernels", "errors", "checkpoints")}
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+# The layers, lowest first, by the top-level package or module of verispec/ each holds ("": the package's own
+# __init__.py, the public API, which loads every layer). Within a layer imports may go sideways (the cycle test still
+# holds them); across layers only down.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "openmp"),  # the exceptions; OpenMP's wait policy, set before torch loads
+    ("kernels", "threads"),  # the C++ kernels, their pool and the thread count; nothing of models
+    ("checkpoints",),  # HF folders and GGUF files, configs, tokenizers, chat templates, fingerprints
+    ("models",),  # the math, layouts, how a forward runs, precisions, caches, the CausalLM protocol
+    ("heads",),  # EAGLE, EAGLE-3 and Medusa networks and their export
+    (  # the pure pieces of a step, and the oracle (reference) the tests hold the runtime against
+        "argument_checks",
+        "proposal",
+        "cost_model",
+        "sampling",
+        "verify",
+        "tree",
+        "constraint",
+        "grammar",
+        "vocab_map",
+        "retokenize",
+        "stats",
+        "stops",
+        "detokenize",
+        "reference",
+    ),
+    ("drafters",),  # one file per family behind the Drafter protocol; the registry
+    ("step", "commit", "generate", "chat", "engine", "spec_bench"),  # the loops, single and batched, and their users
+    ("serve", "train"),  # the server; training
+    ("bench",),  # measures the methods, servers (serve/) and the training corpus's splits (train/)
+    ("cli", ""),  # the command line; the package's API
+)
+LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
 def module_name(path: Path) -> str:
@@ -80,32 +112,48 @@ def test_no_import_cycles() -> None:
     assert cycle is None, "an import cycle: " + " -> ".join(cycle)
 
 
-def upward(graph: dict[str, set[str]], layer: str) -> set[str]:
-    """The imports out of `layer` (a package of verispec) into anything but itself and the modules below it."""
-    allowed = tuple(f"verispec.{name}" for name in (layer, *BELOW[layer]))
-    inside = lambda module, name: module == name or module.startswith(f"{name}.")
+def unit(module: str) -> str:
+    """The top-level package or module of verispec/ that holds `module` ("" for the package itself)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def upward(graph: dict[str, set[str]]) -> set[str]:
+    """Every import in `graph` from a module into a layer above its own."""
     return {
         f"{module} -> {other}"
-        for module in graph
-        if inside(module, f"verispec.{layer}")
-        for other in graph[module]
-        if not any(inside(other, name) for name in allowed)
+        for module, others in graph.items()
+        for other in others
+        if LAYER[unit(other)] > LAYER[unit(module)]
     }
+
+
+def test_every_module_is_in_one_layer() -> None:
+    units = {unit(module) for module in MODULES}
+    assert not units - set(LAYER), "in no layer"
+    assert not set(LAYER) - units, "a layer names what is not there"
+    assert len(LAYER) == sum(map(len, LAYERS)), "a unit in two layers"
 
 
 def test_the_upward_check_sees_any_module_above() -> None:
     """A model that imports sampling (above it, though neither drafters nor the loop) is caught, as is one that
-    imports the package itself (whose __init__ loads every layer)."""
+    imports the package itself (whose __init__ loads every layer); a sideways import within a layer is not."""
     graph = {
         "verispec.models.execution": {"verispec.sampling", "verispec.models.llama", "verispec.kernels.capture"},
         "verispec.models.native": {"verispec", "verispec.errors", "verispec.checkpoints.tokenizer"},
+        "verispec.sampling": {"verispec.argument_checks"},
     }
-    assert upward(graph, "models") == {
-        "verispec.models.execution -> verispec.sampling",
-        "verispec.models.native -> verispec",
-    }
+    assert upward(graph) == {"verispec.models.execution -> verispec.sampling", "verispec.models.native -> verispec"}
 
 
-def test_models_and_kernels_import_nothing_from_the_layers_above() -> None:
-    found = upward(GRAPH, "models") | upward(GRAPH, "kernels")
+def test_no_module_imports_from_a_layer_above() -> None:
+    found = upward(GRAPH)
     assert not found, sorted(found)
+
+
+def test_the_architecture_doc_shows_these_layers() -> None:
+    """docs/architecture.md's table of layers names the same units, row for row, lowest first."""
+    section = ARCHITECTURE.read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    names = lambda cell: {name.removesuffix("/").removesuffix(".py") for name in re.findall(r"`([^`]+)`", cell)}
+    shown = [{"" if name == "verispec/__init__" else name for name in names(row)} for row in rows]
+    assert shown == [set(units) for units in LAYERS]
