@@ -4,8 +4,8 @@
 
 Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
 (ggml's blocks, untouched: views of the file's memory map, models/gguf_file.py); F32, F16 and BF16 as torch tensors of
-that dtype; the other block formats read here
-(Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package (ggml's reference code).
+that dtype; the other block formats read here (Q2_K, Q3_K) as float32, dequantized exactly by the `gguf` package
+(ggml's reference code).
 
 Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
 llama.cpp's converter reorders each head's rows of W_q and W_k for llama (its RoPE rotates adjacent pairs, Hugging
