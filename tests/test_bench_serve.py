@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import resource
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from verispec import kernels
+from verispec.bench.serve import Level, _server_peak_rss, format_table
 from verispec.cli import main
 from verispec.models.native import load_model
 from verispec.serve.app import serving_app
@@ -90,6 +94,24 @@ def test_bench_serve_url(pair_dirs: tuple[Path, Path], suite: Path, tmp_path: Pa
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert list(results) == ["mine", server.url] and results["mine"][0]["tokens"] == 2 * 3
+    # Each server's peak resident memory, from its /metrics (here this process's own, which holds the server).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert all(0 < level["server_peak_rss"] <= peak for levels in results.values() for level in levels)
+    row = (tmp_path / "report.md").read_text().split("| mine | 2 |")[1].splitlines()[0]
+    assert row.rstrip(" |").split("| ")[-1] == f"{results['mine'][0]['server_peak_rss'] / 2**30:.2f}"
+
+
+def test_a_server_without_the_peak_in_its_metrics_still_measures() -> None:
+    """vLLM's and SGLang's /metrics have no verispec gauge, and a server may have no /metrics: the column says `-`."""
+
+    async def scrape(metrics: httpx.Response) -> float | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: metrics)) as client:
+            return await _server_peak_rss(client, "http://server")
+
+    for metrics in (httpx.Response(200, text="vllm:num_requests_running 0.0\n"), httpx.Response(404)):
+        assert asyncio.run(scrape(metrics)) is None
+    level = Level(1, 1, 1, 1.0, 1.0, 0.1, 0.1, 0.0, 0.0, 0.0, 1)
+    assert format_table({"theirs": [level]}).splitlines()[-1].endswith("| 1/1 | - |")
 
 
 def test_bench_serve_refuses(suite: Path, capsys: pytest.CaptureFixture) -> None:

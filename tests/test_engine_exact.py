@@ -15,6 +15,7 @@ from verispec import kernels
 from verispec.drafters import DraftModel, PromptLookup, SuffixDecoding
 from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.engine import Engine, Request
+from verispec.engine import engine as engine_module
 from verispec.engine.kv_budget import KVBudget, byte_size
 from verispec.errors import ContextLengthError, InvalidArgumentError
 from verispec.generate import generate
@@ -122,6 +123,31 @@ def test_staggered_requests_on_the_shipped_pair_and_a_block_format_gguf(which, k
         generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens for prompt, limit in zip(PROMPTS, limits)
     ]
     assert staggered(Engine(target, make(), max_batch=8, adaptive=False), limits) == dict(enumerate(alone))
+
+
+def test_prompts_that_join_together_prefill_in_bounded_forwards(k_quant_file, monkeypatch) -> None:
+    """Prompts joining at once are prefilled a window of columns at a time, at most about PREFILL_ROWS real tokens a
+    forward (its activations' memory), and every request still gets its tokens alone."""
+    target = load_model(k_quant_file, dtype="auto", exact=True)
+    limits = [6, 3, 9, 4, 7, 2, 5, 8]
+    alone = [
+        generate(target, prompt, max_new_tokens=limit, ignore_eos=True).tokens for prompt, limit in zip(PROMPTS, limits)
+    ]
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 10)
+    real_rows, forward_batch = [], target.forward_batch
+
+    def counted(tokens, cache, slots, counts, head=None, logits=True):
+        if not logits:
+            real_rows.append(sum(counts))
+        return forward_batch(tokens, cache, slots, counts, head, logits)
+
+    monkeypatch.setattr(target, "forward_batch", counted)
+    engine = Engine(target, SuffixDecoding(3), max_batch=8, adaptive=False)
+    ids = [engine.add(Request(prompt, limit, GREEDY, ignore_eos=True)) for prompt, limit in zip(PROMPTS, limits)]
+    updates = run(engine)
+    assert [tokens(updates[i]) for i in ids] == alone
+    prompt_tokens = sum(len(prompt) - 1 for prompt in PROMPTS)
+    assert sum(real_rows) == prompt_tokens and len(real_rows) > 1 and max(real_rows) <= max(10, len(PROMPTS))
 
 
 def test_a_seeded_sampled_request_draws_the_same_alone_and_beside_others(pair_dirs) -> None:

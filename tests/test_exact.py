@@ -201,8 +201,7 @@ def test_a_tree_past_the_tail_width_equals_its_paths_decoded_alone(exact: Native
 
 def test_a_tree_may_be_as_deep_as_the_tail_and_no_deeper_on_torch_kernels(exact_torch: NativeModel) -> None:
     """A branch under the root's second child sits one slot past its positions: its keys are out of place.
-    `FixedWidthKeys`
-    gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
+    `FixedWidthKeys` gathers a row's last TAIL keys into place, so on PyTorch's kernels a deeper branch is refused."""
     exact = exact_torch
     parents = [-1, 0, 0] + list(range(2, 2 + TAIL - 1))  # the deepest node is TAIL deep
     tokens = torch.randint(0, 256, (1, len(parents) + 1), generator=torch.Generator().manual_seed(4))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import resource
 import subprocess
 import sys
 import threading
@@ -307,6 +308,9 @@ def test_health_and_metrics(server: ServerThread, client: openai.OpenAI) -> None
         assert name in samples
     assert samples["verispec_generation_tokens_total"] >= 8 and samples["verispec_mean_tokens_per_target_call"] >= 1
     assert 0 < samples["verispec_acceptance_rate"] <= 1 and samples["verispec_time_per_output_token_seconds_count"] >= 1
+    # The server runs in this process: its peak is this process's, and never below what it holds now.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert samples["process_resident_memory_bytes"] <= samples["verispec_process_peak_resident_memory_bytes"] <= peak
 
 
 @pytest.mark.parametrize("grace, max_tokens, reason", [(60.0, 30, "length"), (0.0, 2000, "abort")])

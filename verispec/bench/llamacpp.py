@@ -6,8 +6,8 @@ by default), EOS banned (its `--ignore-eos`), the prompt's max_new_tokens. A GGU
 is, the very file our rows load; a checkpoint folder is written as GGUF (gguf_export) into a temporary folder at the
 bench's dtype, and one the writer refuses leaves its rows out with a note on converting it. The time is llama.cpp's
 own decode-only time as the binary prints it (model loading, process start and prompt prefill excluded); see
-`parse_output` for the lines read.
-The binaries print text, not token ids: the bench compares that text with the text of our autoregressive tokens.
+`parse_output` for the lines read. The binaries print text, not token ids: the bench compares that text with the text
+of our autoregressive tokens.
 """
 
 from __future__ import annotations

@@ -97,17 +97,16 @@ def our_methods(
     cross: bool = False,
 ) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
-    each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as
-    a tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip
-    set of the target's
-    layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with EAGLE) and Medusa
-    (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
+    each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as a
+    tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip set
+    of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with
+    EAGLE) and Medusa (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
     vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
-    full one), and then over the full one too (draft_vocab=0), for comparison. A draft with another tokenizer than
-    the target's (`cross`) has instead the rows of `cross_methods`. `selfquant`: its default (what `--method
-    selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them.
-    `eagle_default`: the EAGLE head's folder names its default draft (verispec.method), which gets a row of its own,
-    "eagle" (`--method eagle` alone)."""
+    full one), and then over the full one too (draft_vocab=0), for comparison. A draft with another tokenizer than the
+    target's (`cross`) has instead the rows of `cross_methods`. `selfquant`: its default (what `--method selfquant`
+    alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them. `eagle_default`: the EAGLE
+    head's folder names its default draft (verispec.method), which gets a row of its own, "eagle" (`--method eagle`
+    alone)."""
     methods = [Method("autoregressive")]
     if draft is not None and cross:
         methods += cross_methods(draft_vocab)

@@ -15,11 +15,10 @@ from verispec.kernels.build import cpu_flags
 LLAMA_CPP_NOTE = (
     " llama.cpp rows (`--llama-cpp`, docs/bench/llama-cpp.md): its binaries on the same checkpoints (a GGUF file as "
     "it is, a folder as a GGUF copy in this dtype), one process per prompt, greedy, EOS banned, at this thread count: "
-    "llama-completion, "
-    "llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time is llama.cpp's own "
-    "timing: its prefill of the prompt (completion's `prompt eval time` line, the others' `encoded N tokens` line) and "
-    "its decoding (completion's `eval time` line, the others' `decoded N tokens` line); their exact match compares "
-    "their text with our autoregressive output's."
+    "llama-completion, llama-speculative-simple with the draft model and llama-lookup (up to 4 drafted). Their time "
+    "is llama.cpp's own timing: its prefill of the prompt (completion's `prompt eval time` line, the others' `encoded "
+    "N tokens` line) and its decoding (completion's `eval time` line, the others' `decoded N tokens` line); their "
+    "exact match compares their text with our autoregressive output's."
 )
 
 
@@ -279,13 +278,12 @@ def write_report(out: Path, summary: dict, records: list[dict], timing: dict, in
         "the methods in a fresh random order for every prompt. tok/s counts the whole generation, the prompt's "
         "prefill included; decode tok/s leaves the prefill out (each row's own measure of it taken off: ours timed, "
         "llama.cpp's as it prints it; transformers' rows are not split). Speedup is against our autoregressive "
-        "baseline: the "
-        "mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at the number "
-        "of tokens it actually drafted (a tree's step: its drafting plus r of the tokens its one forward verifies, "
-        "bench/costs.py); efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
+        "baseline: the mean of per-prompt ratios, and the ratio of total times. Predicted speedup prices each step at "
+        "the number of tokens it actually drafted (a tree's step: its drafting plus r of the tokens its one forward "
+        "verifies, bench/costs.py); efficiency divides the decoding-only speedup (prompt prefill excluded) by it. "
         "Peers: transformers greedy; assisted with its defaults (adaptive number of assistant tokens) and at k = 4 "
-        "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. "
-        "Peak memory is the whole process's."
+        "(constant schedule, no confidence cut-off); prompt lookup with 4 tokens and n-grams up to 3. Peak memory is "
+        "the whole process's."
         + (LLAMA_CPP_NOTE if any(label.startswith("llama.cpp") for label in summary) else "")
         + _spec_bench_note(info)
         + _overlap_note(info)

@@ -76,6 +76,7 @@ class Level:
     itl_p99: float
     tpot_mean: float  # (latency - ttft) / (tokens - 1), averaged over requests
     identical: int  # answers identical to their prompt's answer alone (the reference)
+    server_peak_rss: float | None = None  # bytes, the server process's peak so far, where its /metrics says it
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Timing:
@@ -124,6 +125,7 @@ async def _level(url: str, model: str, work: Workload, concurrency: int, referen
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
+        peak_rss = await _server_peak_rss(client, url)
     ttft = [t.ttft for t in timings]
     gaps = [g for t in timings for g in t.chunk_gaps] or [0.0]
     tpot = [(t.latency - t.ttft) / (t.tokens - 1) for t in timings if t.tokens > 1] or [0.0]
@@ -140,7 +142,23 @@ async def _level(url: str, model: str, work: Workload, concurrency: int, referen
         *np.percentile(gaps, [50, 99]),
         float(np.mean(tpot)),
         sum(t.text == reference[t.prompt] for t in timings),
+        peak_rss,
     )
+
+
+async def _server_peak_rss(client: httpx.AsyncClient, url: str) -> float | None:
+    """The server's peak resident memory in bytes, as verispec's /metrics gives it; None from a server that does not
+    (vLLM, SGLang), so that a bench of theirs still runs."""
+    from verispec.serve.metrics import PEAK_RSS
+
+    response = await client.get(f"{url}/metrics")
+    if response.status_code != 200:
+        return None
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == PEAK_RSS:
+            return float(value)
+    return None
 
 
 def served_model(url: str) -> str:
@@ -217,14 +235,14 @@ def verdict(results: dict[str, list[Level]]) -> list[str]:
 def format_table(results: dict[str, list[Level]]) -> str:
     rows = [
         "| server | clients | requests | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT mean (ms) | "
-        "identical to alone |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "identical to alone | server peak RSS (GiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, levels in results.items():
         rows += [
             f"| {name} | {v.concurrency} | {v.requests} | {v.throughput:.1f} | {1e3 * v.ttft_p50:.0f} / "
             f"{1e3 * v.ttft_p99:.0f} | {1e3 * v.itl_p50:.1f} / {1e3 * v.itl_p99:.1f} | {1e3 * v.tpot_mean:.1f} | "
-            f"{v.identical}/{v.requests} |"
+            f"{v.identical}/{v.requests} | {'-' if v.server_peak_rss is None else f'{v.server_peak_rss / 2**30:.2f}'} |"
             for v in levels
         ]
     return "\n".join(rows)
@@ -259,7 +277,9 @@ def write_report(out: Path, results: dict[str, list[Level]], work: Workload, set
         "TTFT: from sending a request to its first text. ITL: the gap between streamed chunks (one per engine "
         "step; a speculative chunk carries several tokens). TPOT: a request's time per output token after the "
         "first. Identical to alone: answers whose text is the one their prompt got from the first server at "
-        f"{work.concurrency[0]} client{'s' if work.concurrency[0] > 1 else ''}."
+        f"{work.concurrency[0]} client{'s' if work.concurrency[0] > 1 else ''}. Server peak RSS: the server "
+        "process's peak resident memory since it started, read from its /metrics after the level (`-`: a server "
+        "that does not export it); a server measured in this process (no --url) shares it with the clients."
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"

@@ -1,6 +1,6 @@
 """A GGUF checkpoint as the native runtime reads it: the config from the metadata, the tokenizer from
 `tokenizer.ggml.*` (checkpoints/gguf_tokenizer.py), and the weights under the Hugging Face names the native model uses
-(`checkpoint.param_shapes`), Q and K rows back in Hugging Face's order.
+(`folder.param_shapes`), Q and K rows back in Hugging Face's order.
 
 Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as `QuantizedWeight`
 (ggml's blocks, untouched: views of the file's memory map, checkpoints/gguf_file.py); F32, F16 and BF16 as torch

@@ -68,8 +68,7 @@ class Drafter(Protocol):
     width: int  # the most tokens one proposal puts into the target's forward (tree nodes and side branch)
     needs: Needs
     # `begin_batch(target, slots) -> drafters.batch.BatchDraftSession` drafts for the batched engine
-    # (`verispec.engine`);
-    # a drafter that does not declare it cannot draft there
+    # (`verispec.engine`); a drafter that does not declare it cannot draft there
     batched: bool
 
     def check(self, target: CausalLM) -> None:

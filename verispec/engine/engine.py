@@ -26,6 +26,8 @@ from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
 from verispec.tree import cut_after_eos
 
+PREFILL_ROWS = 512  # the most prompt tokens one prefill forward runs: its activations grow with them, and on a
+# server many prompts join at once (a row's result does not depend on the rows beside it, so this bounds memory only)
 POOLED_WEIGHT = 4.0  # tries of its own that the pooled acceptance counts for, as a new sequence's prior
 
 
@@ -175,13 +177,7 @@ class Engine:
             return
         t0, drafting = time.perf_counter(), []
         try:
-            prefill = [s for s in joining if len(s.tokens) > 1]
-            if prefill:
-                counts = [len(s.tokens) - 1 for s in prefill]
-                x = torch.zeros(len(prefill), max(counts), dtype=torch.long, device=self.target.device)
-                for b, s in enumerate(prefill):
-                    x[b, : counts[b]] = torch.tensor(s.tokens[:-1], device=self.target.device)
-                self.target.forward_batch(x, self.cache, [s.slot for s in prefill], counts, logits=False)
+            self._prefill([s for s in joining if len(s.tokens) > 1])
             for s in joining:
                 if self.drafts is not None:
                     self.drafts.add(s.slot, SequenceStart(list(s.tokens), s.request.sampling, s.generator, s.grammar))
@@ -303,6 +299,21 @@ class Engine:
                 self.drafts.rollback(slot, len(contexts[slot]))
                 failed[slot] = err
         return proposals
+
+    def _prefill(self, prefill: list[RequestState]) -> None:
+        """Each sequence's prompt but its last token into its slot, in forwards of at most about PREFILL_ROWS real
+        tokens: a window of the prompts' columns at a time, over the prompts that still have tokens there."""
+        device = self.target.device
+        start, end = 0, max((len(s.tokens) - 1 for s in prefill), default=0)
+        while start < end:
+            rows = [s for s in prefill if len(s.tokens) - 1 > start]
+            width = max(1, PREFILL_ROWS // len(rows))
+            counts = [min(len(s.tokens) - 1 - start, width) for s in rows]
+            x = torch.zeros(len(rows), max(counts), dtype=torch.long, device=device)
+            for b, s in enumerate(rows):
+                x[b, : counts[b]] = torch.tensor(s.tokens[start : start + counts[b]], device=device)
+            self.target.forward_batch(x, self.cache, [s.slot for s in rows], counts, logits=False)
+            start += width
 
     def _time_forward(self, live: list[RequestState], width: int) -> float | None:
         """Seconds of one target forward of `width` tokens per row over the live sequences' slots; the slots are

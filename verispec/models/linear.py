@@ -8,8 +8,7 @@ Fusing the projections that share an input (q, k, v; gate, up) into one matmul h
 and lets each read one longer weight.
 
 Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, on any thread count), a linear uses
-them: they
-stream the weight once for every few rows and give a row the same bits whatever else shares the call.
+them: they stream the weight once for every few rows and give a row the same bits whatever else shares the call.
 Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`,
 bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN
 there), and at more rows oneDNN, each from its own packed copy (so a float32 model laid out for one row holds its

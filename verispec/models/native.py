@@ -62,16 +62,14 @@ class NativeModel:
     """A native Llama-family model with its tokenizer: `model(tokens, cache) -> logits`.
 
     `exact`: its caches are exact mode's (`KVCache(rows=EXACT_ROWS, width=context_length + EXACT_ROWS)`: static on
-    PyTorch's kernels, growing on verispec's), and a position's
-    logits are bitwise the same however many tokens share the forward (plain decoding, a chain, a tree, a prefill
-    chunk): greedy speculative output is then identical to plain greedy decoding in any dtype. On verispec's own
-    kernels (verispec/kernels: an AVX-512 or an AVX2 build, whichever the CPU has) that holds by construction:
-    attention takes each row's own keys (`VisibleSlots`), a forward runs in chunks of 256 rows (memory only), and it
-    costs
-    nothing over ordinary decoding. On PyTorch's every forward attends over the same key width in chunks of at most
-    16 rows, each padded to 16 (at one fixed row count a row's bits do not depend on the others: `Execution.row_floor`),
-    which costs the padding and attention over the whole context width each forward, and a
-    token tree may be at most 32 deep (`FixedWidthKeys`).
+    PyTorch's kernels, growing on verispec's), and a position's logits are bitwise the same however many tokens share
+    the forward (plain decoding, a chain, a tree, a prefill chunk): greedy speculative output is then identical to
+    plain greedy decoding in any dtype. On verispec's own kernels (verispec/kernels: an AVX-512 or an AVX2 build,
+    whichever the CPU has) that holds by construction: attention takes each row's own keys (`VisibleSlots`), a forward
+    runs in chunks of 256 rows (memory only), and it costs nothing over ordinary decoding. On PyTorch's every forward
+    attends over the same key width in chunks of at most 16 rows, each padded to 16 (at one fixed row count a row's
+    bits do not depend on the others: `Execution.row_floor`), which costs the padding and attention over the whole
+    context width each forward, and a token tree may be at most 32 deep (`FixedWidthKeys`).
 
     Its forwards run through `execution` (models/execution.py), which decides how each one runs.
     """

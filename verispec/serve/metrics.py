@@ -6,16 +6,18 @@ request as it finishes. Names follow Prometheus' conventions (`_total` counters,
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from verispec.engine.request import Update
 from verispec.serve.worker import EngineFailure, Snapshot
 
+PEAK_RSS = "verispec_process_peak_resident_memory_bytes"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
 
@@ -71,6 +73,10 @@ class _EngineCollector:
         yield GaugeMetricFamily("verispec_kv_cache_bytes", "What the key/value cache holds now", value=m.kv_bytes)
         done = self._finished
         tau = done.tokens / done.target_calls if done.target_calls else 0.0
+        # The peak, not only the current size (prometheus_client's process_resident_memory_bytes): a client that
+        # scrapes after a load sees what the load took, however briefly.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux gives KiB
+        yield GaugeMetricFamily(PEAK_RSS, "The server process's peak resident memory since it started", value=peak)
         yield GaugeMetricFamily(
             "verispec_mean_tokens_per_target_call",
             "tau: tokens per target forward a sequence took part in, over finished requests",
@@ -85,6 +91,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._totals = _FinishedTotals()
         self.registry.register(_EngineCollector(snapshot, self._totals))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open files
         self._ttft = Histogram(
             "verispec_time_to_first_token_seconds",
             "From a request's arrival to its first output token",

@@ -145,8 +145,8 @@ def write_cards(
         f"Training: {t_log['tokens_seen'] / 1e6:.2f}M tokens seen in {t_log['hours']:.2f} h of training steps on "
         f"{os.cpu_count()} CPU cores; "
         f"final train loss {t_log['train_loss']:.3f}, validation loss {t_log['val_loss']:.3f} nats/token, "
-        f"{t_log['val_bpb']:.3f} bits per byte.\n\n{speculation}\n## Samples (with the default draft, k = "
-        f"4)\n\n{sample_text}\n"
+        f"{t_log['val_bpb']:.3f} bits per byte.\n\n{speculation}\n"
+        f"## Samples (with the default draft, k = 4)\n\n{sample_text}\n"
     )
     (draft_dir / "README.md").write_text(
         f"# verispec default draft\n\nLlama architecture, {_params(draft):.1f}M parameters, same tokenizer as the "
