@@ -196,12 +196,12 @@ def profile_all(
     measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
     measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
     Returns the settings' profiles and the read bandwidth (bytes per second)."""
-    own = ["own", "captured"] if kernels.available(torch.float32) else []
+    on_kernels = ["own", "captured"] if kernels.available(torch.float32) else []
     keys = [
         (dtype, exact, kind)
         for dtype in ("float32", "bfloat16")
         for exact in (False, True)
-        for kind in ["plain", "fast", *own]
+        for kind in ["plain", "fast", *on_kernels]
     ]
     settings = {key: _Setting(_load(target_dir, *key), context) for key in keys}
     bandwidths = []

@@ -142,8 +142,8 @@ class ModelConfig:
                 "RoPE frequency factors read from a GGUF file (rope_freqs.weight) have "
                 "no config.json form that transformers reads"
             )
-        own = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3")
-        raw = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
+        verispec_fields = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3")
+        raw = {k: v for k, v in asdict(self).items() if v is not None and k not in verispec_fields}
         raw["architectures"] = [SUPPORTED[self.model_type]]
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_llama3 is not None:
