@@ -168,8 +168,8 @@ class Timings:
 
     def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
         if width not in self.warm:
-            # A width's first forward may also do one-time work (on verispec's kernels it is captured then, at about
-            # three replays' cost: models/captured.py), so it is not its price. Left in, one such timing at a width
+            # A width's first forward may also do one-time work (on verispec's kernels it is captured then, which costs
+            # more than a replay: models/captured.py), so it is not its price. Left in, one such timing at a width
             # drafted once steepens the line through the widths and can price drafting out for the generation.
             self.warm.add(width)
         else:

@@ -293,7 +293,7 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = random_pair(tmp, tiny_config(num_hidden_layers=3), draft_layers=1)
         # A short layer-skip search on two prompts of the suite, so the layerskip row runs too; at the bench's
-        # thread count, since two threads on a busy 2-core machine make it thirty times slower.
+        # thread count, since a thread that waits for a busy core stalls every barrier of a multi-threaded forward.
         with torch_threads(threads):
             texts = [item["prompt"] for item in quick_suite()[:2]]
             target = load_model(target_dir)
