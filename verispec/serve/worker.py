@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.engine.engine import Engine
-from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
+from verispec.stats import EngineMetrics
 
 log = logging.getLogger("verispec.serve")
 
