@@ -1,5 +1,6 @@
-"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys, the row-wise work
-around them (RMSNorm, rotary, silu(gate) * up, embedding and rotary rows by index, new keys into the cache), a causal
+"""verispec's own CPU kernels: a weight-streaming matmul, attention over each row's visible keys (or the last of them:
+a sliding window), the row-wise work around them (RMSNorm of rows or heads, rotary, silu(gate) * up and gelu(gate) * up,
+scaled rows, embedding and rotary rows by index, new keys into the cache), a causal
 forward's positions and visible slots, the argmax and a greedy chain's step to its next token, so that a forward on
 them, and a decoding step around it, is nothing but kernel calls and can be captured and replayed
 (kernels/capture.py).
@@ -38,8 +39,11 @@ __all__ = [
     "Matmul",
     "attend",
     "rms_norm",
+    "head_norm_",
     "rotary_",
     "silu_mul",
+    "gelu_tanh_mul",
+    "scale_",
     "gather",
     "gather_blocks",
     "store_kv",
@@ -250,11 +254,18 @@ class Matmul:
         return y if out is not None else y.view(shape)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    window: int | None = None,
+    scalar: float | None = None,
+) -> torch.Tensor:
     """Attention for R rows over the cache slots each sees: q (H, R, D) (any strides with the last dim unit), k and
     v (Hkv, S, D) with the same strides, each slot's D values contiguous, visible (R, S) uint8 -> (R, H * D), each
-    row's softmax over its visible slots in slot order, the scale 1/sqrt(D). k and v are q's dtype, or float16 for
-    float32 queries (a float16 cache)."""
+    row's softmax over its visible slots in slot order (`window`: over the last `window` of them only), the scale
+    1/sqrt(`scalar`) (default D). k and v are q's dtype, or float16 for float32 queries (a float16 cache)."""
     H, R, D = q.shape
     Hkv, S, _ = k.shape
     kernel = _kernel("attend", q) + "_f16" if _widened(q, k, v) else _kernel("attend", q, k, v)
@@ -269,21 +280,57 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
         raise ValueError(f"visible must be a contiguous uint8 ({R}, {S}); got {visible.dtype} {tuple(visible.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window of {window} keys")
     y = torch.empty(R, H * D, dtype=q.dtype, device=q.device)
-    _call(kernel, [q, q.stride(1), q.stride(0), k, v, k.stride(0), visible, S, y, R, H, Hkv, D])
+    scalar_bits = _float_bits(D if scalar is None else scalar)
+    _call(
+        kernel, [q, q.stride(1), q.stride(0), k, v, k.stride(0), visible, S, y, R, H, Hkv, D, window or 0, scalar_bits]
+    )
     return y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, in float32, cast to x's dtype before the weight."""
-    kernel = _kernel("rms_norm", x, weight)
+def _float_bits(x: float) -> int:
+    """A float32's bits, as a kernel takes a float argument."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, in float32, cast to x's dtype before the weight; plus
+    `residual` (x's shape and dtype) where given, added as `residual + y` would be."""
+    kernel = _kernel("rms_norm", x, weight) if residual is None else _kernel("rms_norm", x, weight, residual)
     if weight.shape != x.shape[-1:] or not weight.is_contiguous():
         raise ValueError(f"an RMSNorm weight {tuple(weight.shape)} for inputs of {x.shape[-1]}")
-    rows = _rows(x)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"a residual of {tuple(residual.shape)} for an RMSNorm of {tuple(x.shape)}")
+    rows, res = _rows(x), None if residual is None else _rows(residual)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    eps_bits = struct.unpack("<I", struct.pack("<f", eps))[0]
-    _call(kernel, [rows, rows.stride(0), weight, y, y.stride(0), *rows.shape, eps_bits])
+    _call(
+        kernel,
+        [
+            rows,
+            rows.stride(0),
+            weight,
+            y,
+            y.stride(0),
+            *rows.shape,
+            _float_bits(eps),
+            res,
+            0 if res is None else res.stride(0),
+        ],
+    )
     return y.view(x.shape)
+
+
+def head_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of each head of x (H, R, D) in place, a view with a unit last stride (q or k inside a projection's
+    output), by one weight (D,)."""
+    H, R, D = x.shape
+    kernel = _kernel("head_norm", x, weight)
+    if x.stride(-1) != 1 or weight.shape != (D,) or not weight.is_contiguous():
+        raise ValueError(f"a head norm of (H, R, D) = {tuple(x.shape)} (unit last stride) by {tuple(weight.shape)}")
+    _call(kernel, [x, x.stride(1), x.stride(0), R, H, D, weight, _float_bits(eps)])
+    return x
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -303,14 +350,35 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x (..., 2I) = [gate | up] -> silu(gate) * up (..., I), silu rounded to x's dtype before the product."""
-    kernel = _kernel("silu_mul", x)
+    return _gated("silu_mul", x)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2I) = [gate | up] -> gelu(gate) * up (..., I), gelu's tanh approximation (PyTorch's
+    `approximate="tanh"`, as g / (1 + e^(-2u))), rounded to x's dtype before the product."""
+    return _gated("gelu_tanh_mul", x)
+
+
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
+    """An activation of the gate times the up projection, by kernel `name`."""
+    kernel = _kernel(name, x)
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_mul takes [gate | up] halves; got rows of {x.shape[-1]}")
+        raise ValueError(f"{name} takes [gate | up] halves; got rows of {x.shape[-1]}")
     rows = _rows(x)
     half = rows.shape[1] // 2
     y = torch.empty(rows.shape[0], half, dtype=x.dtype, device=x.device)
     _call(kernel, [rows, rows.stride(0), y, y.stride(0), rows.shape[0], half])
     return y.view(*x.shape[:-1], half)
+
+
+def scale_(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x *= s in place, rows (R, D) with a unit last stride, s taken as a float32 and each product rounded to x's
+    dtype."""
+    kernel = _kernel("scale", x)
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"scale_ takes rows (R, D) with a unit last stride; got {tuple(x.shape)} strides {x.stride()}")
+    _call(kernel, [x, x.stride(0), *x.shape, _float_bits(s)])
+    return x
 
 
 def gather(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
