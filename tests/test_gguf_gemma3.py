@@ -6,8 +6,10 @@ plain decoding's."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
@@ -18,6 +20,7 @@ from test_gguf import _transformers
 from test_pool import METHODS, assert_all_equal, at_each_count
 from verispec import generate, kernels
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
+from verispec.models.captured import CapturedForward
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_checkpoint import read_gguf
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
@@ -119,6 +122,32 @@ def test_gemma3_runs_as_transformers_runs_it(float_file: Path) -> None:
     assert generate(ours, prompt, max_new_tokens=16, ignore_eos=True).tokens == greedy
 
 
+def test_a_linear_rope_scaling_divides_the_global_layers_frequencies(tmp_path: Path) -> None:
+    """Gemma 3 4B and larger: rope.scaling.type linear, as transformers' linear rope_type on the full-attention layers
+    (its GGUF loader leaves the scaling out: the same weights in a model built with it)."""
+    from transformers import Gemma3ForCausalLM
+
+    def scaled(writer) -> None:
+        writer.add_add_space_prefix(False)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(8.0)
+
+    path = write_gguf(tmp_path / "m.gguf", gemma_config(), FLOATS, tokenizer="llama", template=None, extra=scaled)
+    ours, (plain, _) = load_model(path), _transformers(path)
+    assert ours.config.rope(5) == (1e6, (8.0,) * 128) and ours.config.rope(4) == (10000.0, None)
+    config = copy.deepcopy(plain.config)
+    config.rope_parameters["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    theirs = Gemma3ForCausalLM(config).eval()
+    theirs.load_state_dict(plain.state_dict(), strict=True)
+    tokens = torch.tensor([ours.tokenizer.encode(TEXT).ids])
+    with torch.inference_mode():
+        expected, unscaled = theirs(tokens).logits, plain(tokens).logits
+    tolerance = 1e-5 * expected.abs().max().item()
+    assert (unscaled - expected).abs().max() > 100 * tolerance  # the scaling matters here
+    for logits in (ours(tokens, ours.new_cache()), load_model(path, fast=False)(tokens, None)):
+        assert torch.allclose(logits, expected, atol=tolerance, rtol=0)
+
+
 @needs_kernels
 def test_the_files_own_blocks_decode_as_its_floats_do(quantized_file: Path) -> None:
     kept, plain = load_model(quantized_file, dtype="auto"), load_model(quantized_file)
@@ -146,6 +175,10 @@ def test_logits_are_the_same_bits_at_any_thread_count_and_row_count(quantized_fi
     with torch.inference_mode():
         results = at_each_count(compute)
     assert_all_equal(results)
+    # nothing but kernels: each shape's forward captured and replayed (models/captured.py)
+    assert model.execution.captured and all(
+        isinstance(capture, CapturedForward) for capture in model.execution.captured.values()
+    )
     alone = results[1][-3]  # 12 tokens, then the 13th alone: its row equals the 13-row prefill's last
     assert torch.equal(model(SEQ[:, :13], model.new_cache())[0, -1], alone[0])
 
@@ -207,6 +240,22 @@ def test_a_batched_forward_gives_each_sequence_its_bits_alone(quantized_file: Pa
     out = model.forward_batch(padded, cache, [0, 1], [11, 7])
     assert torch.equal(out[0], model(first, model.new_cache())[0])
     assert torch.equal(out[1, :7], model(second, model.new_cache())[0])
+
+
+def test_pytorchs_attention_windows_a_cache_and_a_padded_batch_alike(float_file: Path) -> None:
+    """On PyTorch's kernels (no exact mode): a whole sequence's causal mask, one token at a time over a cache, and a
+    padded batch over `BatchKVCache` (each row at its own offset) cut the same windows."""
+    model = load_model(float_file, fast=False)
+    whole = model(SEQ[:, :20], None)[0]
+    tolerance = 1e-5 * whole.abs().max().item()
+    assert torch.allclose(alone(model, SEQ[:, :20]), whole, atol=tolerance, rtol=0)
+    cache = model.new_batch_cache(2, exact=False)
+    padded = torch.zeros(2, 20, dtype=torch.long)
+    padded[0], padded[1, :9] = SEQ[0, :20], SEQ[0, 20:29]
+    model.forward_batch(padded[:, :4], cache, [0, 1], [4, 4])  # then each row on from its own length
+    out = model.forward_batch(padded[:, 4:], cache, [0, 1], [16, 5])
+    assert torch.allclose(out[0], whole[4:], atol=tolerance, rtol=0)
+    assert torch.allclose(out[1, :5], model(SEQ[:, 20:29], None)[0, 4:], atol=tolerance, rtol=0)
 
 
 def test_what_the_native_runtime_lacks_is_refused(tmp_path: Path, float_file: Path) -> None:

@@ -89,10 +89,9 @@ def test_gelu_tanh_mul_is_right_and_each_row_is_its_own(dtype: torch.dtype) -> N
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_scale_multiplies_rows_in_place_rounded_as_torch_does(dtype: torch.dtype) -> None:
     x = torch.randn(6, 2 * 45, generator=torch.Generator().manual_seed(7)).to(dtype)
-    s = float(torch.tensor(640**0.5, dtype=dtype))
-    expected = x[:, :45] * torch.tensor(s, dtype=dtype)
+    expected = x[:, :45] * torch.tensor(640**0.5, dtype=dtype)
     rows = x[:, :45]  # strided rows
-    assert kernels.scale_(rows, s) is rows and torch.equal(rows, expected)
+    assert kernels.scale_(rows, 640**0.5) is rows and torch.equal(rows, expected)
 
 
 def test_the_new_kernels_give_the_same_bits_at_any_thread_count() -> None:

@@ -372,8 +372,8 @@ def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_(x: torch.Tensor, s: float) -> torch.Tensor:
-    """x *= s in place, rows (R, D) with a unit last stride, s taken as a float32 and each product rounded to x's
-    dtype."""
+    """x *= s in place, rows (R, D) with a unit last stride: s rounded to x's dtype (as `torch.tensor(s, dtype=...)`
+    holds it) and each product rounded to it, as `x * torch.tensor(s, dtype=x.dtype)` gives it."""
     kernel = _kernel("scale", x)
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"scale_ takes rows (R, D) with a unit last stride; got {tuple(x.shape)} strides {x.stride()}")

@@ -85,14 +85,15 @@ static void gated(const T* x, long ldx, T* y, long ldy, long R, long I) {
   });
 }
 
-// x *= s in place, rows (R, D) at stride ldx, each product rounded to T
+// x *= s in place, rows (R, D) at stride ldx: s rounded to T, as a T tensor holds it, and each product rounded to T
 template <typename T>
 static void scale_rows(T* x, long ldx, long R, long D, float s) {
+  const vf scale = round_to(vset1(s), (const T*)0);
   parallel(R, 16, [&](long first, long last) {
     for (long r = first; r < last; r++)
       for (long i = 0; i < D; i += 16) {
         const vmask mk = lanes(D - i);
-        store(x + r * ldx + i, vmul(load(x + r * ldx + i, mk), vset1(s)), mk);
+        store(x + r * ldx + i, vmul(load(x + r * ldx + i, mk), scale), mk);
       }
   });
 }

@@ -21,6 +21,17 @@ SUPPORTED = {
 # Read from GGUF files only: a Gemma folder stores each norm's scale less one, llama.cpp's converter the scale itself
 GGUF_ONLY = ("gemma3",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's act(gate) * up: SiLU, or GELU's tanh approximation
+# The fields that only Gemma 3 sets, at their defaults in every model `to_hf` writes (and left out of it)
+GEMMA_FIELDS = (
+    "sliding_window",
+    "sliding_layers",
+    "local_rope_theta",
+    "query_pre_attn_scalar",
+    "embedding_scale",
+    "qk_norm",
+    "sandwich_norms",
+    "hidden_act",
+)
 # Llama 3.1's RoPE scaling (rope_type "llama3"): the parameters its per-frequency factors are computed from
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -199,18 +210,6 @@ class ModelConfig:
         else:
             raw["attention_bias"] = self.o_bias
         return raw
-
-
-GEMMA_FIELDS = (
-    "sliding_window",
-    "sliding_layers",
-    "local_rope_theta",
-    "query_pre_attn_scalar",
-    "embedding_scale",
-    "qk_norm",
-    "sandwich_norms",
-    "hidden_act",
-)  # at their defaults in every model to_hf writes
 
 
 def llama3_rope_factors(rope: dict[str, float], head_dim: int, theta: float) -> tuple[float, ...]:

@@ -125,9 +125,8 @@ class Attention(nn.Module):
         stored and attended by the layout (one sequence's cache, or each sequence's own)."""
         T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
-        heads = (
-            qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1)
-        )  # q and k heads, normed and rotated in place
+        # q and k heads (H + Hkv, T, D), normed and rotated in place
+        heads = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1)
         if self.q_norm is not None:
             kernels.head_norm_(heads[:H], self.q_norm.weight, self.q_norm.eps)
             kernels.head_norm_(heads[H:], self.k_norm.weight, self.k_norm.eps)
@@ -169,8 +168,9 @@ class Block(nn.Module):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(d, eps)  # the MLP's input norm, or with sandwich norms the attention's
-        # output norm
+        # The MLP's input norm; with sandwich norms (Gemma's), the attention output's, and the MLP's input norm is
+        # pre_feedforward_layernorm
+        self.post_attention_layernorm = RMSNorm(d, eps)
         self.mlp = MLP(config)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
@@ -203,7 +203,7 @@ class Decoder(nn.Module):
         transformers' Gemma rounds it) where it has one; `on_kernels`: by verispec's kernels, tokens (T,) -> (T, D)."""
         if on_kernels:
             x = self.embed_tokens.lookup(tokens, dtype)
-            return x if self.scale is None else kernels.scale_(x, float(torch.tensor(self.scale, dtype=dtype)))
+            return x if self.scale is None else kernels.scale_(x, self.scale)
         x = self.embed_tokens(tokens).to(dtype)
         return x if self.scale is None else x * torch.tensor(self.scale, dtype=dtype, device=x.device)
 
