@@ -1,6 +1,7 @@
-"""verispec's own CPU kernels: a weight-streaming matmul (matmul.py), attention over each row's visible keys and new
-keys into the cache (attention.py), the row-wise work around them (rows.py: RMSNorm, rotary, silu(gate) * up,
-embedding and rotary rows by index), a causal forward's positions and visible slots, the argmax and a greedy chain's
+"""verispec's own CPU kernels: a weight-streaming matmul (matmul.py), attention over each row's visible keys (or the
+last of them: a sliding window) and new keys into the cache (attention.py), the row-wise work around them (rows.py:
+RMSNorm of rows or heads, rotary, silu(gate) * up and gelu(gate) * up, scaled rows, embedding and rotary rows by
+index), a causal forward's positions and visible slots, the argmax and a greedy chain's
 step to its next token (tokens.py), so that a forward on them, and a decoding step around it, is nothing but kernel
 calls and can be captured and replayed (capture.py). calls.py is how each wrapper calls its kernel.
 
@@ -21,7 +22,17 @@ from verispec.kernels.calls import address, available
 from verispec.kernels.capture import NotCapturable, Program, capturing
 from verispec.kernels.matmul import Matmul, pack, pack_quantized
 from verispec.kernels.quant_pack import QUANTIZED
-from verispec.kernels.rows import TABLES, gather, gather_blocks, rms_norm, rotary_, silu_mul
+from verispec.kernels.rows import (
+    TABLES,
+    gather,
+    gather_blocks,
+    gelu_tanh_mul,
+    head_norm_,
+    rms_norm,
+    rotary_,
+    scale_,
+    silu_mul,
+)
 from verispec.kernels.tokens import argmax, causal_rows, next_token, program, run
 
 __all__ = [
@@ -33,8 +44,11 @@ __all__ = [
     "Matmul",
     "attend",
     "rms_norm",
+    "head_norm_",
     "rotary_",
     "silu_mul",
+    "gelu_tanh_mul",
+    "scale_",
     "gather",
     "gather_blocks",
     "store_kv",

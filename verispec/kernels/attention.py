@@ -7,16 +7,23 @@ import ctypes
 
 import torch
 
-from verispec.kernels.calls import SUFFIX, call, kernel_for, widened
+from verispec.kernels.calls import SUFFIX, call, float_bits, kernel_for, widened
 
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (attend.cpp MAX_LANES x 16)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    window: int | None = None,
+    scalar: float | None = None,
+) -> torch.Tensor:
     """Attention for R rows over the cache slots each sees: q (H, R, D) (any strides with the last dim unit), k and
     v (Hkv, S, D) with the same strides, each slot's D values contiguous, visible (R, S) uint8 -> (R, H * D), each
-    row's softmax over its visible slots in slot order, the scale 1/sqrt(D). k and v are q's dtype, or float16 for
-    float32 queries (a float16 cache)."""
+    row's softmax over its visible slots in slot order (`window`: over the last `window` of them only), the scale
+    1/sqrt(`scalar`) (default D). k and v are q's dtype, or float16 for float32 queries (a float16 cache)."""
     H, R, D = q.shape
     Hkv, S, _ = k.shape
     kernel = kernel_for("attend", q) + "_f16" if widened(q, k, v) else kernel_for("attend", q, k, v)
@@ -31,8 +38,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
         raise ValueError(f"visible must be a contiguous uint8 ({R}, {S}); got {visible.dtype} {tuple(visible.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window of {window} keys")
     y = torch.empty(R, H * D, dtype=q.dtype, device=q.device)
-    call(kernel, [q, q.stride(1), q.stride(0), k, v, k.stride(0), visible, S, y, R, H, Hkv, D])
+    scalar_bits = float_bits(D if scalar is None else scalar)
+    call(
+        kernel, [q, q.stride(1), q.stride(0), k, v, k.stride(0), visible, S, y, R, H, Hkv, D, window or 0, scalar_bits]
+    )
     return y
 
 

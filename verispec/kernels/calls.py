@@ -4,6 +4,7 @@ itself, with pointers given as the tensors or cells they point to (noted while a
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Sequence, Union
 
 import torch
@@ -66,3 +67,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., D) as rows (R, D) with a unit last stride (a view where it can be)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def float_bits(x: float) -> int:
+    """A float32's bits, as a kernel takes a float argument."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]

@@ -1,15 +1,14 @@
-"""The row-wise work around the matmul and attention (kernels/rows.cpp): RMSNorm, rotary embedding, silu(gate) * up,
-and rows of a table by index, from float tables or from ggml's blocks."""
+"""The row-wise work around the matmul and attention (kernels/rows.cpp): RMSNorm (of rows, or of each head),
+rotary embedding, silu(gate) * up and gelu(gate) * up, scaled rows, and rows of a table by index, from float tables or
+from ggml's blocks."""
 
 from __future__ import annotations
-
-import struct
 
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
 
-from verispec.kernels.calls import SUFFIX, as_rows, call, kernel_for
+from verispec.kernels.calls import SUFFIX, as_rows, call, float_bits, kernel_for
 from verispec.kernels.quant_pack import QUANTIZED
 
 # The formats `gather_blocks` reads a table's rows in, as ggml's types: the quantized ones the kernels keep as blocks,
@@ -17,16 +16,30 @@ from verispec.kernels.quant_pack import QUANTIZED
 TABLES = {**QUANTIZED, "f32": GGML.F32, "f16": GGML.F16, "bf16": GGML.BF16}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, in float32, cast to x's dtype before the weight."""
-    kernel = kernel_for("rms_norm", x, weight)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, in float32, cast to x's dtype before the weight; plus
+    `residual` (x's shape and dtype) where given, added as `residual + y` would be."""
+    kernel = kernel_for("rms_norm", x, weight) if residual is None else kernel_for("rms_norm", x, weight, residual)
     if weight.shape != x.shape[-1:] or not weight.is_contiguous():
         raise ValueError(f"an RMSNorm weight {tuple(weight.shape)} for inputs of {x.shape[-1]}")
-    rows = as_rows(x)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"a residual of {tuple(residual.shape)} for an RMSNorm of {tuple(x.shape)}")
+    rows, res = as_rows(x), None if residual is None else as_rows(residual)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    eps_bits = struct.unpack("<I", struct.pack("<f", eps))[0]
-    call(kernel, [rows, rows.stride(0), weight, y, y.stride(0), *rows.shape, eps_bits])
+    stride = 0 if res is None else res.stride(0)
+    call(kernel, [rows, rows.stride(0), weight, y, y.stride(0), *rows.shape, float_bits(eps), res, stride])
     return y.view(x.shape)
+
+
+def head_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of each head of x (H, R, D) in place, a view with a unit last stride (q or k inside a projection's
+    output), by one weight (D,)."""
+    H, R, D = x.shape
+    kernel = kernel_for("head_norm", x, weight)
+    if x.stride(-1) != 1 or weight.shape != (D,) or not weight.is_contiguous():
+        raise ValueError(f"a head norm of (H, R, D) = {tuple(x.shape)} (unit last stride) by {tuple(weight.shape)}")
+    call(kernel, [x, x.stride(1), x.stride(0), R, H, D, weight, float_bits(eps)])
+    return x
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,14 +59,35 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x (..., 2I) = [gate | up] -> silu(gate) * up (..., I), silu rounded to x's dtype before the product."""
-    kernel = kernel_for("silu_mul", x)
+    return _gated("silu_mul", x)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2I) = [gate | up] -> gelu(gate) * up (..., I), gelu's tanh approximation (PyTorch's
+    `approximate="tanh"`, as g / (1 + e^(-2u))), rounded to x's dtype before the product."""
+    return _gated("gelu_tanh_mul", x)
+
+
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
+    """An activation of the gate times the up projection, by kernel `name`."""
+    kernel = kernel_for(name, x)
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_mul takes [gate | up] halves; got rows of {x.shape[-1]}")
+        raise ValueError(f"{name} takes [gate | up] halves; got rows of {x.shape[-1]}")
     rows = as_rows(x)
     half = rows.shape[1] // 2
     y = torch.empty(rows.shape[0], half, dtype=x.dtype, device=x.device)
     call(kernel, [rows, rows.stride(0), y, y.stride(0), rows.shape[0], half])
     return y.view(*x.shape[:-1], half)
+
+
+def scale_(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x *= s in place, rows (R, D) with a unit last stride: s rounded to x's dtype (as `torch.tensor(s, dtype=...)`
+    holds it) and each product rounded to it, as `x * torch.tensor(s, dtype=x.dtype)` gives it."""
+    kernel = kernel_for("scale", x)
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"scale_ takes rows (R, D) with a unit last stride; got {tuple(x.shape)} strides {x.stride()}")
+    call(kernel, [x, x.stride(0), *x.shape, float_bits(s)])
+    return x
 
 
 def gather(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
