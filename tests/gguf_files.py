@@ -135,6 +135,11 @@ def write_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.dim_per_head)
+    if config.head_dim is not None:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     if tokenizer == "gpt2":

@@ -10,8 +10,8 @@ import torch
 
 from verispec import kernels
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench, run_quick
-from verispec.bench.metrics import per_prompt, summarize
 from verispec.bench.report import INSTRUCTIONS, cpu_line
+from verispec.bench.summary import per_prompt, summarize
 from verispec.cli import main
 from verispec.drafters.medusa import TREE_TOKENS
 from verispec.drafters.registry import AUTO, Method, method_named

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.bench.costs import TREE_COSTS
-from verispec.bench.metrics import summarize
+from verispec.bench.summary import summarize
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.eagle import Eagle
 from verispec.drafters.medusa import Medusa

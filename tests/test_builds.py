@@ -21,6 +21,8 @@ TESTS = Path(__file__).parent
 # kernels (PyTorch's row counts do not depend on the build and take minutes there)
 BUILD_TESTS = [
     "test_kernels.py",
+    "test_kernels_gemma.py",
+    "test_gguf_gemma3.py",
     "test_quantized_matmul.py",
     "test_capture.py",
     "test_exact.py",

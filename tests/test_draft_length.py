@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from verispec.cost_model import CostCurve
 from verispec.engine.draft_length import DraftLength
-from verispec.engine.forward_costs import CostCurve
 
 
 def test_cost_curve_reads_unseen_sizes_off_the_seen_ones() -> None:

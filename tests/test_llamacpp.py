@@ -27,7 +27,7 @@ from verispec.bench.llamacpp import (
     llama_cpp_methods,
     parse_output,
 )
-from verispec.bench.metrics import summarize
+from verispec.bench.summary import summarize
 from verispec.cli import main
 from verispec.errors import InvalidArgumentError, PeerError
 from verispec.models.native import load_model

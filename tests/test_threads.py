@@ -13,7 +13,7 @@ import torch
 import verispec
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
-from verispec.kernels.build import pool_threads
+from verispec.kernels.build import library, pool_threads
 from verispec.threads import MAX_THREADS, default_threads, physical_cores, set_threads, torch_threads
 
 
@@ -90,8 +90,8 @@ def test_the_count_reaches_the_kernels_pool_and_is_restored() -> None:
         with torch_threads(1):
             assert pool_threads() == 1
         assert pool_threads() == 3
-    assert kernels.library().vs_set_threads(0) == -1 and kernels.library().vs_set_threads(MAX_THREADS + 1) == -1
-    assert kernels.library().vs_max_threads() == MAX_THREADS
+    assert library().vs_set_threads(0) == -1 and library().vs_set_threads(MAX_THREADS + 1) == -1
+    assert library().vs_max_threads() == MAX_THREADS
 
 
 @pytest.mark.parametrize("given", [None, "ACTIVE"])

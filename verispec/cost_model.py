@@ -1,6 +1,10 @@
-"""The step's cost model: what drafting k tokens yields and costs, estimated from a generation's own steps, and when
-a drafter that plain decoding beats is tried again. `AdaptiveK` (drafters/adaptive.py) chooses each step's k with it,
-and the batched engine each batch step's (engine/draft_length.py).
+"""The step's cost model at run time: what drafting k tokens yields and costs, estimated from the running generation's
+(or batch's) own steps, and when a drafter that plain decoding beats is tried again. `AdaptiveK`
+(drafters/adaptive.py) chooses each step's k with it, and the batched engine each batch step's
+(engine/draft_length.py, with `CostCurve`, a forward's cost by the tokens it carries, for every batch size).
+
+The other cost model is the bench's (bench/costs.py): it predicts a finished run's speedup from forwards timed apart
+beforehand (models/timing.py times them), for the report; nothing here is measured apart from the steps themselves.
 
 Drafting k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, a_j the acceptance at draft position j given
 that the earlier ones were accepted, and costs s + k c + r(w + 1) in units of a one-token target forward (w the
@@ -33,6 +37,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from typing import Callable, Sequence
+
+import numpy as np
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0
@@ -162,8 +168,8 @@ class Timings:
 
     def observe(self, drafted: int, draft_seconds: float, width: int, verify_seconds: float) -> None:
         if width not in self.warm:
-            # A width's first forward may also do one-time work (on verispec's kernels it is captured then, at about
-            # three replays' cost: models/captured.py), so it is not its price. Left in, one such timing at a width
+            # A width's first forward may also do one-time work (on verispec's kernels it is captured then, which costs
+            # more than a replay: models/captured.py), so it is not its price. Left in, one such timing at a width
             # drafted once steepens the line through the widths and can price drafting out for the generation.
             self.warm.add(width)
         else:
@@ -269,3 +275,36 @@ class Probes:
             self.every = PROBE_FIRST if accepted else min(2 * self.every, PROBE_MAX)
             if self.repeat_accepted:
                 self.now = accepted
+
+
+class CostCurve:
+    """Median seconds of a forward by its size (the tokens it carries: rows x width, padding included), over the
+    last `window` observations at each size. A forward's cost follows the tokens it carries, whatever the rows, so
+    one curve prices every batch size and width: a size not seen is read off the piecewise-linear curve through the
+    seen ones, flat below the smallest, along the last segment's slope beyond the largest. The medians are made
+    non-decreasing first: noise never makes a bigger forward look cheaper."""
+
+    def __init__(self, window: int = TIMING_WINDOW) -> None:
+        self.window = window
+        self.seen: dict[int, deque[float]] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        self.seen.setdefault(size, deque(maxlen=self.window)).append(seconds)
+
+    def near(self, size: int) -> bool:
+        """Whether a seen size lies within a factor of two of `size` on its side of the curve (at or below it when it
+        is below the largest seen; at or above it otherwise), so that reading it off the curve is a short reach."""
+        if not self.seen:
+            return False
+        return min(self.seen) <= 2 * size if size <= max(self.seen) else max(self.seen) * 2 >= size
+
+    def __call__(self, size: int) -> float | None:
+        """Seconds of a forward of `size` tokens; None before anything was seen."""
+        if not self.seen:
+            return None
+        sizes = sorted(self.seen)
+        times = np.maximum.accumulate([statistics.median(self.seen[s]) for s in sizes])
+        if size <= sizes[-1] or len(sizes) == 1:
+            return float(np.interp(size, sizes, times))
+        slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        return float(times[-1] + slope * (size - sizes[-1]))

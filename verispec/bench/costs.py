@@ -1,4 +1,6 @@
-"""The bench's cost model: what one step of each of our methods costs, in units of one target step (batch one).
+"""The bench's cost model: what one step of each of our methods costs, in units of one target step (batch one),
+priced before the run from forwards timed apart, so that the report can set each row's predicted speedup beside the
+measured one. The run-time model that chooses k (cost_model.py) prices steps from the generation's own timings.
 
 Every price is a median of timed forwards (`models/timing.py`) over the target's one-token forward:
 - a chain (draft model, prompt lookup, layer skip, EAGLE's chain) has c, one drafting step; a step that verified j

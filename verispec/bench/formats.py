@@ -47,7 +47,7 @@ def measure(
 ) -> tuple[dict[str, dict[int, float]], dict[str, float], float]:
     """Seconds of a forward of n tokens for each model and n, the median over `rounds` rounds in turns; each model's
     1-token step over its weight-read time, the median over the rounds of the step over the read time at that
-    moment (the read bandwidth measured just before the step: a shared host's moves by a fifth within minutes); and
+    moment (the read bandwidth measured just before the step: a shared host's moves within minutes); and
     the median read bandwidth (bytes per second)."""
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in WIDTHS} for name in models}
     ratios: dict[str, list[float]] = {name: [] for name in models}

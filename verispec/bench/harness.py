@@ -15,10 +15,10 @@ from verispec.bench.costs import timing
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.bench.llamacpp import llama_cpp_methods
 from verispec.bench.methods import our_methods, ours, transformers_methods, unrelated_methods
-from verispec.bench.metrics import BASELINE, summarize
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, check_items, read_suite
+from verispec.bench.summary import BASELINE, summarize
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.draft_vocab import default_size, head_section
 from verispec.checkpoints.random_init import random_pair, tiny_config, unrelated_draft
@@ -293,7 +293,7 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = random_pair(tmp, tiny_config(num_hidden_layers=3), draft_layers=1)
         # A short layer-skip search on two prompts of the suite, so the layerskip row runs too; at the bench's
-        # thread count, since two threads on a busy 2-core machine make it thirty times slower.
+        # thread count, since a thread that waits for a busy core stalls every barrier of a multi-threaded forward.
         with torch_threads(threads):
             texts = [item["prompt"] for item in quick_suite()[:2]]
             target = load_model(target_dir)

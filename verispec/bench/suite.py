@@ -18,7 +18,7 @@ from verispec.train.corpus import MANIFEST, load_files
 
 CATEGORIES = ("code", "docstring", "repetition")
 SUITE = Path(__file__).resolve().parents[2] / "data" / "bench" / "suite.jsonl"
-CONTEXT_CHARS = 1000  # about 260 tokens: prompt and 128 new tokens fit a 512-token context
+CONTEXT_CHARS = 1000  # short enough that the prompt and 128 new tokens fit the shipped target's 512-token context
 
 
 def _shingle_overlap(prompt: str, continuation: str, size: int = 8) -> float:

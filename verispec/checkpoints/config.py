@@ -1,4 +1,5 @@
-"""Model configuration: the Llama-family subset of a Hugging Face `config.json`."""
+"""Model configuration: the Llama-family subset of a Hugging Face `config.json`, and what sets Gemma 3 apart from
+Llama (fields whose defaults are Llama's)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,27 @@ from typing import Any
 
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 
-# model_type -> the class transformers would instantiate; all share Llama's math.
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# model_type -> the class transformers would instantiate; all share Llama's math, Gemma 3 with the fields below
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Read from GGUF files only: a Gemma folder stores each norm's scale less one, llama.cpp's converter the scale itself
+GGUF_ONLY = ("gemma3",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's act(gate) * up: SiLU, or GELU's tanh approximation
+# The fields that only Gemma 3 sets, at their defaults in every model `to_hf` writes (and left out of it)
+GEMMA_FIELDS = (
+    "sliding_window",
+    "sliding_layers",
+    "local_rope_theta",
+    "query_pre_attn_scalar",
+    "embedding_scale",
+    "qk_norm",
+    "sandwich_norms",
+    "hidden_act",
+)
 # Llama 3.1's RoPE scaling (rope_type "llama3"): the parameters its per-frequency factors are computed from
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -39,6 +59,18 @@ class ModelConfig:
     # The config.json rope_type "llama3" parameters (LLAMA3_ROPE's keys and values) the factors come from, where they
     # come from a folder; given alone, the factors are computed from them
     rope_llama3: tuple[tuple[str, float], ...] | None = None
+    # Gemma 3's differences, off by default. Sliding-window layers: each row sees its last `sliding_window` positions
+    # (itself included), rotated at `local_rope_theta` (without rope_factors) where set
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its inverse square root; None: head_dim
+    embedding_scale: float | None = None  # the token embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k (q_norm, k_norm), before the rotation
+    # Norms on the attention's and the MLP's outputs too (post_attention_layernorm, post_feedforward_layernorm), the
+    # MLP's input norm then named pre_feedforward_layernorm; without, post_attention_layernorm is the MLP's input norm
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED:
@@ -77,20 +109,42 @@ class ModelConfig:
             )
         if factors is not None and not all(isinstance(f, float) and 0 < f < math.inf for f in factors):
             raise CheckpointError("RoPE frequency factors must be positive, finite floats")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedArchitectureError(f"unsupported activation {self.hidden_act!r}")
+        if (
+            self.sliding_layers
+            and not (isinstance(self.sliding_window, int) and self.sliding_window > 0)
+            or not set(self.sliding_layers) <= set(range(self.num_hidden_layers))
+        ):
+            raise CheckpointError(
+                f"sliding-window layers {list(self.sliding_layers)} of {self.num_hidden_layers} need a positive "
+                f"window, not {self.sliding_window!r}"
+            )
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // max(1, self.num_attention_heads)
+
+    def window(self, layer: int) -> int | None:
+        """The keys a row of `layer` sees back from itself (itself included): None, all of them."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def rope(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
+        """`layer`'s RoPE: its base and frequency factors."""
+        if self.local_rope_theta is not None and layer in self.sliding_layers:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_factors
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config dict, refusing what the native math does not cover."""
         model_type = raw.get("model_type", "<missing>")
         arch = (raw.get("architectures") or [SUPPORTED.get(model_type, model_type)])[0]
-        if model_type not in SUPPORTED or arch != SUPPORTED[model_type]:
+        if model_type not in SUPPORTED or arch != SUPPORTED[model_type] or model_type in GGUF_ONLY:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {arch} (model_type {model_type!r}); "
-                f"the native runtime supports {', '.join(SUPPORTED.values())}"
+                f"the native runtime supports {', '.join(SUPPORTED[t] for t in SUPPORTED if t not in GGUF_ONLY)} "
+                f"folders and {', '.join(GGUF_ONLY)} GGUF files"
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"unsupported activation {raw['hidden_act']!r} in {arch}")
@@ -137,12 +191,14 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that transformers and this runtime both read."""
+        if self.model_type in GGUF_ONLY:
+            raise UnsupportedArchitectureError(f"a {self.model_type} model is read from GGUF files only")
         if self.rope_factors is not None and self.rope_llama3 is None:
             raise UnsupportedArchitectureError(
                 "RoPE frequency factors read from a GGUF file (rope_freqs.weight) have "
                 "no config.json form that transformers reads"
             )
-        verispec_fields = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3")
+        verispec_fields = ("qkv_bias", "o_bias", "rope_factors", "rope_llama3", *GEMMA_FIELDS)
         raw = {k: v for k, v in asdict(self).items() if v is not None and k not in verispec_fields}
         raw["architectures"] = [SUPPORTED[self.model_type]]
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}

@@ -44,6 +44,10 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (d,)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if config.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)

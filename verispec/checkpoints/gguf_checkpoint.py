@@ -7,16 +7,21 @@ Weights come as the file holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K an
 tensors of that dtype; the other block formats read here (Q2_K, Q3_K) as float32, dequantized exactly by the `gguf`
 package (ggml's reference code).
 
-Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama) and Qwen2 GGUFs are read.
+Llama GGUFs (Mistral's included: llama.cpp's converter writes them as llama), Qwen2 and Gemma 3 GGUFs are read.
 llama.cpp's converter reorders each head's rows of W_q and W_k for llama (its RoPE rotates adjacent pairs, Hugging
 Face's the two halves of a head); Qwen2's it leaves (llama.cpp runs Qwen2 with the halves' rotation). A llama file's
 `rope_freqs.weight` (Llama 3.1 and 3.2: Hugging Face's rope_type "llama3") becomes `ModelConfig.rope_factors`.
+Gemma 3 as llama.cpp runs it (src/models/gemma3.cpp): its norms' weights are the scales themselves (the converter
+added Gemma's 1), its layers' sliding windows and local RoPE base are llama.cpp's defaults where the file is silent,
+and a linear RoPE scaling (4B and larger) divides the global layers' frequencies.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -32,7 +37,10 @@ from verispec.checkpoints.gguf_tokenizer import GGUFVocab, read_vocab
 from verispec.checkpoints.tokenizer import check_tokenizer_fits
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 
-ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}  # general.architecture = model_type
+# general.architecture = model_type
+ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+# llama.cpp's Gemma 3 defaults: every sixth layer global, the others sliding at a RoPE base of 10000
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0
 KEPT = {ggml_type: name for name, ggml_type in KEPT_FORMATS.items()}  # stay blocks: QuantizedWeight
 FLOATS = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
 DEQUANTIZED = (GGML.Q2_K, GGML.Q3_K)
@@ -77,7 +85,7 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
             f"{file.path}: a mixture of experts ({key('expert_count')}), which the native runtime does not implement"
         )
     scaling = file.get(key("rope.scaling.type"), str, "none")
-    if scaling != "none":
+    if scaling != "none" and (arch, scaling) != ("gemma3", "linear"):
         raise UnsupportedArchitectureError(f"{file.path}: unsupported RoPE scaling {scaling!r}")
     hidden, heads = file.require(key("embedding_length"), int), file.require(key("attention.head_count"), int)
     head_dim = file.get(key("attention.key_length"), int, hidden // max(1, heads))
@@ -109,6 +117,10 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
             f"{file.path}: {ROPE_FREQS} must be {head_dim // 2} floats (F32 or F16), one per pair "
             f"of a head's dimensions; it is {factors.tensor_type.name} of shape {factors.shape}"
         )
+    rope_factors = None if factors is None else tuple(np.asarray(factors.data, dtype=np.float64).tolist())
+    if scaling == "linear":  # (Gemma 3's, above) positions divided by the factor: its global layers' frequencies
+        rope_factors = (float(file.require(key("rope.scaling.factor"), (float, int))),) * (head_dim // 2)
+    gemma = gemma3_fields(file, key, head_dim, hidden // heads) if arch == "gemma3" else {}
     return ModelConfig(
         vocab_size=rows,
         hidden_size=hidden,
@@ -126,7 +138,34 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         model_type=arch,
         bos_token_id=file.get("tokenizer.ggml.bos_token_id", int),
         eos_token_id=eos,
-        rope_factors=None if factors is None else tuple(np.asarray(factors.data, dtype=np.float64).tolist()),
+        rope_factors=rope_factors,
+        **gemma,
+    )
+
+
+def gemma3_fields(file: GGUFFile, key: Callable[[str], str], head_dim: int, per_head: int) -> dict[str, Any]:
+    """What a Gemma 3 file's config holds beside Llama's, read as llama.cpp reads it."""
+    if file.get(key("final_logit_softcapping"), (float, int), 0.0):
+        raise UnsupportedArchitectureError(f"{file.path}: final logit soft-capping, which the native runtime lacks")
+    layers = file.require(key("block_count"), int)
+    window = file.get(key("attention.sliding_window"), int, 0)
+    pattern = file.get(key("attention.sliding_window_pattern"), (int, list), GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # a flag per layer
+        if len(pattern) != layers:
+            raise CheckpointError(f"{file.path}: {len(pattern)} sliding-window flags for {layers} layers")
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:  # every pattern-th layer global
+        sliding = tuple(i for i in range(layers) if pattern == 0 or i % pattern < pattern - 1)
+    return dict(
+        sliding_window=window or None,
+        sliding_layers=sliding if window else (),
+        local_rope_theta=float(file.get(key("rope.freq_base_swa"), (float, int), GEMMA3_LOCAL_THETA)),
+        # llama.cpp's: the head dimension, but hidden / heads for the 27B (62 layers), as Google's reference code
+        query_pre_attn_scalar=float(per_head if layers == 62 else head_dim),
+        embedding_scale=math.sqrt(file.require(key("embedding_length"), int)),
+        qk_norm=True,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
     )
 
 

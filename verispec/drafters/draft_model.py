@@ -43,8 +43,8 @@ class DraftModel:
     mask; after the verdict the accepted path's cache entries are moved into place and the rest dropped.
 
     `vocab` (token ids, most frequent first): propose only these tokens, by an LM head over them alone, on a model
-    that runs one (`capabilities.vocab_heads`: the native runtime). On the shipped draft the head is 64% of the
-    weights, and 2048 of its rows fit a core's L2 cache where 8192 do not. The target still scores every token, so
+    that runs one (`capabilities.vocab_heads`: the native runtime). On the shipped draft the head is most of the
+    weights, and 2048 of its rows fit a core's L2 cache where all 8192 do not. The target still scores every token, so
     the output is unchanged; a token outside `vocab` is only never proposed.
 
     `translation` (`cross_vocab.translation_for`): a draft with another tokenizer drafts among the tokens both share

@@ -36,9 +36,10 @@ from verispec.models.linear import matmul_by
 from verispec.models.protocol import FINAL, CausalLM
 from verispec.sampling import constrain, draw
 
-# EAGLE-2's tree as the bench and the head cards run it, 6 deep: 2 expanded per depth, 10 verified (measured on the
-# shipped pair in bfloat16 exact mode, where a forward's rows cost: ahead of 4 expanded and 15 verified, and of 8 or
-# 12 verified). `Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE)`: `--method eagle -k 6 --tree-top-k 2 --tree-tokens 10`
+# EAGLE-2's tree as the bench and the head cards run it, 6 deep: 2 expanded per depth, 10 verified: of the shapes tried
+# on the shipped pair in exact bfloat16 (more expanded, fewer or more verified), the one that paid best where every
+# verified row costs. `Method("eagle", EAGLE_TREE_DEPTH, EAGLE_TREE)` is
+# `--method eagle -k 6 --tree-top-k 2 --tree-tokens 10`.
 EAGLE_TREE_DEPTH, EAGLE_TREE = 6, {"tree_top_k": 2, "tree_tokens": 10}
 
 

@@ -22,9 +22,9 @@ from verispec.models.protocol import FINAL, CausalLM
 # Until a head's accuracy is measured, rank r of head i is taken to be right 0.6 * 0.7**i / (r + 1) of the time:
 # deeper heads and lower ranks are worth less, which is the shape every measured Medusa table has.
 RANKS = 4
-# Four nodes: a forward's cost rises with its rows once the matmuls stop being bound by reading the weights, and on
-# verispec's kernels in exact bfloat16 larger trees measured slower (the shipped heads' card and bench report): the
-# heads' deeper guesses do not pay for their rows.
+# Four nodes: a forward's cost rises with its rows once the matmuls stop being bound by reading the weights, and the
+# heads' deeper guesses are accepted too seldom to pay for their rows (the shipped heads' card has their acceptance
+# by depth).
 TREE_TOKENS = 4
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from verispec.cost_model import PRIOR_C, PRIOR_SLOPE, Costs, Probes, expected_tokens
-from verispec.engine.forward_costs import CostCurve
+from verispec.cost_model import PRIOR_C, PRIOR_SLOPE, CostCurve, Costs, Probes, expected_tokens
 
 
 class DraftLength:

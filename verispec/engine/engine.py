@@ -17,13 +17,13 @@ from verispec.drafters.batch import SequenceStart
 from verispec.engine.batch_step import SequenceStep, batched_step
 from verispec.engine.draft_length import DraftLength
 from verispec.engine.kv_budget import KVBudget
-from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
 from verispec.engine.request_state import RequestState
 from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.grammar import bind
 from verispec.models.protocol import CausalLM
 from verispec.sampling import SamplingParams, seeded_generator
+from verispec.stats import EngineMetrics
 from verispec.tree import cut_after_eos
 
 PREFILL_ROWS = 512  # the most prompt tokens one prefill forward runs: its activations grow with them, and on a

@@ -7,9 +7,10 @@
 #include "simd.h"
 
 #ifdef VS_KERNELS
-// y[r, h] = softmax(q[r, h] . k[s] / sqrt(D) over the slots s that row r sees) @ v, with the keys taken in slot order
-// and the unseen ones skipped, not masked: a row that sees the same keys (a token decoded alone, in a chain, in a
-// tree whose nodes sit past their positions) adds the same numbers in the same order.
+// y[r, h] = softmax(q[r, h] . k[s] / sqrt(scalar) over the slots s that row r sees) @ v, with the keys taken in slot
+// order and the unseen ones skipped, not masked: a row that sees the same keys (a token decoded alone, in a chain, in a
+// tree whose nodes sit past their positions) adds the same numbers in the same order. A sliding window of W keys: a
+// row sees only the last W of its slots (its slots hold its positions in order, so those are its last W positions).
 
 static const int MAX_LANES = 16;  // head_dim up to 256
 
@@ -207,10 +208,10 @@ static void weigh(const T* vh, const long* slot, long n, const float* const* p, 
 template <typename T, typename K, int NV, bool FULL>
 static void attend_heads(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head,
                          const uint8_t* visible, long S, T* y, long r, long g, long t_lo, long t_hi, long H, long G,
-                         long D_, bool fetch_next) {
+                         long D_, long window, float scalar, bool fetch_next) {
   const long D = FULL ? NV * 16 : D_;  // a whole number of vectors: the masks are constants
   constexpr int NH = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;  // heads weighed at once: their sums and a value row in registers
-  const vf scale = vset1(1.0f / sqrtf((float)D));
+  const vf scale = vset1(1.0f / sqrtf(scalar));
   const long stride = S + 16;
   thread_local std::vector<float> score;  // G rows of `stride`; grown, never cleared: every entry read is written first
   thread_local std::vector<long> slot;
@@ -221,7 +222,9 @@ static void attend_heads(const T* q, long q_row, long q_head, const K* k, const 
   if ((long)totals.size() < G) totals.resize(G);
   vmask vmasks[NV];
   for (int i = 0; i < NV; i++) vmasks[i] = lanes(D - i * 16);
-  const long n = seen(visible + r * S, S, slot.data());
+  long n = seen(visible + r * S, S, slot.data());
+  const long* const slots = slot.data() + (window > 0 && n > window ? n - window : 0);  // the window's: the last
+  n -= slots - slot.data();
   const K* kh = k + g * kv_head;
   const K* vh = v + g * kv_head;
   const T* qg = q + r * q_row + g * G * q_head;
@@ -229,9 +232,9 @@ static void attend_heads(const T* q, long q_row, long q_head, const K* k, const 
   for (long j = 0; j < n; j += 16) {  // sixteen keys' scores at a time, each from its own dot product
     const int count = n - j < 16 ? (int)(n - j) : 16;
     const K* key[16];
-    for (int c = 0; c < count; c++) key[c] = kh + slot[j + c] * D;
-    for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slot[c] * D, D);
-    for (int c = 0; c < count; c++) fetch<L2>(vh + slot[j + c] * D, D);
+    for (int c = 0; c < count; c++) key[c] = kh + slots[j + c] * D;
+    for (long c = j + AHEAD; c < j + AHEAD + 16 && c < n; c++) fetch(kh + slots[c] * D, D);
+    for (int c = 0; c < count; c++) fetch<L2>(vh + slots[j + c] * D, D);
     const vmask mk = lanes(count);
     const auto keep = [&](long t, const vf* dots) {  // head t's scores of the block, and its running maximum
       const vf scores = vmul(sum16(dots), scale);
@@ -280,7 +283,7 @@ static void attend_heads(const T* q, long q_row, long q_head, const K* k, const 
     vf out[NT][NV];
     const float* p[NT];
     for (int t = 0; t < NT; t++) p[t] = score.data() + (t0 + t) * stride;
-    weigh<K, NV, NT>(vh, slot.data(), n, p, D, vmasks, out, t0 == t_lo && fetch_next ? kh + kv_head : nullptr);
+    weigh<K, NV, NT>(vh, slots, n, p, D, vmasks, out, t0 == t_lo && fetch_next ? kh + kv_head : nullptr);
     for (int t = 0; t < NT; t++) {
       const vf inv = vset1(1.0f / totals[t0 + t]);
       T* yh = y + (r * H + g * G + t0 + t) * D;
@@ -294,7 +297,7 @@ static void attend_heads(const T* q, long q_row, long q_head, const K* k, const 
 // split on the pool by rows, key heads and parts of their groups of heads. Queries and outputs are T, keys and values K.
 template <typename T, typename K, int NV, bool FULL>
 static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, long kv_head, const uint8_t* visible,
-                   long S, T* y, long R, long H, long Hkv, long D_) {
+                   long S, T* y, long R, long H, long Hkv, long D_, long window, float scalar) {
   const long G = H / Hkv;  // query heads per key head
   // a group's heads in parts where rows and key heads alone are too few to share among the threads
   const long wanted = pool_threads() > 1 ? (2 * pool_threads() + R * Hkv - 1) / (R * Hkv) : 1;
@@ -304,27 +307,30 @@ static void attend(const T* q, long q_row, long q_head, const K* k, const K* v, 
       const long r = item / (Hkv * parts), g = item / parts % Hkv, part = item % parts;
       const long t_lo = part * per_part, t_hi = t_lo + per_part < G ? t_lo + per_part : G;
       if (t_lo < t_hi) attend_heads<T, K, NV, FULL>(q, q_row, q_head, k, v, kv_head, visible, S, y, r, g, t_lo, t_hi, H, G, D_,
-                                              g + 1 < Hkv && part + 1 == parts);
+                                              window, scalar, g + 1 < Hkv && part + 1 == parts);
     }
   });
 }
 
 template <typename T, typename K>
-using Attend = void (*)(const T*, long, long, const K*, const K*, long, const uint8_t*, long, T*, long, long, long, long);
+using Attend = void (*)(const T*, long, long, const K*, const K*, long, const uint8_t*, long, T*, long, long, long, long,
+                        long, float);
 template <typename T, typename K, bool FULL, int... I>
 static constexpr std::array<Attend<T, K>, MAX_LANES> by_vectors(std::integer_sequence<int, I...>) {
   return {attend<T, K, I + 1, FULL>...};  // [vectors a head - 1]
 }
 
 template <typename T, typename K>
-static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D
+static int attend(const int64_t* a) {  // a: q, q_row, q_head, k, v, kv_head, visible, S, y, R, H, Hkv, D, window
+  // (0: none), scalar (float bits)
   static const std::array<Attend<T, K>, MAX_LANES> table[2] = {  // [D a whole number of vectors]
       by_vectors<T, K, false>(std::make_integer_sequence<int, MAX_LANES>()),
       by_vectors<T, K, true>(std::make_integer_sequence<int, MAX_LANES>())};
   const long D = a[12];
   if (D < 1 || D > 16 * MAX_LANES) return -1;
   table[D % 16 == 0][(D + 15) / 16 - 1](ARG(const T*, 0), a[1], a[2], ARG(const K*, 3), ARG(const K*, 4), a[5],
-                                        ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D);
+                                        ARG(const uint8_t*, 6), a[7], ARG(T*, 8), a[9], a[10], a[11], D, a[13],
+                                        float_arg(a, 14));
   return 0;
 }
 

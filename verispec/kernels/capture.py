@@ -1,7 +1,7 @@
 """Capturing a forward's kernel calls once and replaying them without Python, as CUDA graphs do on a GPU.
 
-A one-token forward of the shipped target runs about 75 kernel calls; run one by one from Python, their
-dispatch cost about as much as the kernels themselves (docs/bench/forward-profile.md). A forward whose every
+A one-token forward runs several kernel calls a layer; run one by one from Python, their dispatch is a large share of
+a small model's step (docs/bench/forward-profile.md measures it). A forward whose every
 computing step is one of verispec's kernels can instead be recorded while it runs (`capturing`) and replayed as one C
 call (`Program`): the same kernels, with the same arguments, in the same order, so the same bits. The arguments are
 pointers, so a replay reads whatever the recorded tensors hold then: the caller copies new inputs into the tensors

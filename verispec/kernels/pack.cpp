@@ -1,9 +1,9 @@
 // A block-quantized weight packed for the quantized matmul, once at load: ggml's blocks, row by row, laid out as
 // quant.cpp's header describes (by blocks of 16 output columns; in each block of 32 inputs, the 16 columns' scales,
 // then their quants in groups of 4 inputs side by side, then the bits above the nibbles). Each column block is packed
-// alone, on the pool, column by column (each row's blocks read front to back: taken block by block across the 16
-// rows, the reads ran at half the rate), its quants moved 4 or 8 bytes at a time, never bit by bit, so that packing
-// runs at about the memory's rate (taken apart and put back by numpy, a 1.1 GB model's weights took ~10 s).
+// alone, on the pool, column by column (each row's blocks read front to back, a stream, where block by block across
+// the 16 rows the reads would jump between rows), its quants moved 4 or 8 bytes at a time, never bit by bit, so that
+// packing keeps up with reading the weights (numpy, taking them apart and putting them back, made loading slow).
 #include "pool.h"
 #include "simd.h"
 

@@ -241,8 +241,8 @@ constexpr int short_groups(Format F) { return five_bit(F) || F == Q6_K ? 2 : 4; 
 // The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns: each group of a half is
 // unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
 // For several rows, where the sums of both halves fit in registers (2 * P * MR of them, at most 8), the halves are
-// taken together, so that a row's inputs are broadcast once for both; else one after the other (for one row, the
-// halves apart measured faster).
+// taken together, so that a row's inputs are broadcast once for both; else one after the other (and for one row, where
+// sharing its one broadcast saves less than holding both halves' sums costs).
 template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;

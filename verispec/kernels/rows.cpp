@@ -1,6 +1,7 @@
-// The row-wise work around the matmuls, one call each instead of a few PyTorch ops: RMSNorm, rotary, silu(gate) * up,
-// and the copies that a forward's kernels read from and write to (token embeddings and rotary tables by index, an
-// embedding in ggml's blocks dequantized as its rows are looked up; new keys and values into the cache).
+// The row-wise work around the matmuls, one call each instead of a few PyTorch ops: RMSNorm (of rows, or in place of
+// each head of q or k), rotary, silu(gate) * up and gelu_tanh(gate) * up, scaling rows in place, and the copies that a
+// forward's kernels read from and write to (token embeddings and rotary tables by index, an embedding in ggml's blocks
+// dequantized as its rows are looked up; new keys and values into the cache).
 #include "pool.h"
 #include "simd.h"
 
@@ -8,23 +9,38 @@
 // Rounded as the PyTorch model rounds (models/llama.py): RMSNorm in float32, cast to the dtype, times the weight;
 // rotary as x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
 
+// One row: y = w * (x / sqrt(mean(x^2) + eps)), the normalised row rounded to T before the weight; plus `res` where
+// given, added as `res + y` would be (rounded to T).
 template <typename T>
-static void rms_norm(const T* x, long ldx, const T* w, T* y, long ldy, long R, long D, float eps) {
+static inline void norm_row(const T* x, const T* w, T* y, long D, float eps, const T* res) {
+  vf sum = vzero();
+  for (long i = 0; i < D; i += 16) {
+    const vf h = load(x + i, lanes(D - i));
+    sum = vfmadd(h, h, sum);
+  }
+  const vf scale = vset1(1.0f / sqrtf(vsum(sum) / (float)D + eps));
+  for (long i = 0; i < D; i += 16) {
+    const vmask mk = lanes(D - i);
+    const vf h = round_to(vmul(load(x + i, mk), scale), (const T*)0);
+    const vf out = vmul(load(w + i, mk), h);
+    store(y + i, res ? vadd(load(res + i, mk), round_to(out, (const T*)0)) : out, mk);
+  }
+}
+
+template <typename T>
+static void rms_norm(const T* x, long ldx, const T* w, T* y, long ldy, long R, long D, float eps, const T* res,
+                     long ldr) {
   parallel(R, 16, [&](long first, long last) {
-    for (long r = first; r < last; r++) {
-      const T* xr = x + r * ldx;
-      vf sum = vzero();
-      for (long i = 0; i < D; i += 16) {
-        const vf h = load(xr + i, lanes(D - i));
-        sum = vfmadd(h, h, sum);
-      }
-      const vf scale = vset1(1.0f / sqrtf(vsum(sum) / (float)D + eps));
-      for (long i = 0; i < D; i += 16) {
-        const vmask mk = lanes(D - i);
-        const vf h = round_to(vmul(load(xr + i, mk), scale), (const T*)0);
-        store(y + r * ldy + i, vmul(load(w + i, mk), h), mk);
-      }
-    }
+    for (long r = first; r < last; r++) norm_row(x + r * ldx, w, y + r * ldy, D, eps, res ? res + r * ldr : nullptr);
+  });
+}
+
+// Each head of x (H, R, D) in place (q or k inside a projection's output), as `rms_norm` normalises a row
+template <typename T>
+static void head_norm(T* x, long row, long head, long R, long H, long D, const T* w, float eps) {
+  parallel(R, 8, [&](long first, long last) {
+    for (long r = first; r < last; r++)
+      for (long h = 0; h < H; h++) norm_row(x + r * row + h * head, w, x + r * row + h * head, D, eps, (const T*)0);
   });
 }
 
@@ -50,26 +66,56 @@ static void rotary(T* x, long row, long head, long R, long H, long D, const T* c
   });
 }
 
-template <typename T>
-static void silu_mul(const T* x, long ldx, T* y, long ldy, long R, long I) {  // x: [gate | up], I each
+// act(gate) * up for x = [gate | up] (I each), act(g) = g / (1 + e^(-k(g))) rounded to T before the product: silu
+// (k(g) = g), or gelu's tanh approximation (0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3))
+enum class Act { SILU, GELU_TANH };
+template <Act ACT, typename T>
+static void gated(const T* x, long ldx, T* y, long ldy, long R, long I) {
   parallel(R, 2, [&](long first, long last) {
     for (long r = first; r < last; r++)
       for (long i = 0; i < I; i += 16) {
         const vmask mk = lanes(I - i);
         const vf g = load(x + r * ldx + i, mk), u = load(x + r * ldx + I + i, mk);
-        const vf s = vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), g))));
+        vf k = g;
+        if constexpr (ACT == Act::GELU_TANH)  // 2 sqrt(2 / pi) (g + 0.044715 g^3)
+          k = vmul(vset1(1.5957691216057308f), vfmadd(vmul(vset1(0.044715f), vmul(g, g)), g, g));
+        const vf s = vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), k))));
         store(y + r * ldy + i, vmul(round_to(s, (const T*)0), u), mk);
       }
   });
 }
 
-// a: x, ldx, w, y, ldy, R, D, eps (float bits)
+// x *= s in place, rows (R, D) at stride ldx: s rounded to T, as a T tensor holds it, and each product rounded to T
+template <typename T>
+static void scale_rows(T* x, long ldx, long R, long D, float s) {
+  const vf scale = round_to(vset1(s), (const T*)0);
+  parallel(R, 16, [&](long first, long last) {
+    for (long r = first; r < last; r++)
+      for (long i = 0; i < D; i += 16) {
+        const vmask mk = lanes(D - i);
+        store(x + r * ldx + i, vmul(load(x + r * ldx + i, mk), scale), mk);
+      }
+  });
+}
+
+// a: x, ldx, w, y, ldy, R, D, eps (float bits), residual (or null), its ld
 extern "C" int vs_rms_norm_bf16(const int64_t* a) {
-  rms_norm(ARG(const bf16*, 0), a[1], ARG(const bf16*, 2), ARG(bf16*, 3), a[4], a[5], a[6], float_arg(a, 7));
+  rms_norm(ARG(const bf16*, 0), a[1], ARG(const bf16*, 2), ARG(bf16*, 3), a[4], a[5], a[6], float_arg(a, 7),
+           ARG(const bf16*, 8), a[9]);
   return 0;
 }
 extern "C" int vs_rms_norm_f32(const int64_t* a) {
-  rms_norm(ARG(const float*, 0), a[1], ARG(const float*, 2), ARG(float*, 3), a[4], a[5], a[6], float_arg(a, 7));
+  rms_norm(ARG(const float*, 0), a[1], ARG(const float*, 2), ARG(float*, 3), a[4], a[5], a[6], float_arg(a, 7),
+           ARG(const float*, 8), a[9]);
+  return 0;
+}
+// a: x, row, head, R, H, D, w (D), eps (float bits)
+extern "C" int vs_head_norm_bf16(const int64_t* a) {
+  head_norm(ARG(bf16*, 0), a[1], a[2], a[3], a[4], a[5], ARG(const bf16*, 6), float_arg(a, 7));
+  return 0;
+}
+extern "C" int vs_head_norm_f32(const int64_t* a) {
+  head_norm(ARG(float*, 0), a[1], a[2], a[3], a[4], a[5], ARG(const float*, 6), float_arg(a, 7));
   return 0;
 }
 // a: x, row, head, R, H, D, cos, sin (R, D each)
@@ -85,11 +131,28 @@ extern "C" int vs_rotary_f32(const int64_t* a) {
 }
 // a: x, ldx, y, ldy, R, I
 extern "C" int vs_silu_mul_bf16(const int64_t* a) {
-  silu_mul(ARG(const bf16*, 0), a[1], ARG(bf16*, 2), a[3], a[4], a[5]);
+  gated<Act::SILU>(ARG(const bf16*, 0), a[1], ARG(bf16*, 2), a[3], a[4], a[5]);
   return 0;
 }
 extern "C" int vs_silu_mul_f32(const int64_t* a) {
-  silu_mul(ARG(const float*, 0), a[1], ARG(float*, 2), a[3], a[4], a[5]);
+  gated<Act::SILU>(ARG(const float*, 0), a[1], ARG(float*, 2), a[3], a[4], a[5]);
+  return 0;
+}
+extern "C" int vs_gelu_tanh_mul_bf16(const int64_t* a) {
+  gated<Act::GELU_TANH>(ARG(const bf16*, 0), a[1], ARG(bf16*, 2), a[3], a[4], a[5]);
+  return 0;
+}
+extern "C" int vs_gelu_tanh_mul_f32(const int64_t* a) {
+  gated<Act::GELU_TANH>(ARG(const float*, 0), a[1], ARG(float*, 2), a[3], a[4], a[5]);
+  return 0;
+}
+// a: x, ldx, R, D, s (float bits)
+extern "C" int vs_scale_bf16(const int64_t* a) {
+  scale_rows(ARG(bf16*, 0), a[1], a[2], a[3], float_arg(a, 4));
+  return 0;
+}
+extern "C" int vs_scale_f32(const int64_t* a) {
+  scale_rows(ARG(float*, 0), a[1], a[2], a[3], float_arg(a, 4));
   return 0;
 }
 #endif

@@ -1,7 +1,7 @@
 // What a decoding step does around a captured forward, so that no Python runs between forwards: the rows' positions
 // and visible slots of a causal forward, read from the cache's length when it runs; the argmax of its logits
-// (PyTorch's is scalar in bfloat16, about 33 us for 8192 values on a Zen 4 core); and the step from one token of a
-// greedy chain to the next (models/llama.py `chain`).
+// (PyTorch's is scalar in bfloat16); and the step from one token of a greedy chain to the next (the chain is
+// models/execution.py's `chain`, replayed as one program by models/captured.py's `replay_chain`).
 #include <string.h>
 
 #include "simd.h"

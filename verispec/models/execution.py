@@ -22,7 +22,17 @@ from verispec.models.cache import KVCache
 from verispec.models.captured import lookup, replay, replay_causal, replay_chain
 from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.greedy import argmax
-from verispec.models.layout import AttentionMask, Layout, VisibleSlots, as_index, covering, exact_layout, visible_slots
+from verispec.models.layout import (
+    AttentionMask,
+    Layout,
+    Rope,
+    Table,
+    VisibleSlots,
+    as_index,
+    covering_all,
+    exact_layout,
+    visible_slots,
+)
 from verispec.models.linear import packed_here
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.slot_caches import SlotsLayout
@@ -38,7 +48,7 @@ class Execution:
         self.module = module
         self.capture = True  # replay a `VisibleSlots` forward's captured kernel calls; False: op by op
         self.captured: dict = {}  # those captures by shape (models/captured.py `replay`)
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for `VisibleSlots`
+        self.rope: dict[Rope, Table] | None = None  # cos, sin by position for each RoPE, for `VisibleSlots`
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache | None, options: ForwardOptions = ForwardOptions()
@@ -86,7 +96,7 @@ class Execution:
         sequence of rows each attending over its own cache: a row's logits are then bitwise its sequence's alone; a
         padding row's are zeros."""
         if rows.on_kernels:
-            self.rope = covering(self.rope, rows.slots, self.module.config, self.module.dtype)
+            self.rope = covering_all(self.rope, rows.slots, self.module.config, self.module.dtype)
             real = tokens[rows.real][None]
             out, _ = self.module(
                 real,
@@ -190,7 +200,7 @@ class Execution:
         replayed (nothing but kernels runs in it)."""
         if not layout.on_kernels:
             return _result(*self.module(tokens, cache, layout, options), options)
-        self.rope = covering(self.rope, cache.slots, self.module.config, self.module.dtype)
+        self.rope = covering_all(self.rope, cache.slots, self.module.config, self.module.dtype)
         layout, options = replace(layout, rope=self.rope), replace(options, positions=as_index(options.positions))
         if not self.capture:
             return _result(*self.module(tokens, cache, layout, options), options)

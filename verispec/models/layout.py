@@ -59,14 +59,33 @@ def rotary_table(
     return emb.cos().float().to(dtype).contiguous(), emb.sin().float().to(dtype).contiguous()
 
 
+Table = tuple[torch.Tensor, torch.Tensor]  # cos, sin by position
+Rope = tuple[float, tuple[float, ...] | None]  # a RoPE's base and frequency factors (`ModelConfig.rope`)
+
+
 def covering(
-    table: tuple[torch.Tensor, torch.Tensor] | None, slots: int, config: ModelConfig, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+    table: Table | None, slots: int, config: ModelConfig, dtype: torch.dtype, rope: Rope | None = None
+) -> Table:
     """`table` (cos, sin by position), or a longer one where it does not cover a cache of `slots`: kernel forwards
-    read their rotary rows from it (a row's values do not depend on the table's length)."""
+    read their rotary rows from it (a row's values do not depend on the table's length). `rope`: by default the
+    config's (its global layers')."""
     if table is None or len(table[0]) < slots:
-        return rotary_table(slots, config.dim_per_head, config.rope_theta, dtype, config.rope_factors)
+        theta, factors = rope or (config.rope_theta, config.rope_factors)
+        return rotary_table(slots, config.dim_per_head, theta, dtype, factors)
     return table
+
+
+def covering_all(tables: dict[Rope, Table] | None, slots: int, config: ModelConfig, dtype: torch.dtype) -> dict:
+    """`covering` for each RoPE the model's layers use (one, but Gemma's two), by RoPE."""
+    ropes = dict.fromkeys(config.rope(i) for i in range(config.num_hidden_layers))
+    return {rope: covering((tables or {}).get(rope), slots, config, dtype, rope) for rope in ropes}
+
+
+def in_window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A boolean mask (..., S) of the keys each row sees, cut to the last `window` of them in slot order (a sliding
+    window: a row's slots hold its positions in order, so those are its last `window` positions)."""
+    after = mask.flip(-1).cumsum(-1).flip(-1)  # the seen keys at or after each slot
+    return mask & (after <= window)
 
 
 def as_index(positions: torch.Tensor) -> torch.Tensor:
@@ -118,12 +137,27 @@ class AttentionMask:
         seen = torch.ones(T, start, dtype=torch.bool, device=device)
         return AttentionMask(torch.cat((seen, new.to(device)), dim=1))  # (T, start + T)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, T, D), k, v (B, Hkv, S, D) -> (B, T, H * D)."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, scalar: float | None = None
+    ) -> torch.Tensor:
+        """q (B, H, T, D), k, v (B, Hkv, S, D) -> (B, T, H * D); each row over the last `window` keys it sees where
+        given, scores scaled by 1/sqrt(`scalar`) (default D)."""
         B, _, T, _ = q.shape
+        mask, causal, S = self.mask, self.causal, k.shape[2]
+        if window is not None and window < S:  # else no row sees more keys than the window holds
+            if mask is None:  # (a causal forward is a whole sequence: T == S)
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
+                mask = mask.tril() if causal else mask
+            mask, causal = in_window(mask, window), False
         return (
             F.scaled_dot_product_attention(
-                q, k, v, attn_mask=self.mask, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1]
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=None if scalar is None else scalar**-0.5,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
             .transpose(1, 2)
             .reshape(B, T, -1)
@@ -146,6 +180,7 @@ class FixedWidthKeys:
     tail: torch.Tensor  # (R, TAIL) the cache slot gathered into each tail key of each row
     bias: torch.Tensor  # (R, 1, W + TAIL) over [prefix | tail] keys: 0 where the row sees the key, -inf elsewhere
     span: int  # the slots that any row sees lie below this multiple of 64: only their scores are taken
+    count: torch.Tensor  # (R,) the keys each row sees: its position + 1
     on_kernels: ClassVar[bool] = False
 
     @staticmethod
@@ -170,10 +205,25 @@ class FixedWidthKeys:
         keys = torch.cat((slot[:width] < first, torch.arange(TAIL, device=device) < count[:, None] - first), -1)
         bias = torch.zeros(keys.shape, device=device).masked_fill_(~keys, float("-inf"))
         last = int(visible.any(0).nonzero().max()) + 1
-        return FixedWidthKeys(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]))
+        return FixedWidthKeys(tail, bias[:, None], min(-(-last // 64) * 64, visible.shape[-1]), count)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D).
+    def windowed(self, window: int | None) -> torch.Tensor:
+        """The bias of rows that see only their last `window` positions (None: all): the prefix key j is position j,
+        the tail key i the row's position count - TAIL + i (from 0)."""
+        if window is None:
+            return self.bias
+        W, device = self.bias.shape[-1] - TAIL, self.bias.device
+        first = (self.count - TAIL).clamp(min=0)[:, None]
+        positions = torch.cat(
+            (torch.arange(W, device=device).expand(len(first), W), first + torch.arange(TAIL, device=device)), -1
+        )
+        return self.bias.masked_fill((positions < (self.count[:, None] - window))[:, None], float("-inf"))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, scalar: float | None = None
+    ) -> torch.Tensor:
+        """q (1, H, R, D) and the whole cache's k, v (1, Hkv, P, D) -> (1, R, H * D); each row over its last `window`
+        positions where given, scores scaled by 1/sqrt(`scalar`) (default D).
 
         Explicit matmuls, not scaled_dot_product_attention: its float32 CPU kernel gives a row a different result
         on another thread, and which thread takes a row depends on the row's index. A score is one dot product,
@@ -188,10 +238,11 @@ class FixedWidthKeys:
         Hkv, W, span = k.shape[1], self.bias.shape[-1] - TAIL, self.span
         G = H // Hkv
         q = q[0].view(Hkv, G, R, D).transpose(1, 2).reshape(Hkv, -1, D)  # (Hkv, R * G, D), row by row
-        scores = ((q.float() * D**-0.5) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
+        scale = (D if scalar is None else scalar) ** -0.5
+        scores = ((q.float() * scale) @ k[0, :, :span].float().transpose(-1, -2)).view(Hkv, R, G, span)
         tail = scores.gather(-1, self.tail[None, :, None].expand(Hkv, R, scores.shape[2], TAIL))
         prefix = F.pad(scores, (0, W - span), value=float("-inf"))  # cut instead where span > W (slots > W)
-        p = (torch.cat((prefix, tail), -1) + self.bias).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
+        p = (torch.cat((prefix, tail), -1) + self.windowed(window)).softmax(-1).to(v.dtype)  # (Hkv, R, G, W + TAIL)
         y = (p[..., :W].reshape(Hkv, -1, W) @ v[0, :, :W]).view(Hkv, R, -1, D)  # (Hkv, R, G, D)
         y = y + p[..., W:] @ v[0].index_select(1, self.tail.flatten()).view(Hkv, R, TAIL, D)
         return y.permute(1, 0, 2, 3).reshape(1, R, H * D)
@@ -204,25 +255,34 @@ class VisibleSlots:
     same numbers in the same order whether its token is decoded alone, in a chain, in a tree (whose nodes sit past
     their positions, but in position order) or in a prefill chunk, at no fixed width and with no limit on a tree's
     depth: exact mode at no cost. A forward laid out this way runs nothing but kernels, so it is captured and replayed
-    (models/captured.py). `rope`: the rotary table (cos, sin by position) its rows' are gathered from.
+    (models/captured.py). `rope`: the rotary tables (cos, sin by position) its rows' are gathered from, by RoPE
+    (`ModelConfig.rope`).
     """
 
     visible: torch.Tensor  # (R, slots) uint8, 1 where the row sees the cache slot
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope: dict[Rope, Table] | None = None
     on_kernels: ClassVar[bool] = True
 
     @staticmethod
-    def of(visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> VisibleSlots:
+    def of(visible: torch.Tensor, rope: dict[Rope, Table] | None = None) -> VisibleSlots:
         """Rows that see the cache slots `visible` (R, slots), True where seen."""
         return VisibleSlots(visible.to(torch.uint8).contiguous(), rope)
 
     def store_and_attend(
-        self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        cache: KVCache,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        scalar: float | None = None,
     ) -> torch.Tensor:
         """The rows' new keys and values k, v (R, Hkv * D) into `cache`, and their queries q (H, R, D) over the slots
-        each sees -> (R, H * D)."""
+        each sees (the last `window` of them where given; `kernels.attend`) -> (R, H * D). The cache keeps every key,
+        a sliding window's too."""
         keys, values = cache.store(layer, k, v)
-        return kernels.attend(q, keys, values, self.visible)
+        return kernels.attend(q, keys, values, self.visible, window, scalar)
 
 
 def exact_layout(on_kernels: bool, visible: torch.Tensor, width: int) -> FixedWidthKeys | VisibleSlots:

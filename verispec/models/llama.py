@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama, Qwen2, Mistral math), with the same parameter names as Hugging Face.
+"""The Llama-family transformer (Llama, Qwen2, Mistral math; Gemma 3's by the fields its config sets: sliding-window
+layers, q and k norms, norms around each sublayer, GELU, a scaled embedding), with Hugging Face's parameter names.
 
 Only the math: one forward over a given layout (models/layout.py). Which layout a forward takes, its captures, exact
 mode's chunks are models/execution.py's; packing the weights for the kernels is models/precision.py's.
@@ -6,6 +7,7 @@ mode's chunks are models/execution.py's; packing the weights for the kernels is 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -25,6 +27,16 @@ Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and
 # the kernels' batched layout (`SlotsLayout`), whose sequences each store into their own
 
 
+# The MLP's act(gate) * up by `ModelConfig.hidden_act`: in PyTorch, and as one kernel
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+GATED_KERNELS = {"silu": kernels.silu_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_mul}
+
+
+def plus(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """residual + y, or y where there is no residual."""
+    return y if residual is None else residual + y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -32,13 +44,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.own_kernel = False  # set by `precision.pack_block`: verispec's kernel, in inference
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of x, plus `residual` where given."""
         if self.own_kernel and x.dtype == self.weight.dtype and packed_here(x):
-            return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         # Normalise in float32 at least, as transformers does, so bf16 checkpoints agree with it.
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return plus(residual, self.weight * h.to(x.dtype))
 
 
 class Embedding(nn.Embedding):
@@ -59,11 +72,15 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.heads, self.kv_heads = layer, config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.dim_per_head
+        self.window, self.scalar = config.window(layer), config.query_pre_attn_scalar  # what the layout takes
         d, q, kv = config.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj = nn.Linear(d, q, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=config.o_bias)
+        norms = config.qk_norm  # over each head of q and k, before the rotation
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norms else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norms else None
         self.qkv: PackedLinear | None = None  # set by `precision.pack_block`, used instead of the linears
         self.o: PackedLinear | None = None
         self.own_attention = False  # set by `precision.pack_block`: verispec's kernels take this attention
@@ -75,22 +92,25 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: Cache | None,
         layout: Layout,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> torch.Tensor:
-        """residual + attention(x), over the keys `layout` says each row sees."""
+        """residual + attention(x) (no residual: attention(x)), over the keys `layout` says each row sees."""
         if layout.on_kernels:
             return self._own(x, cos, sin, cache, layout, residual)
         B, T, _ = x.shape
         q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q.view(B, T, self.heads, self.head_dim)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, Hkv, T, D)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
             k, v = k.to(q.dtype), v.to(q.dtype)  # from a float16 cache: each row's own keys as stored, too
-        y = layout.attend(q, k, v)  # (B, T, H * D)
-        return self.o(y, residual) if self.o is not None else residual + self.o_proj(y)
+        y = layout.attend(q, k, v, self.window, self.scalar)  # (B, T, H * D)
+        return self.o(y, residual) if self.o is not None else plus(residual, self.o_proj(y))
 
     def _own(
         self,
@@ -99,19 +119,26 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         layout: VisibleSlots | SlotsLayout,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same on verispec's kernels, as rows (B = 1): kernel calls on views of the projections' output, the keys
         stored and attended by the layout (one sequence's cache, or each sequence's own)."""
         T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
-        kernels.rotary_(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1), cos, sin)  # q and k, in place
+        # q and k heads (H + Hkv, T, D), normed and rotated in place
+        heads = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1)
+        if self.q_norm is not None:
+            kernels.head_norm_(heads[:H], self.q_norm.weight, self.q_norm.eps)
+            kernels.head_norm_(heads[H:], self.k_norm.weight, self.k_norm.eps)
+        kernels.rotary_(heads, cos, sin)
         y = layout.store_and_attend(
             cache,
             self.layer,
-            qkv[:, : H * D].view(T, H, D).transpose(0, 1),
+            heads[:H],
             qkv[:, H * D : (H + Hkv) * D],
             qkv[:, (H + Hkv) * D :],
+            self.window,
+            self.scalar,
         )  # (T, H * D)
         return self.o(y[None], residual)
 
@@ -122,31 +149,43 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = config.hidden_act
         self.gate_up: PackedLinear | None = None  # set by `precision.pack_block`, used instead of the linears
         self.down: PackedLinear | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + down(silu(gate(x)) * up(x))."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + down(act(gate(x)) * up(x)) (no residual: the rest)."""
         if self.gate_up is not None and self.gate_up.kernel is not None and packed_here(x):
-            return self.down(kernels.silu_mul(self.gate_up(x)), residual)  # verispec's kernels
+            return self.down(GATED_KERNELS[self.act](self.gate_up(x)), residual)  # verispec's kernels
         gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        y = F.silu(gate) * up
-        return self.down(y, residual) if self.down is not None else residual + self.down_proj(y)
+        y = ACTIVATIONS[self.act](gate) * up
+        return self.down(y, residual) if self.down is not None else plus(residual, self.down_proj(y))
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The MLP's input norm; with sandwich norms (Gemma's), the attention output's, and the MLP's input norm is
+        # pre_feedforward_layernorm
+        self.post_attention_layernorm = RMSNorm(d, eps)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps)
+            self.post_feedforward_layernorm = RMSNorm(d, eps)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, layout: Layout
     ) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        if not self.sandwich:
+            x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, residual=x)
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
+        y = self.self_attn(self.input_layernorm(x), cos, sin, cache, layout, residual=None)
+        x = self.post_attention_layernorm(y, residual=x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
 
 
 class Decoder(nn.Module):
@@ -157,6 +196,16 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.scale = config.embedding_scale
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype, on_kernels: bool = False) -> torch.Tensor:
+        """The tokens' embeddings (..., D) in `dtype`, times the config's `embedding_scale` (rounded to `dtype`, as
+        transformers' Gemma rounds it) where it has one; `on_kernels`: by verispec's kernels, tokens (T,) -> (T, D)."""
+        if on_kernels:
+            x = self.embed_tokens.lookup(tokens, dtype)
+            return x if self.scale is None else kernels.scale_(x, self.scale)
+        x = self.embed_tokens(tokens).to(dtype)
+        return x if self.scale is None else x * torch.tensor(self.scale, dtype=dtype, device=x.device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -210,19 +259,23 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         if layout is None:
             layout = AttentionMask(options.mask, causal=options.mask is None)
+        config = self.config
         if layout.on_kernels:  # rows (B = 1): of the embedding and rotary tables by verispec's kernel
-            x = self.model.embed_tokens.lookup(tokens[0], self.dtype)[None]  # (1, T, D)
-            cos, sin = kernels.gather(layout.rope[0], positions), kernels.gather(layout.rope[1], positions)
+            x = self.model.embed(tokens[0], self.dtype, on_kernels=True)[None]  # (1, T, D)
+            ropes = {
+                rope: (kernels.gather(cos, positions), kernels.gather(sin, positions))
+                for rope, (cos, sin) in layout.rope.items()
+            }
         else:
-            x = self.model.embed_tokens(tokens).to(self.dtype)  # (B, T, D)
-            cos, sin = rotary(
-                positions, self.config.dim_per_head, self.config.rope_theta, x.dtype, self.config.rope_factors
-            )
-            if positions.dim() == 2:  # a position per row (B, T): broadcast over the heads
-                cos, sin = cos[:, None], sin[:, None]
+            x = self.model.embed(tokens, self.dtype)  # (B, T, D)
+            ropes = {}
+            for theta, factors in dict.fromkeys(config.rope(i) for i in run):  # each RoPE its layers use
+                cos, sin = rotary(positions, config.dim_per_head, theta, x.dtype, factors)
+                # a position per row (B, T): broadcast over the heads
+                ropes[theta, factors] = (cos[:, None], sin[:, None]) if positions.dim() == 2 else (cos, sin)
         states = {}
         for i in run:
-            x = self.model.layers[i](x, cos, sin, cache, layout)
+            x = self.model.layers[i](x, *ropes[config.rope(i)], cache, layout)
             states[i] = x
         states[-1] = self.model.norm(x)
         B, T, _ = x.shape

@@ -219,7 +219,7 @@ class NativeModel:
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's token embeddings (..., D): what feature-level drafters (EAGLE) pair with its features."""
-        return self.module.model.embed_tokens(tokens)
+        return self.module.model.embed(tokens, self.dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

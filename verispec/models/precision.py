@@ -162,8 +162,8 @@ def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> 
     elif own_kernels and not kernels.available(weight.dtype, weight.device):
         raise ValueError(f"verispec's kernels do not run {weight.dtype} here: {kernels.reason()}")
     attention.own_attention = own_kernels and attention.head_dim <= kernels.MAX_HEAD_DIM
-    for norm in (block.input_layernorm, block.post_attention_layernorm):
-        if hasattr(norm, "own_kernel"):  # EAGLE's layer has no norm at its input
+    for norm in block.modules():  # its RMSNorms (EAGLE's layer has none at its input; Gemma's, more)
+        if hasattr(norm, "own_kernel"):
             norm.own_kernel = own_kernels
     attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows, own_kernels)
     attention.o = PackedLinear([attention.o_proj], rows, own_kernels)

@@ -16,7 +16,7 @@ import torch
 
 from verispec import kernels
 from verispec.models.cache import KVCache
-from verispec.models.layout import visible_slots
+from verispec.models.layout import Rope, Table, visible_slots
 
 
 class SlotCaches:
@@ -74,7 +74,7 @@ class SlotsLayout:
     real: torch.Tensor  # (B, width) bool: which of the padded rows' tokens are real
     positions: torch.Tensor  # (real rows,) int64: each real token's position
     slots: int  # the most slots any of the caches holds (the rotary table must cover them)
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope: dict[Rope, Table] | None = None  # the rotary tables by RoPE (`VisibleSlots.rope`)
     on_kernels: ClassVar[bool] = True
 
     @staticmethod
@@ -93,14 +93,21 @@ class SlotsLayout:
         return SlotsLayout(segments, real, torch.cat(positions), max(c.slots for c, *_ in segments))
 
     def store_and_attend(
-        self, cache: None, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        cache: None,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        scalar: float | None = None,
     ) -> torch.Tensor:
         """Each sequence's new keys and values k, v (rows, Hkv * D) into its own cache, and its queries q (H, rows, D)
-        over its own keys -> (rows, H * D)."""
+        over its own keys (`VisibleSlots.store_and_attend`) -> (rows, H * D)."""
         out = []
         for own, first, count, visible in self.segments:
             keys, values = own.store(layer, k[first : first + count], v[first : first + count])
-            out.append(kernels.attend(q[:, first : first + count], keys, values, visible))
+            out.append(kernels.attend(q[:, first : first + count], keys, values, visible, window, scalar))
         return torch.cat(out)
 
     def advance(self) -> None:

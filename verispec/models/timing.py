@@ -1,4 +1,6 @@
-"""Timing one forward of a model: what the benchmark's cost model and the layer-skip search measure."""
+"""Timing one forward of a model apart from any generation (a stopwatch, not a model of cost): what the bench's cost
+model (bench/costs.py), its formats report, the layer-skip search and the heads' model cards measure. The cost model
+that chooses k at run time (cost_model.py) times the steps themselves instead."""
 
 from __future__ import annotations
 

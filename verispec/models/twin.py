@@ -93,8 +93,9 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
     twin.model.embed_tokens = source.model.embed_tokens
     twin.model.norm.weight = _float32(source.model.norm.weight)
     for mine, theirs in zip(twin.model.layers, (source.model.layers[i] for i in kept)):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            getattr(mine, norm).weight = _float32(getattr(theirs, norm).weight)
+        for name, norm in mine.named_modules():  # its RMSNorms
+            if hasattr(norm, "own_kernel"):
+                norm.weight = _float32(theirs.get_submodule(name).weight)
     weights = {}
     for name, mine in projections(twin).items():
         if name != "lm_head":  # the twin's model.layers.j.* is the target's model.layers.kept[j].*

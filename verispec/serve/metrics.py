@@ -1,7 +1,9 @@
 """GET /metrics: the server's state and speed in Prometheus text format (prometheus_client writes it).
 
 Engine-wide counts are read from the worker's latest snapshot at scrape time; latencies are histograms observed per
-request as it finishes. Names follow Prometheus' conventions (`_total` counters, `_seconds` units).
+request as it finishes. Names follow Prometheus' conventions (`_total` counters, `_seconds` units). The counters
+themselves are kept in stats.py (`EngineMetrics`, each request's `GenerationStats`); this module exports them, times
+requests and adds the process's own (memory, CPU).
 """
 
 from __future__ import annotations

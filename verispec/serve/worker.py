@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.engine.engine import Engine
-from verispec.engine.metrics import EngineMetrics
 from verispec.engine.request import Request, Update
+from verispec.stats import EngineMetrics
 
 log = logging.getLogger("verispec.serve")
 
@@ -156,7 +156,7 @@ class EngineWorker:
             ticket = self._live.get(update.request_id)
             if update.error is not None:  # that request's own failure (logged here); the others went on
                 log.error("request %d failed", update.request_id, exc_info=update.error)
-            elif update.finished:  # the server's log: what `verispec chat` prints after a turn, before the reply leaves
+            elif update.finished:  # the server's log, before the client has its answer: what `verispec chat` prints
                 log.info("request %d (%s): %s", update.request_id, update.finish_reason, update.stats.line())
             if ticket is not None:
                 self._deliver(

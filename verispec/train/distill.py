@@ -13,8 +13,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from verispec.checkpoints.chat_template import ChatTemplate
 from verispec.drafters.ngram import PromptLookup
 from verispec.generate import generate
@@ -93,15 +91,3 @@ def distill(
                 flush=True,
             )
     return file
-
-
-def distilled_tokens(folder: Path, eos: int) -> np.ndarray:
-    """Every stored conversation's ids, each followed by `eos`, as one uint32 array (empty where there are none)."""
-    ids: list[int] = []
-    for file in sorted(folder.glob("answers-*.jsonl")):
-        for line in file.read_text().splitlines():
-            try:
-                ids += [*json.loads(line)["ids"], eos]
-            except (ValueError, KeyError):
-                continue
-    return np.asarray(ids, dtype=np.uint32)

@@ -16,7 +16,8 @@ from verispec.models.native import load_model
 from verispec.train.loop import TrainConfig, even_windows, init_weights, train
 from verispec.train.target import TARGET_CONFIG, export, tokenized_split
 
-# 2.5M parameters; one decoding step measured at ~0.08 of the target's on this machine (budget: 1/8).
+# Small enough that one of its decoding steps costs well under 1/8 of the target's, the budget (its card,
+# models/stdlib-draft/README.md, has the measured cost).
 DRAFT_VOCAB = 2048  # the most frequent tokens it drafts among by default (models/stdlib-draft/README.md)
 DRAFT_CONFIG = replace(
     TARGET_CONFIG,

@@ -27,7 +27,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     eval_every_minutes: float = 10.0
     seed: int = 0
-    bf16: bool = True  # autocast matmuls to bfloat16 (weights and optimizer stay float32): AMX makes them ~8x faster
+    bf16: bool = True  # autocast matmuls to bfloat16 for the CPU's AMX units (weights and optimizer stay float32)
 
 
 PAUSED = 5.0  # a step that takes this many times the usual counts as the usual: the run was paused, not training

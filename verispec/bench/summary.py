@@ -1,4 +1,6 @@
-"""From raw runs to the report's numbers; every formula here is checked against the counts in the tests."""
+"""From a bench run's raw records to the report's numbers (speed, speedup, tau, acceptance, exactness, the predicted
+speedup); every formula here is checked against the counts in the tests. The records carry each generation's counters
+(stats.py); the predictions price steps with the bench's cost model (bench/costs.py)."""
 
 from __future__ import annotations
 
