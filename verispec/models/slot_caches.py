@@ -105,8 +105,8 @@ class SlotsLayout:
         """Each sequence's new keys and values k, v (rows, Hkv * D) into its own cache, and its queries q (H, rows, D)
         over its own keys (`VisibleSlots.store_and_attend`) -> (rows, H * D)."""
         out = []
-        for own, first, count, visible in self.segments:
-            keys, values = own.store(layer, k[first : first + count], v[first : first + count])
+        for sequence_cache, first, count, visible in self.segments:
+            keys, values = sequence_cache.store(layer, k[first : first + count], v[first : first + count])
             out.append(kernels.attend(q[:, first : first + count], keys, values, visible, window, scalar))
         return torch.cat(out)
 
