@@ -47,7 +47,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--head",
-        help="eagle, medusa, suffix with --eagle-below: the head's folder (default: "
+        help="eagle, medusa, suffix with --eagle-below, auto: the head's folder (default: "
         "models/stdlib-eagle or models/stdlib-medusa for the shipped target, or the head shipped for a GGUF "
         "target's model)",
     )

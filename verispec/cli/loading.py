@@ -53,9 +53,9 @@ def _k_arg(text: str | None) -> int | str | None:
 
 
 def checked_method(args: argparse.Namespace) -> Method:
-    """The method record of `add_model_args`' options as it runs (`resolve_method`: auto's choice, said on stderr,
-    and the family's default k), checked before any model loads; fills in the shipped pair where no --target was
-    given."""
+    """The method record of `add_model_args`' options as it runs (`resolve_method`: auto's choice, which
+    `load_models` says on stderr, and the family's default k), checked before any model loads; fills in the shipped
+    pair where no --target was given."""
     given_draft = args.draft
     if args.target is None:  # the shipped default pair
         args.target, default_draft = default_paths()
@@ -83,8 +83,6 @@ def checked_method(args: argparse.Namespace) -> Method:
             f"layer subsets or a twin of its weights); --backend transformers offers none "
             f"of them"
         )
-    if method.reason is not None:
-        print(f"verispec: method auto chose {method.label}: {method.reason}", file=sys.stderr, flush=True)
     return method
 
 
@@ -125,4 +123,7 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Dra
         draft = load(args.draft, args.backend, args.device, args.dtype)
     head = Path(args.head) if args.head else None
     draft_dir = Path(args.draft) if draft is not None else None
-    return target, build_drafter(method, Resources(draft, Path(args.target), target, head, draft_dir))
+    drafter = build_drafter(method, Resources(draft, Path(args.target), target, head, draft_dir))
+    if method.reason is not None:  # once it runs: a refusal before this is the one line printed
+        print(f"verispec: method auto chose {method.label}: {method.reason}", file=sys.stderr, flush=True)
+    return target, drafter

@@ -145,7 +145,11 @@ def option_help(name: str) -> str:
         if len(shown) == 1 and all(default is not None for _, default in takers):
             text += f" (default: {shown.pop()})"
         elif shown:
-            text += " (default: " + "; ".join(f"{family} {default}" for family, default in takers if default) + ")"
+            text += (
+                " (default: "
+                + "; ".join(f"{family} {default}" for family, default in takers if default is not None)
+                + ")"
+            )
         parts.append(f"{', '.join(family for family, _ in takers)}: {text}")
     return "; ".join(parts)
 
