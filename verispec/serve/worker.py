@@ -156,6 +156,10 @@ class EngineWorker:
             ticket = self._live.get(update.request_id)
             if update.error is not None:  # that request's own failure (logged here); the others went on
                 log.error("request %d failed", update.request_id, exc_info=update.error)
+            if update.finished:
+                self._live.pop(update.request_id, None)
+                if update.error is None:  # the server's log, before the client has its answer: what chat prints
+                    log.info("request %d (%s): %s", update.request_id, update.finish_reason, update.stats.line())
             if ticket is not None:
                 self._deliver(
                     ticket,
@@ -163,10 +167,6 @@ class EngineWorker:
                     if update.error is None
                     else EngineFailure(f"generation failed: {type(update.error).__name__}: {update.error}"),
                 )
-            if update.finished:
-                self._live.pop(update.request_id, None)
-                if update.error is None:  # the server's log: what `verispec chat` prints after a turn
-                    log.info("request %d (%s): %s", update.request_id, update.finish_reason, update.stats.line())
 
     def _end_all(self) -> None:
         for engine_id in self._live:
