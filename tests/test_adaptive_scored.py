@@ -156,9 +156,10 @@ def test_sampling_with_the_cut_follows_the_target(tmp_path, reference_probs) -> 
 def test_method_suffix_alone_is_the_cut_chain_and_a_tree_stays_fixed() -> None:
     from verispec.cli import loading
     from verispec.cli.parser import build_parser
+    from verispec.drafters.registry import resolve_method
 
-    parse = lambda *extra: loading.method_from(
-        build_parser().parse_args(["generate", "x", "--method", "suffix", *extra])
+    parse = lambda *extra: resolve_method(
+        loading.method_from(build_parser().parse_args(["generate", "x", "--method", "suffix", *extra]))
     )
     assert parse().k == "auto" and parse("-k", "8").k == 8
-    assert parse("--tree-tokens", "8").k is None and parse("--tree-tokens", "8", "-k", "auto").k == "auto"
+    assert parse("--tree-tokens", "8").k == 8 and parse("--tree-tokens", "8", "-k", "auto").k == "auto"

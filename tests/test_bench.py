@@ -52,8 +52,8 @@ def test_report_files_and_structure(quick) -> None:
         "ngram k=auto",
         "eagle k=auto",
         "medusa",
-        "suffix",
-        "suffix tree_tokens=8",
+        "suffix k=8",
+        "suffix k=8 tree_tokens=8",
         "suffix k=auto",
         "suffix k=4 eagle_below=3",
         "draft (unrelated) k=4",
@@ -175,8 +175,8 @@ def test_tree_rows_are_priced_by_their_own_steps(quick) -> None:
     table = report[report.index("## All prompts") : report.index("\n## code")]
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
     assert all(cells[method][-2] != "-" and cells[method][-1] != "- |" for method in trees)  # predicted, efficiency
-    assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-" and cells["suffix tree_tokens=8"][-2] == "-"
-    assert cells["suffix"][-2] != "-"  # a chain that runs no model: c = 0
+    assert cells["lookahead window=5 ngram=4 candidates=5"][-2] == "-" and cells["suffix k=8 tree_tokens=8"][-2] == "-"
+    assert cells["suffix k=8"][-2] != "-"  # a chain that runs no model: c = 0
     assert "lookahead window=5 ngram=4 candidates=5: no prediction: its forward holds the Jacobi window" in report
     assert "medusa: " in report and f" + r({TREE_TOKENS + 1}) per step" in report
 
@@ -262,7 +262,7 @@ def test_methods_filter_needs_the_baseline_and_methods_it_can_run(tmp_path, pair
 
 def test_methods_beyond_the_default_rows_run_by_their_labels(tmp_path, pair_dirs) -> None:
     """Any method and options, written as a row's label is ("suffix k=auto min_prob=0.5", in any order), gets its
-    row, named as the registry names it."""
+    row, named as the registry names it, with its family's defaults filled in: "ngram" is the row "ngram k=auto"."""
     target_dir, draft_dir = pair_dirs
     summary = run_bench(
         target_dir,
@@ -273,10 +273,10 @@ def test_methods_beyond_the_default_rows_run_by_their_labels(tmp_path, pair_dirs
             repeats=1,
             peers=False,
             progress=False,
-            only=["autoregressive", "draft k=5", "suffix min_prob=0.5 k=auto", "ngram k=4"],
+            only=["autoregressive", "draft k=5", "suffix min_prob=0.5 k=auto", "ngram k=4", "ngram"],
         ),
     )
-    assert set(summary) == {"autoregressive", "draft k=5", "suffix k=auto min_prob=0.5", "ngram k=4"}
+    assert set(summary) == {"autoregressive", "draft k=5", "suffix k=auto min_prob=0.5", "ngram k=4", "ngram k=auto"}
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
 
 

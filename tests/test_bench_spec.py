@@ -29,7 +29,7 @@ QUESTIONS = [
     {"question_id": 9, "category": "qa", "turns": ["x" * 300]},  # more than the context of 256 tokens
 ]
 N = 8
-LABELS = ["autoregressive", "ngram k=4", "suffix", "suffix tree_tokens=8"]
+LABELS = ["autoregressive", "ngram k=4", "suffix k=auto", "suffix k=8 tree_tokens=8"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,8 @@ def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat
     )
     groups = {"all", "writing", "qa", "translation", MULTI_TURN, f"{MULTI_TURN} turn 1", f"{MULTI_TURN} turn 2"}
     assert set(summary) == set(LABELS) and all(set(entry) == groups for entry in summary.values())
-    assert summary["suffix"][f"{MULTI_TURN} turn 2"]["prompts"] == 2 and summary["suffix"]["all"]["prompts"] == 6
+    turns = summary["suffix k=auto"]
+    assert turns[f"{MULTI_TURN} turn 2"]["prompts"] == 2 and turns["all"]["prompts"] == 6
     assert all(entry["all"]["exact_match"] == 1.0 for entry in summary.values())
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["spec_bench"] == {
@@ -90,7 +91,7 @@ def test_the_report_has_a_column_per_category_and_the_turns_apart(tmp_path, chat
     }
     assert len(results["records"]) == 6 * len(LABELS)
     check = results["info"]["float64_check"]  # no draft: suffix decoding against plain decoding in float64
-    assert check == {"method": "suffix", "prompts": 6, "exact_match": 1.0}
+    assert check == {"method": "suffix k=auto", "prompts": 6, "exact_match": 1.0}
     report = (tmp_path / "out" / "report.md").read_text()
     table = report[report.index("## Speedup by category") : report.index("## All prompts")]
     header = (

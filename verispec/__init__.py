@@ -17,6 +17,7 @@ from verispec.drafters import (
     SuffixDecoding,
     Verdict,
     build_drafter,
+    resolve_method,
 )
 from verispec.drafters.adaptive import AdaptiveK
 from verispec.engine import Engine, Request, Update, generate_batch
@@ -80,6 +81,7 @@ __all__ = [
     "VerispecError",
     "bind",
     "build_drafter",
+    "resolve_method",
     "default_threads",
     "generate",
     "generate_batch",

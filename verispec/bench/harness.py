@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -14,7 +14,7 @@ import torch
 from verispec.bench.costs import timing
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.bench.llamacpp import llama_cpp_methods
-from verispec.bench.methods import our_methods, ours, transformers_methods, unrelated_methods
+from verispec.bench.methods import BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, check_items, read_suite
@@ -25,7 +25,7 @@ from verispec.checkpoints.random_init import random_pair, tiny_config, unrelated
 from verispec.drafters import DraftModel
 from verispec.drafters.cross_vocab import INTERSECTION, same_tokenizer, translation_for
 from verispec.drafters.layer_skip import PLAN_FILE, LayerSkip
-from verispec.drafters.registry import Method, Resources, build_drafter, method_named
+from verispec.drafters.registry import Method, Resources, build_drafter, method_named, resolve_method
 from verispec.errors import InvalidArgumentError
 from verispec.generate import generate
 from verispec.grammar import Grammar, bind
@@ -65,7 +65,8 @@ def float64_check(
     training. The `count` shortest prompts: a float64 prefill of a long one costs minutes on a real model."""
     target = load_model(target_dir, dtype="float64")
     if draft_dir is None:
-        label, drafter = "suffix", build_drafter(Method("suffix"), Resources(target=target))
+        method = resolve_method(Method("suffix"))
+        label, drafter = method.label, build_drafter(method, Resources(target=target))
     else:
         draft = load_model(draft_dir, dtype="float64")
         cross = not same_tokenizer(target, draft)
@@ -78,6 +79,19 @@ def float64_check(
         for item, ids in chosen
     )
     return {"method": label, "prompts": len(chosen), "exact_match": same / len(chosen)}
+
+
+def _record(row: BenchMethod) -> dict | None:
+    """A row's method record for results.json (None for a peer): what `auto` chose says why too."""
+    if row.method is None:
+        return None
+    method = row.method
+    why = {} if method.reason is None else {"reason": method.reason}
+    return (
+        {"family": method.family, "k": method.k, "options": method.options}
+        | why
+        | ({"unrelated": True} if row.unrelated else {})
+    )
 
 
 def vocab_overlap(target: NativeModel, draft: NativeModel, records: list[dict]) -> dict | None:
@@ -210,15 +224,16 @@ def _run(
             )
         wanted = set()
         for label in only:  # any other method too, by its label: "suffix min_prob=0.3"
-            method = None if label in labels else method_named(label)
-            if method is not None and method.label not in labels:
-                methods.append(
-                    ours(
-                        target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources
-                    )
-                )
+            if label in labels:
+                wanted.add(label)
+                continue
+            method = method_named(label)
+            given = replace(resources, head_dir=medusa) if method.family == "medusa" else resources
+            method = resolve_method(method, given)  # as it runs: "suffix" is the row "suffix k=auto"
+            if method.label not in labels:
+                methods.append(ours(target, method, given))
                 labels.append(method.label)
-            wanted.add(label if method is None else method.label)
+            wanted.add(method.label)
         methods = [m for m in methods if m.label in wanted]
     suite, questions = _turns(target, target_dir, suite, options.max_new_tokens)
     times = timing(target, draft, methods, skip)
@@ -247,10 +262,7 @@ def _run(
         "target": str(target_dir),
         "draft": str(draft_dir),
         "unrelated_draft": "random weights, the draft's config and tokenizer" if unrelated_dir else None,
-        "methods": {
-            m.label: None if m.method is None else asdict(m.method) | ({"unrelated": True} if m.unrelated else {})
-            for m in methods
-        },
+        "methods": {m.label: _record(m) for m in methods},
     }
     write_report(out, summary, records, times, info)
     return summary

@@ -13,7 +13,8 @@ import torch
 from verispec.drafters.base import Drafter
 from verispec.drafters.cross_vocab import INTERSECTION, REENCODE
 from verispec.drafters.eagle import EAGLE_TREE, EAGLE_TREE_DEPTH
-from verispec.drafters.registry import AUTO, Method, Resources, build_drafter
+from verispec.drafters.options import SUFFIX_K
+from verispec.drafters.registry import AUTO, Method, Resources, build_drafter, resolve_method
 from verispec.generate import generate
 from verispec.grammar import TokenGrammar
 from verispec.models.hf_adapter import pretrained_source
@@ -54,6 +55,9 @@ class BenchMethod:
 
 
 def ours(target: NativeModel, method: Method, resources: Resources, unrelated: bool = False) -> BenchMethod:
+    """Our loop with `method` as it runs (`resolve_method`: the family's default k filled in, so that "suffix" and
+    "suffix k=auto" are one row, labelled as the latter)."""
+    method = resolve_method(method, resources)
     drafter = build_drafter(method, resources)  # a recipe: each generate() starts its own session
 
     def run(prompt: list[int], max_new_tokens: int, grammar: TokenGrammar | None = None) -> Run:
@@ -97,16 +101,16 @@ def our_methods(
     cross: bool = False,
 ) -> list[Method]:
     """The autoregressive baseline, the draft model at every k and as a tree (two candidates for the first token,
-    each continued to depth 4), and every other family at k = 4 but suffix decoding (its own sizes, as a chain and as a
-    tree, and its chain cut by auto); the draft model and prompt lookup at k = auto too; layer skip (with the skip set
-    of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree, and suffix decoding with
-    EAGLE) and Medusa (its default tree) when asked. The draft model, EAGLE and Medusa each draft over the draft
-    vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named in the label; 0: the
-    full one), and then over the full one too (draft_vocab=0), for comparison. A draft with another tokenizer than the
-    target's (`cross`) has instead the rows of `cross_methods`. `selfquant`: its default (what `--method selfquant`
-    alone runs), and with the layers `skip` skipped too where a layer-skip plan gives them. `eagle_default`: the EAGLE
-    head's folder names its default draft (verispec.method), which gets a row of its own, "eagle" (`--method eagle`
-    alone)."""
+    each continued to depth 4), and every other family at k = 4 but suffix decoding (its default, the chain cut by
+    auto, and its fixed depth as a chain and as a tree); the draft model and prompt lookup at k = auto too; layer
+    skip (with the skip set of the target's layerskip.json) and EAGLE (a chain at k = 4 and auto, EAGLE-2's tree,
+    and suffix decoding with EAGLE) and Medusa (its default tree) when asked. The draft model, EAGLE and Medusa each
+    draft over the draft vocabulary their folder chooses (`draft_vocab`, `eagle_vocab`, `medusa_vocab` tokens, named
+    in the label; 0: the full one), and then over the full one too (draft_vocab=0), for comparison. A draft with
+    another tokenizer than the target's (`cross`) has instead the rows of `cross_methods`. `selfquant`: its default
+    (what `--method selfquant` alone runs), and with the layers `skip` skipped too where a layer-skip plan gives
+    them. `eagle_default`: the EAGLE head's folder names its default draft (verispec.method), which gets a row of
+    its own, "eagle" (`--method eagle` alone)."""
     methods = [Method("autoregressive")]
     if draft is not None and cross:
         methods += cross_methods(draft_vocab)
@@ -118,9 +122,9 @@ def our_methods(
     methods += [
         Method("ngram", 4),
         Method("ngram", AUTO),
-        Method("suffix"),
+        Method("suffix"),  # k=auto
+        Method("suffix", SUFFIX_K),
         Method("suffix", None, SUFFIX_TREE),
-        Method("suffix", AUTO),
     ]
     if layerskip:
         methods.append(Method("layerskip", 4))

@@ -1,38 +1,45 @@
 """The method record and the models it runs on, from the command line's model and runtime options
-(cli/parser.py `add_model_args`, `add_runtime_args`): checked before anything loads, then loaded."""
+(cli/common_args.py `add_model_args`, `add_runtime_args`): checked before anything loads, then loaded."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.checkpoints.shipped import default_paths
-from verispec.cli.inputs import whole_numbers
 from verispec.drafters.base import Drafter, Needs
-from verispec.drafters.registry import AUTO, OPTIONS, Method, Resources, build_drafter, check_method
+from verispec.drafters.registry import (
+    AUTO,
+    OPTIONS,
+    Method,
+    Resources,
+    build_drafter,
+    check_method,
+    resolve_method,
+)
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from verispec.models.auto import load
 from verispec.models.native import own_kernels_run
 from verispec.models.protocol import CausalLM
 
-# Chains whose draft length auto chooses step by step. Not EAGLE's: on the shipped pair its auto drafted shorter than
-# it should, below a fixed k = 4 in the bench's report. Suffix decoding's, cut by its own estimates: on SmolLM2's
-# Spec-Bench (docs/bench/smollm2/zen3-avx2-suffix-q4_1) 1.12x against its fixed k = 8's 1.09x; its tree stays fixed.
-AUTO_BY_DEFAULT = ("draft", "ngram", "selfquant", "suffix")
-
 
 def method_from(args: argparse.Namespace) -> Method:
-    """The method record from the command line: only the options that were given."""
+    """The method record from the command line: only the options that were given, k only where given (the family's
+    record has the defaults); without --method, `default_method`'s."""
     options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
-    if "skip" in options and not options["skip"].endswith(".json"):  # else a plan's file
-        options["skip"] = whole_numbers(options["skip"], "--skip", "layer indices such as 2,3, or a plan's .json file")
     k = _k_arg(args.k)
-    if args.method == "draft" and not args.draft and not options:  # --target alone decodes plainly
+    method = args.method or default_method(args)
+    if method == "draft" and not args.draft and not options:  # a folder --target alone decodes plainly
         return Method("autoregressive", k)
-    chain = options.get("branch", 1) == 1 and "tree_top_k" not in options and "tree_tokens" not in options
-    if k is None and chain and args.method in AUTO_BY_DEFAULT:
-        k = AUTO
-    return Method(args.method, k, options)
+    return Method(method, k, options)
+
+
+def default_method(args: argparse.Namespace) -> str:
+    """What runs without --method: the draft model with --draft (the shipped pair has one), `auto` on a GGUF target
+    without one (its shipped head, else suffix decoding), else plain decoding (`method_from`)."""
+    return AUTO if args.target is not None and not args.draft and is_gguf(args.target) else "draft"
 
 
 def _k_arg(text: str | None) -> int | str | None:
@@ -46,22 +53,29 @@ def _k_arg(text: str | None) -> int | str | None:
 
 
 def checked_method(args: argparse.Namespace) -> Method:
-    """The method record of `add_model_args`' options, checked before any model loads; fills in the shipped pair
-    where no --target was given."""
+    """The method record of `add_model_args`' options as it runs (`resolve_method`: auto's choice, which
+    `load_models` says on stderr, and the family's default k), checked before any model loads; fills in the shipped
+    pair where no --target was given."""
     given_draft = args.draft
     if args.target is None:  # the shipped default pair
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft
     method = method_from(args)
-    needs = check_method(method)  # before loading anything
+    given = Resources(
+        target_dir=Path(args.target),
+        head_dir=Path(args.head) if args.head else None,
+        draft_dir=Path(args.draft) if args.draft else None,
+    )
+    method = resolve_method(method, given)  # auto's choice and the family's defaults, before loading anything
+    needs = check_method(method)
     if given_draft and method.family != "draft":  # only --method draft loads it
         raise InvalidArgumentError(
-            f"--draft is the draft model of --method draft; --method {args.method} would ignore it"
+            f"--draft is the draft model of --method draft; --method {args.method or method.family} would ignore it"
         )
     if args.head and method.family not in ("eagle", "medusa") and "eagle_below" not in method.options:
         raise InvalidArgumentError(
             f"--head is the head of --method eagle or medusa (or suffix with --eagle-below); "
-            f"--method {args.method} would ignore it"
+            f"--method {args.method or method.family} would ignore it"
         )
     if args.backend == "transformers" and needs != Needs():
         raise InvalidArgumentError(
@@ -109,4 +123,7 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Dra
         draft = load(args.draft, args.backend, args.device, args.dtype)
     head = Path(args.head) if args.head else None
     draft_dir = Path(args.draft) if draft is not None else None
-    return target, build_drafter(method, Resources(draft, Path(args.target), target, head, draft_dir))
+    drafter = build_drafter(method, Resources(draft, Path(args.target), target, head, draft_dir))
+    if method.reason is not None:  # once it runs: a refusal before this is the one line printed
+        print(f"verispec: method auto chose {method.label}: {method.reason}", file=sys.stderr, flush=True)
+    return target, drafter

@@ -6,7 +6,7 @@ from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.layer_skip import LayerSkip
 from verispec.drafters.lookahead import Lookahead
 from verispec.drafters.ngram import PromptLookup
-from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter
+from verispec.drafters.registry import FAMILIES, Method, Resources, build_drafter, resolve_method
 from verispec.drafters.suffix import SuffixDecoding
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "SuffixDecoding",
     "Verdict",
     "build_drafter",
+    "resolve_method",
 ]

@@ -21,6 +21,7 @@ from verispec.drafters.cross_vocab import (
     same_tokenizer,
 )
 from verispec.drafters.draft_model_batch import DraftModelBatch
+from verispec.drafters.options import FIXED_K, DraftOptions
 from verispec.drafters.reencode import ReencodeSession
 from verispec.errors import InvalidArgumentError, TokenizerMismatchError
 from verispec.models.protocol import CausalLM
@@ -56,9 +57,9 @@ class DraftModel:
     def __init__(
         self,
         model: CausalLM,
-        k: int = 4,
-        branch: int = 1,
-        branch_depth: int = 1,
+        k: int = FIXED_K,
+        branch: int = DraftOptions.branch,
+        branch_depth: int = DraftOptions.branch_depth,
         vocab: torch.Tensor | None = None,
         translation: Translation | None = None,
     ) -> None:

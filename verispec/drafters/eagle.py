@@ -29,6 +29,7 @@ import torch
 
 from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
+from verispec.drafters.options import FIXED_K
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.heads.eagle import EagleHead
 from verispec.heads.eagle3 import Eagle3Head
@@ -51,7 +52,7 @@ class Eagle:
     def __init__(
         self,
         head: EagleHead | Eagle3Head,
-        k: int = 4,
+        k: int = FIXED_K,
         vocab: torch.Tensor | None = None,
         tree: tuple[int, int] | None = None,
     ) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
+from verispec.drafters.options import FIXED_K
 from verispec.errors import CheckpointError, InvalidArgumentError
 from verispec.models.kept_layers import kept_layers, layer_indices
 from verispec.models.protocol import CausalLM
@@ -34,7 +35,7 @@ class LayerSkip:
     name = "layerskip"
     batched = False  # it runs the target on one sequence's cache
 
-    def __init__(self, skip: Sequence[int], k: int = 4) -> None:
+    def __init__(self, skip: Sequence[int], k: int = FIXED_K) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)
         skip = layer_indices(skip)
         if not skip:

@@ -17,6 +17,7 @@ import torch
 
 from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, SideBranch, Verdict
+from verispec.drafters.options import LookaheadOptions
 from verispec.models.greedy import argmax
 from verispec.models.protocol import CausalLM
 
@@ -92,7 +93,13 @@ class Lookahead:
     needs = Needs(tree_masks=True)  # the window and the candidate trie share one forward through a custom mask
 
     def __init__(
-        self, window: int = 5, ngram: int = 4, candidates: int = 5, *, text_ngrams: bool = True, seed: int = 0
+        self,
+        window: int = LookaheadOptions.window,
+        ngram: int = LookaheadOptions.ngram,
+        candidates: int = LookaheadOptions.candidates,
+        *,
+        text_ngrams: bool = True,
+        seed: int = 0,
     ) -> None:
         window = whole_number(window, "lookahead window", 1)
         ngram = whole_number(ngram, "lookahead ngram", 2)

@@ -10,6 +10,7 @@ from typing import Mapping, Sequence
 from verispec.argument_checks import whole_number
 from verispec.drafters.base import DraftContext, Needs, Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
+from verispec.drafters.options import FIXED_K, NgramOptions
 from verispec.errors import InvalidArgumentError
 from verispec.models.protocol import CausalLM
 
@@ -21,7 +22,9 @@ class PromptLookup:
     needs = Needs()  # nothing of the target: it reads only the committed tokens
     batched = True
 
-    def __init__(self, k: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(
+        self, k: int = FIXED_K, max_ngram: int = NgramOptions.max_ngram, min_ngram: int = NgramOptions.min_ngram
+    ) -> None:
         k = whole_number(k, "k (tokens drafted per step)", 1)
         max_ngram, min_ngram = whole_number(max_ngram, "max_ngram", 1), whole_number(min_ngram, "min_ngram", 1)
         if min_ngram > max_ngram:

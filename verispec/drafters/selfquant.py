@@ -13,6 +13,7 @@ from typing import Sequence
 
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.layer_skip import read_plan
+from verispec.drafters.options import FIXED_K, SelfQuantOptions
 from verispec.errors import IncompatibleTargetError
 from verispec.models.native import NativeModel
 from verispec.models.protocol import CausalLM
@@ -25,7 +26,12 @@ class SelfQuant(DraftModel):
     name = "selfquant"
 
     def __init__(
-        self, target: NativeModel, spec: TwinFormat = TwinFormat(), k: int = 4, branch: int = 1, branch_depth: int = 1
+        self,
+        target: NativeModel,
+        spec: TwinFormat = TwinFormat(),
+        k: int = FIXED_K,
+        branch: int = SelfQuantOptions.branch,
+        branch_depth: int = SelfQuantOptions.branch_depth,
     ) -> None:
         super().__init__(quantized_twin(target, spec), k, branch, branch_depth)
         self.spec, self._weights, self._of = spec, target.module, target.name

@@ -25,15 +25,10 @@ from typing import Mapping, Sequence
 from verispec.argument_checks import real_number, whole_number
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Needs, Proposal, Verdict
 from verispec.drafters.batch import SequenceStart
+from verispec.drafters.options import SUFFIX_K, SuffixOptions
 from verispec.drafters.suffix_tree import NOTHING, Candidate, Limits, SuffixTree, TreeSequence
 from verispec.errors import InvalidArgumentError
 from verispec.models.protocol import CausalLM
-
-K = 8  # the deepest proposal by default; most are shorter (spec_factor x the match, min_prob)
-DEPTH = 24  # tokens a tree indexes per string: the match and its continuation (vLLM's default)
-SPEC_FACTOR = 1.0  # vLLM's and ArcticInference's default
-MIN_PROB = 0.1  # vLLM's and ArcticInference's default
-HISTORY_TOKENS = 1 << 16  # of earlier generations; memory grows with it, by a few nodes a token in ordinary text
 
 
 @dataclass
@@ -85,16 +80,6 @@ def _best(candidates) -> Candidate:
     return best
 
 
-@dataclass(frozen=True)
-class SuffixOptions:
-    """Everything but the proposal's size (see registry.OPTIONS for what each does)."""
-
-    suffix_depth: int = DEPTH
-    spec_factor: float = SPEC_FACTOR
-    min_prob: float = MIN_PROB
-    history_tokens: int = HISTORY_TOKENS
-
-
 class SuffixDecoding:
     """Proposes from suffix trees (see the module's notes): a chain of at most k tokens, or with `tree_tokens` a tree
     of at most that many nodes, k deep. Unlike other drafters it keeps state across generations: the shared history.
@@ -106,15 +91,16 @@ class SuffixDecoding:
 
     def __init__(
         self,
-        k: int = K,
+        k: int = SUFFIX_K,
         tree_tokens: int | None = None,
-        options: SuffixOptions = SuffixOptions(),
+        options: SuffixOptions | None = None,
         fallback: Drafter | None = None,
         fallback_below: int = 0,
     ) -> None:
         self.k = whole_number(k, "k (tokens drafted per step)", 1)
         self.tree = tree_tokens is not None
         nodes = self.k if tree_tokens is None else whole_number(tree_tokens, "tree_tokens", 1)
+        options = options or SuffixOptions()
         depth = whole_number(options.suffix_depth, "suffix_depth", 2)
         factor = real_number(options.spec_factor, "spec_factor")
         min_prob = real_number(options.min_prob, "min_prob")
