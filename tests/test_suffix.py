@@ -388,3 +388,65 @@ def test_the_eagle_combination_drafts_with_the_head_where_matches_are_short(tmp_
         session = start_session(drafter, target, prompt[:9])
         proposal = session.propose(prompt[:9], 3)  # 40 41 42 matched: 3 tokens, 43 44 45 from the tree
         assert (proposal.tokens == [43, 44, 45]) == (below <= 3)
+
+
+def test_the_draft_combination_drafts_with_the_model_where_matches_are_short(target, draft) -> None:
+    """draft_below: a long match proposes from the tree, a short one takes the draft model's chain; greedy output
+    stays the target's."""
+    from verispec.drafters.draft_model import DraftModel
+    from verispec.drafters.registry import Resources
+
+    prompt = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 9, 9]
+    truth = generate(target, prompt, max_new_tokens=16, ignore_eos=True).tokens
+    alone = start_session(DraftModel(draft, 3), target, prompt[:9]).propose(prompt[:9], 3).tokens
+    for below in (0, 3, 50):
+        drafter = build_drafter(
+            Method("suffix", 3, {"draft_below": below, "history_tokens": 0}), Resources(target=target, draft=draft)
+        )
+        assert not drafter.needs.hidden_states and not drafter.batched
+        assert generate(target, prompt, drafter, max_new_tokens=16, ignore_eos=True).tokens == truth
+        proposal = start_session(drafter, target, prompt[:9]).propose(prompt[:9], 3)  # 40 41 42 matched: 3 tokens
+        assert proposal.tokens == ([43, 44, 45] if below <= 3 else alone)
+    with pytest.raises(InvalidArgumentError, match="eagle_below or draft_below"):
+        build_drafter(Method("suffix", 3, {"draft_below": 2, "eagle_below": 2}), Resources(target=target, draft=draft))
+    with pytest.raises(InvalidArgumentError, match="vocab_map"):
+        build_drafter(Method("suffix", 3, {"vocab_map": "auto"}), Resources(target=target, draft=draft))
+
+
+def test_sampling_with_the_draft_combination_keeps_the_target_distribution(
+    enumerable, tmp_path_factory, monkeypatch
+) -> None:
+    """The draft model's sampled chain (with its q) where suffix has no match: the target's distribution, and a rule
+    that accepts every drafted token is caught."""
+    import torch
+
+    import verispec.step
+    from verispec.drafters.draft_model import DraftModel
+
+    target, joint, _ = enumerable
+    config = tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    draft = load_model(random_checkpoint(tmp_path_factory.mktemp("suffix") / "draft", config, seed=4))
+    drafter = SuffixDecoding(
+        2, options=SuffixOptions(history_tokens=0), fallback=DraftModel(draft, 2), fallback_below=50
+    )
+    assert start_session(drafter, target, PROMPT, SamplingParams(1.0)).propose(PROMPT, 2).q is not None
+    counts, drafted = sampled_pairs(target, drafter, PROMPT, DRAWS)
+    pvalue, tv = compare(counts.ravel(), joint.ravel())
+    assert pvalue > P_VALUE_MIN and tv < (joint.size / DRAWS) ** 0.5 and drafted > 0, (pvalue, tv)
+
+    def accept_all(tokens, q, logits, sampling, generator):  # broken: the draft's samples kept whatever p says
+        n = len(tokens)
+        return n, int(torch.multinomial(torch.softmax(logits[0, n].float(), -1), 1, generator=generator))
+
+    monkeypatch.setattr(verispec.step, "verify", accept_all)
+    counts, _ = sampled_pairs(target, drafter, PROMPT, BROKEN_DRAWS)
+    assert compare(counts.ravel(), joint.ravel())[0] < 1e-6
+
+
+def test_cli_suffix_with_a_draft_below_its_matches(capsys, pair_dirs) -> None:
+    target, draft = map(str, pair_dirs)
+    args = ["generate", "abcabcabc", "--target", target, "--draft", draft, "--method", "suffix", "--draft-below", "3"]
+    assert main([*args, "--max-new-tokens", "16", "--ignore-eos", "--compare"]) == 0
+    assert "identical to autoregressive: yes" in capsys.readouterr().out
+    assert main(["generate", "x", "--target", target, "--draft", draft, "--method", "suffix"]) == 2
+    assert "--draft-below" in capsys.readouterr().err

@@ -68,9 +68,10 @@ def checked_method(args: argparse.Namespace) -> Method:
     )
     method = resolve_method(method, given)  # auto's choice and the family's defaults, before loading anything
     needs = check_method(method)
-    if given_draft and method.family != "draft":  # only --method draft loads it
+    if given_draft and not drafts_with_model(method):
         raise InvalidArgumentError(
-            f"--draft is the draft model of --method draft; --method {args.method or method.family} would ignore it"
+            f"--draft is the draft model of --method draft (or suffix with --draft-below); "
+            f"--method {args.method or method.family} would ignore it"
         )
     if args.head and method.family not in ("eagle", "medusa") and "eagle_below" not in method.options:
         raise InvalidArgumentError(
@@ -84,6 +85,12 @@ def checked_method(args: argparse.Namespace) -> Method:
             f"of them"
         )
     return method
+
+
+def drafts_with_model(method: Method) -> bool:
+    """Whether the method drafts with the draft model (--draft): the draft family, or suffix where its match is
+    short (draft_below)."""
+    return method.family == "draft" or (method.family == "suffix" and method.options.get("draft_below") is not None)
 
 
 def load_target(args: argparse.Namespace) -> CausalLM:
@@ -119,7 +126,7 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Dra
     options."""
     target = load_target(args)
     draft = None
-    if method.family == "draft" and args.draft:  # never exact: the target decides every token
+    if drafts_with_model(method) and args.draft:  # never exact: the target decides every token
         draft = load(args.draft, args.backend, args.device, args.dtype)
     head = Path(args.head) if args.head else None
     draft_dir = Path(args.draft) if draft is not None else None

@@ -130,9 +130,17 @@ def _head_default(folder: Path) -> tuple[int | None, tuple[int | None, int | Non
 
 
 def suffix(options: SuffixMethodOptions, k: int, res: Resources) -> SuffixDecoding:
-    fallback, below = None, options.eagle_below or 0
-    if options.eagle_below is not None:  # EAGLE drafts the steps without a long enough match, a chain as deep
-        fallback = eagle(EagleOptions(), k, res)
+    """Suffix decoding; with eagle_below or draft_below, EAGLE's head or the draft model drafts the steps without a
+    long enough match, a chain as deep."""
+    if options.eagle_below is not None and options.draft_below is not None:
+        raise InvalidArgumentError("suffix drafts with one model where its match is short: eagle_below or draft_below")
+    if options.vocab_map is not None and options.draft_below is None:
+        raise InvalidArgumentError("suffix's vocab_map is its draft model's (with draft_below)")
+    fallback, below = None, 0
+    if options.eagle_below is not None:
+        fallback, below = eagle(EagleOptions(), k, res), options.eagle_below
+    elif options.draft_below is not None:
+        fallback, below = draft(DraftOptions(vocab_map=options.vocab_map), k, res), options.draft_below
     return SuffixDecoding(k, options.tree_tokens, options, fallback, below)
 
 

@@ -97,6 +97,19 @@ def _skip(default: str) -> Any:
     )
 
 
+def _vocab_map() -> Any:
+    return option(
+        None,
+        "a draft with another tokenizer than the target's: intersection drafts among the tokens both vocabularies "
+        "share (lossless under greedy decoding and sampling; chains and trees), reencode re-encodes the draft's "
+        "greedy text into the target's tokens (chains; lossless too, under sampling as a one-hot guess), auto picks "
+        "the first that applies (nothing for the same tokenizer)",
+        str,
+        choices=WAYS,
+        default_text="the draft must have the target's tokenizer",
+    )
+
+
 def _draft_vocab() -> Any:
     return option(
         None,
@@ -121,16 +134,7 @@ class DraftOptions:
     branch: int = _branch()
     branch_depth: int = _branch_depth()
     draft_vocab: int | None = _draft_vocab()
-    vocab_map: str | None = option(
-        None,
-        "a draft with another tokenizer than the target's: intersection drafts among the tokens both vocabularies "
-        "share (lossless under greedy decoding and sampling; chains and trees), reencode re-encodes the draft's "
-        "greedy text into the target's tokens (chains; lossless too, under sampling as a one-hot guess), auto picks "
-        "the first that applies (nothing for the same tokenizer)",
-        str,
-        choices=WAYS,
-        default_text="the draft must have the target's tokenizer",
-    )
+    vocab_map: str | None = _vocab_map()
 
     def default_k(self) -> int | str | None:
         return AUTO if self.branch == 1 else FIXED_K
@@ -226,7 +230,8 @@ class SuffixOptions:
 
 @dataclass(frozen=True)
 class SuffixMethodOptions(SuffixOptions):
-    """Suffix decoding as a method: a chain, or a tree of tree_tokens; EAGLE where the match is short."""
+    """Suffix decoding as a method: a chain, or a tree of tree_tokens; EAGLE's head or the draft model where the match
+    is short."""
 
     tree_tokens: int | None = _tree_tokens()
     eagle_below: int | None = option(
@@ -234,6 +239,12 @@ class SuffixMethodOptions(SuffixOptions):
         "draft with the EAGLE head (--head, default the shipped one) on steps whose best suffix match is shorter "
         "than this many tokens (SAM-Decoding's combination)",
     )
+    draft_below: int | None = option(
+        None,
+        "draft with the draft model (--draft) on steps whose best suffix match is shorter than this many tokens, a "
+        "chain as deep (SAM-Decoding's combination with a draft model)",
+    )
+    vocab_map: str | None = _vocab_map()
 
     def default_k(self) -> int | str | None:
         return AUTO if self.tree_tokens is None else SUFFIX_K  # a chain cut by its own estimates; a tree stays fixed

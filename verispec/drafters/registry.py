@@ -93,7 +93,7 @@ FAMILIES: dict[str, Family] = {
     "suffix": Family(
         "SuffixDecoding: what most often followed the text's suffix, in this generation and earlier ones "
         "(suffix trees, no model; a chain of at most spec_factor x the match's length, or a tree of "
-        "tree_tokens; eagle_below: EAGLE's chain where the match is shorter)",
+        "tree_tokens; eagle_below, draft_below: EAGLE's or the draft model's chain where the match is shorter)",
         SuffixMethodOptions,
         builders.suffix,
         lambda o: Needs(

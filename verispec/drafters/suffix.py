@@ -13,7 +13,7 @@ draws without replacement from p) keeps the target's distribution.
 What the shared tree holds depends on the generations before and beside this one, so a seeded sampled generation is
 reproducible only with the same history (`history_tokens=0` turns it off); a greedy one is the target's own whatever
 the history. With `eagle_below` (SAM-Decoding's combination, Hu et al. 2024) an EAGLE head drafts the steps whose
-best match is shorter than that many tokens.
+best match is shorter than that many tokens; with `draft_below`, the draft model does.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ class SuffixDecoding:
     """Proposes from suffix trees (see the module's notes): a chain of at most k tokens, or with `tree_tokens` a tree
     of at most that many nodes, k deep. Unlike other drafters it keeps state across generations: the shared history.
 
-    `fallback`: a drafter (EAGLE's) that drafts instead where the best match is shorter than `fallback_below` tokens;
-    it sees every verdict, so its own state follows the text."""
+    `fallback`: a drafter (EAGLE's head, or a draft model) that drafts instead where the best match is shorter than
+    `fallback_below` tokens; it sees every verdict, so its own state follows the text."""
 
     name = "suffix"
 
@@ -112,11 +112,11 @@ class SuffixDecoding:
         self.depth = depth
         budget = whole_number(options.history_tokens, "history_tokens", 0)
         self.history = SharedHistory(budget, depth) if budget else None
-        self.fallback, self.fallback_below = fallback, whole_number(fallback_below, "eagle_below", 0)
+        self.fallback, self.fallback_below = fallback, whole_number(fallback_below, "eagle_below or draft_below", 0)
         self.width = nodes if fallback is None else max(nodes, fallback.width)
         extra = Needs() if fallback is None else fallback.needs
         self.needs = Needs(tree_masks=self.tree or extra.tree_masks, hidden_states=extra.hidden_states)
-        self.batched = fallback is None  # the fallback's (EAGLE's) state is one sequence's
+        self.batched = fallback is None  # the fallback's state is one sequence's
         self.scores = fallback is None  # every proposal carries its tokens' estimated chances (the fallback's do not)
 
     def check(self, target: CausalLM) -> None:
