@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as GGML
 
-from gguf_files import bpe_vocab, by_name, gguf_config
+from gguf_files import bpe_vocab, by_name, gguf_config, spm_vocab
 from gguf_files import write_gguf as write_random_gguf
 from verispec.bench import harness
 from verispec.bench.harness import BenchOptions, quick_suite, run_bench
@@ -342,3 +342,17 @@ def test_the_bench_takes_a_gguf_target(tmp_path) -> None:
     assert list(summary) == only and summary["transformers greedy"]["all"]["exact_match"] == 1.0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["info"]["target"] == str(file) and results["info"]["notes"] == []
+
+
+def test_a_tokenizer_that_adds_a_bos_gives_llama_cpp_the_text_after_it(tmp_path) -> None:
+    """A file whose tokenizer adds BOS (Llama's, Gemma's): llama.cpp adds it too, so the prompt's text is what follows
+    it (with the BOS as text it would read two)."""
+    config = gguf_config(len(spm_vocab()[0]))
+    file = write_random_gguf(tmp_path / "target.gguf", config, by_name({}, GGML.Q8_0), tokenizer="llama", add_bos=True)
+    model = load_model(file, dtype="float32")
+    peer = LlamaCppPeer(fake_binaries(tmp_path / "bin"), file, None, model)
+    prompt = model.tokenizer.encode("def f(x):").ids
+    assert prompt[0] == model.tokenizer.encode("").ids[0]  # the BOS
+    peer.run("plain", prompt, 16)
+    assert model.tokenizer.encode(peer.prompt_file.read_text()).ids == prompt
+    assert "<s>" not in peer.prompt_file.read_text()

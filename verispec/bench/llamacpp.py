@@ -222,7 +222,11 @@ class LlamaCppPeer:
         prefill of the prompt, then its decode time per token for the tokens it decodes (max_new_tokens less those
         from the prefill, `FROM_PREFILL`; the speculative binaries write a few tokens more, in the same time per
         token)."""
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)  # a chat template's markers stay text
+        # The tokens a tokenizer puts before any text (a BOS) are llama.cpp's to add, as ours adds them: the text is
+        # what follows them (a chat template's markers stay text)
+        added = self.tokenizer.encode("").ids
+        body = prompt[len(added) :] if added and list(prompt[: len(added)]) == added else prompt
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
         if self.tokenizer.encode(text).ids != list(prompt):  # llama.cpp takes text: it must read back as these ids
             raise PeerError("a prompt's text does not tokenize back to its ids; llama.cpp would see another prompt")
         self.prompt_file.write_bytes(text.encode())
