@@ -1,12 +1,19 @@
 """The counters decoding keeps: one generation's (`GenerationStats`: tokens, target calls, acceptance by position,
-where the time went) and the batched engine's (`EngineMetrics`: its gauges and totals since it started).
+where the time went) and the batched engine's (`EngineMetrics`: its gauges and totals since it started); and the
+process's peak resident memory (`peak_resident_bytes`).
 
 The rest is read from these: serve/metrics.py exports the engine's and each finished request's as Prometheus
 metrics, and bench/summary.py turns a bench run's records into the report's numbers."""
 
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict, dataclass, field
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started, in bytes (Linux's ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from verispec.models.precision import formats
 from verispec.models.twin import twin_refusal
 from verispec.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
 from verispec.spec_bench import is_spec_bench, parsed, turn_prompts
+from verispec.stats import peak_resident_bytes
 from verispec.threads import torch_threads
 from verispec.vocab_map import shared_tokens, token_table
 
@@ -246,7 +246,7 @@ def _run(
     info = {
         "command": " ".join(["verispec", *sys.argv[1:]]) if sys.argv else "verispec bench",
         "machine": machine(),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_resident_bytes() / 2**20,
         "repeats": options.repeats,
         "prompts": len(suite),
         "spec_bench": questions,

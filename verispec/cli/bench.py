@@ -4,7 +4,6 @@ concurrent clients) and search-layerskip (the layers layer skip leaves out, chos
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from verispec.cli.loading import checked_method, load_models
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError
 from verispec.models.native import load_model
+from verispec.stats import peak_resident_bytes
 from verispec.threads import set_threads, torch_threads
 
 
@@ -147,7 +147,7 @@ def bench_serve_command(args: argparse.Namespace) -> None:
             "dtype": args.dtype,
             "max batch": args.max_batch,
             "exact": getattr(target, "exact", False),
-            "peak resident memory": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+            "peak resident memory": f"{peak_resident_bytes() / 2**30:.2f} GiB",
         }
         setup |= machine()
     report = write_report(out, results, work, setup)

@@ -8,7 +8,6 @@ requests and adds the process's own (memory, CPU).
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -18,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from verispec.engine.request import Update
 from verispec.serve.worker import EngineFailure, Snapshot
+from verispec.stats import peak_resident_bytes
 
 PEAK_RSS = "verispec_process_peak_resident_memory_bytes"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
@@ -77,8 +77,9 @@ class _EngineCollector:
         tau = done.tokens / done.target_calls if done.target_calls else 0.0
         # The peak, not only the current size (prometheus_client's process_resident_memory_bytes): a client that
         # scrapes after a load sees what the load took, however briefly.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux gives KiB
-        yield GaugeMetricFamily(PEAK_RSS, "The server process's peak resident memory since it started", value=peak)
+        yield GaugeMetricFamily(
+            PEAK_RSS, "The server process's peak resident memory since it started", value=peak_resident_bytes()
+        )
         yield GaugeMetricFamily(
             "verispec_mean_tokens_per_target_call",
             "tau: tokens per target forward a sequence took part in, over finished requests",
