@@ -149,15 +149,16 @@ async def _level(url: str, model: str, work: Workload, concurrency: int, referen
 async def _server_peak_rss(client: httpx.AsyncClient, url: str) -> float | None:
     """The server's peak resident memory in bytes, as verispec's /metrics gives it; None from a server that does not
     (vLLM, SGLang), so that a bench of theirs still runs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     from verispec.serve.metrics import PEAK_RSS
 
     response = await client.get(f"{url}/metrics")
     if response.status_code != 200:
         return None
-    for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == PEAK_RSS:
-            return float(value)
+    for family in text_string_to_metric_families(response.text):
+        if family.name == PEAK_RSS:
+            return family.samples[0].value
     return None
 
 
