@@ -193,6 +193,26 @@ def test_the_shipped_head_is_found_by_the_files_metadata_not_its_path(gguf_files
         build_drafter(Method("eagle", 3, {"draft_vocab": 20}), Resources(target=target, head_dir=folder))
 
 
+def test_no_head_made_for_a_file_reads_no_fingerprint(gguf_files, tmp_path, monkeypatch) -> None:
+    """A start looks for a shipped head (`--method auto`); the fingerprint reads the file's whole vocabulary, so
+    only a head made for some file's model (its `target_match`) makes it read one."""
+    import verispec.checkpoints.shipped as shipped
+
+    q8, _, _ = gguf_files
+    target = load_model(q8)
+    models = tmp_path / "models"
+    save_eagle3(new_head(target.module, torch.arange(50)), models / "no-match", target.name, {"method": {"k": 3}})
+    read = []
+    monkeypatch.setattr(shipped, "gguf_fingerprint", lambda path: read.append(path) or gguf_fingerprint(path))
+    assert shipped_head_for(q8, "eagle", models) is None
+    assert read == []
+    save_eagle3(
+        new_head(target.module, torch.arange(50)), models / "match", target.name, {"target_match": gguf_fingerprint(q8)}
+    )
+    assert shipped_head_for(q8, "eagle", models) == models / "match"
+    assert read == [q8]
+
+
 def test_generate_with_method_eagle_alone_finds_the_head_for_the_files_model(
     gguf_files, tmp_path, monkeypatch, capsys
 ) -> None:

@@ -202,7 +202,8 @@ def test_a_folder_written_as_gguf_loads_bitwise_as_the_folder(tmp_path, single_t
     ours, back = load_model(folder), load_model(export_folder(folder, tmp_path / "m.gguf"))
     tokens = torch.tensor([[5, 17, 200, 3, 99, 64]])
     assert torch.equal(ours(tokens, ours.new_cache()), back(tokens, back.new_cache()))
-    assert back.eos_token_ids == ours.eos_token_ids == {256} and back.name == "m.gguf"
+    assert ours.eos_token_ids == {256} and back.name == "m.gguf"
+    assert back.eos_token_ids == {0, 256}  # and <|endoftext|>, which llama.cpp ends a generation on by its text
 
 
 def test_pre_tokenizers_split_as_llama_cpp_does(tmp_path) -> None:
@@ -373,3 +374,30 @@ def test_generate_chat_serve_and_both_backends_take_a_gguf(files, capsys, single
         )
     assert reply.choices[0].message.content == expected.text and reply.usage.prompt_tokens == len(ids)
     assert generate(load(path, "transformers"), ids, max_new_tokens=8, ignore_eos=True).tokens == expected.tokens
+
+
+def test_generation_ends_where_llama_cpp_ends_it(tmp_path) -> None:
+    """The ids the file names, the tokens llama.cpp ends a generation on by their text (Gemma's <end_of_turn>,
+    which its files do not name), and the fill-in-the-middle ends: the file's own id, else found by text. <|end|>
+    beside <|call|> and <|return|> ends a message, not the turn (harmony), as llama.cpp has it."""
+    controls = ("<start_of_turn>", "<end_of_turn>", "<|fim_pad|>", "<|file_sep|>", "<REPO>", "<|repo_name|>")
+    harmony = ("<|end|>", "<|call|>", "<|return|>")
+
+    def tokens_of(path: Path) -> set[str]:
+        vocab = read_vocab(GGUFFile(path))
+        return {vocab.tokenizer.id_to_token(i) for i in vocab.eos_ids}
+
+    def spm(name: str, extra=None, more: tuple[str, ...] = ()) -> Path:
+        config = gguf_config(len(spm_vocab(controls + more)[0]), model_type="llama")
+        return write_gguf(
+            tmp_path / name, config, by_name({}), tokenizer="llama", controls=controls + more, extra=extra
+        )
+
+    found = tokens_of(spm("a.gguf"))
+    assert found == {"</s>", "<end_of_turn>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"}  # one repository token
+    named = tokens_of(spm("b.gguf", lambda writer: writer.add_uint32("tokenizer.ggml.fim_rep_token_id", 7)))
+    assert named == found - {"<|repo_name|>"} | {"<REPO>"}  # id 7: the file's own
+    assert tokens_of(spm("c.gguf", more=harmony)) == found | {"<|call|>", "<|return|>"}
+    assert tokens_of(spm("d.gguf", more=harmony[:2])) == found | {"<|end|>", "<|call|>"}
+    qwen_like = write_gguf(tmp_path / "e.gguf", gguf_config(len(bpe_vocab()[0])), by_name({}))
+    assert tokens_of(qwen_like) == {"<|im_end|>", "<|endoftext|>"}

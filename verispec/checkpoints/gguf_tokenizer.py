@@ -69,6 +69,19 @@ PRE_TOKENIZERS = (
 SPACE = "\u2581"  # SentencePiece's visible space
 # llama.cpp's ids for a SentencePiece vocabulary whose file names none
 SENTENCEPIECE_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
+# What ends a generation besides the ids a file names (EOS, end of turn, end of message): the tokens llama.cpp ends
+# one on by their text (src/llama-vocab.cpp's `special_eog_ids`; Gemma's files name only <eos>, not <end_of_turn>),
+# and its fill-in-the-middle pad, repository and file-separator tokens, by the file's key or else by their text
+END_OF_GENERATION = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+)  # fmt: skip
+FILL_IN_THE_MIDDLE_ENDS = {
+    "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_token_id": ("<|file_sep|>",),
+}
 SPECIAL_KEYS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
@@ -121,9 +134,27 @@ def read_vocab(file: GGUFFile) -> GGUFVocab:
                 raise CheckpointError(f"{path}: tokenizer.ggml.{flag} is true, but tokenizer.ggml.{key} is not set")
             added[key] = tokens[ids[key]]
     tokenizer.post_processor = _added_around(added.get("bos_token_id"), added.get("eos_token_id"), tokenizer)
-    eos_ids = frozenset(ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids)
     template = file.get("tokenizer.chat_template", str)
-    return GGUFVocab(tokenizer, eos_ids or conventional_eos(tokenizer), _by_name(tokens, ids), template)
+    return GGUFVocab(tokenizer, _end_of_generation(file, tokenizer, ids), _by_name(tokens, ids), template)
+
+
+def _end_of_generation(file: GGUFFile, tokenizer: Tokenizer, ids: dict[str, int]) -> frozenset[int]:
+    """The ids llama.cpp ends a generation on: those the file names, END_OF_GENERATION's and
+    FILL_IN_THE_MIDDLE_ENDS' (the file's id, else the first token found of those texts); as llama.cpp, not <|end|>
+    beside <|call|> and <|return|> or <|flush|> (harmony's and solar-open's end of a message, not of the turn)."""
+    by_text = {text: tid for text in END_OF_GENERATION if (tid := tokenizer.token_to_id(text)) is not None}
+    calls = {"<|call|>", "<|calls|>"} & by_text.keys() and {"<|return|>", "<|flush|>"} & by_text.keys()
+    if calls and "<|end|>" in by_text:
+        del by_text["<|end|>"]
+    found = {ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids} | set(by_text.values())
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    for key, texts in FILL_IN_THE_MIDDLE_ENDS.items():
+        named = file.get(f"tokenizer.ggml.{key}", int)
+        by_its_text = (tid for text in texts if (tid := tokenizer.token_to_id(text)) is not None)
+        tid = named if named is not None and 0 <= named < size else next(by_its_text, None)
+        if tid is not None:
+            found.add(tid)
+    return frozenset(found) or conventional_eos(tokenizer)
 
 
 def chat_metadata(file: GGUFFile) -> tuple[dict[str, str], str | None]:

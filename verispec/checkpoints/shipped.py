@@ -29,12 +29,13 @@ def default_paths() -> tuple[Path, Path]:
 def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
     """The head of `kind` under `models/` made for the GGUF file `target`: the one whose config.json
     (verispec.target_match) holds the file's fingerprint (checkpoints/fingerprint.py), never matched by path."""
+    sections = {folder: head_section(folder) for folder in sorted((models or MODELS).iterdir()) if folder.is_dir()}
+    made_for = {folder: s.get("target_match") for folder, s in sections.items() if s.get("drafter") == kind}
+    matches = {folder: match for folder, match in made_for.items() if match is not None}
+    if not matches:  # (the fingerprint reads the file's whole vocabulary: not at every start for nothing)
+        return None
     identity = gguf_fingerprint(target)
-    for folder in sorted((models or MODELS).iterdir()):
-        section = head_section(folder) if folder.is_dir() else {}
-        if section.get("drafter") == kind and section.get("target_match") == identity:
-            return folder
-    return None
+    return next((folder for folder, match in matches.items() if match == identity), None)
 
 
 def default_head(target_dir: Path | None, kind: str) -> Path:
