@@ -132,7 +132,7 @@ class BenchOptions:
     progress: bool = True
     threads: int = 1
     float64_prompts: int = 8  # the float64 check's prompts (0: not run)
-    dtype: str = "float32"
+    dtype: str = "auto"
     quantize: str | None = None
     exact: bool = False
     only: Sequence[str] | None = None
@@ -321,7 +321,13 @@ def run_quick(out: Path, progress: bool = True, threads: int = 1) -> dict:
             draft_dir,
             out,
             quick_suite(),
-            BenchOptions(
-                repeats=2, progress=progress, threads=threads, head_dir=head_dir, medusa_dir=medusa_dir, unrelated=True
+            BenchOptions(  # float32: the peers' rows then decode our tokens, which the check holds them to
+                repeats=2,
+                progress=progress,
+                threads=threads,
+                dtype="float32",
+                head_dir=head_dir,
+                medusa_dir=medusa_dir,
+                unrelated=True,
             ),
         )

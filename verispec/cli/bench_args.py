@@ -97,10 +97,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--dtype",
-        default="float32",
+        default="auto",
         choices=["auto", *sorted(DTYPES)],
-        help="our models' and the peers' dtype (default float32; the float64 check is separate); "
-        "auto: a GGUF target's own formats, blocks kept",
+        help="our models' and the peers' dtype (the float64 check is separate); auto (default), as every command: "
+        "a GGUF target's own formats, blocks kept, else bfloat16 where verispec's kernels run, else float32",
     )
     bench.add_argument(
         "--quantize",
