@@ -19,7 +19,9 @@ from verispec.kernels.capture import Program
 from verispec.models import captured
 from verispec.models.cache import KVCache
 from verispec.models.captured import CapturedForward
+from verispec.models.llama import RMSNorm
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.packed import swapped
 from verispec.train.loop import init_weights
 
 needs_kernels = pytest.mark.skipif(
@@ -189,7 +191,7 @@ def test_a_forward_that_computes_outside_the_kernels_runs_op_by_op(pair_dirs: tu
     """The final norm on PyTorch's ops: capturing it is refused, and the forward gives what op by op gives."""
     models = [on_kernels(pair_dirs[0], torch.float32, exact=True, capture=capture) for capture in (True, False)]
     for model in models:
-        model.module.model.norm.own_kernel = False
+        model.module.model.norm = swapped(model.module.model.norm, RMSNorm)
     out = [session(model) for model in models]
     for a, b in zip(*out, strict=True):
         assert torch.equal(a, b)
@@ -340,7 +342,7 @@ def test_a_greedy_chain_that_fails_leaves_the_cache_as_it_was(pair_dirs: tuple[P
 
 def test_a_greedy_chain_that_cannot_be_captured_runs_op_by_op_from_the_start(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[1], torch.float32, exact=False, capture=True)
-    model.module.model.norm.own_kernel = False  # the final norm on PyTorch's ops: refused part of the way
+    model.module.model.norm = swapped(model.module.model.norm, RMSNorm)  # on PyTorch's ops: refused part of the way
     expected = [chain_by_forwards(model, PROMPT[:, :6], model.new_cache(), 5) for _ in range(3)]
     for tokens in expected:
         cache = model.new_cache()

@@ -18,6 +18,7 @@ from verispec.models import execution
 from verispec.models.cache import SLOT_BLOCK
 from verispec.models.layout import TAIL
 from verispec.models.native import EXACT_ROWS, NativeModel, load_default, load_model
+from verispec.models.packed import packing
 
 SEQ = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))  # in chunks: 16 + 16 + 8 rows
 PREFIX = 10
@@ -263,7 +264,7 @@ def test_exact_mode_takes_the_fast_path_by_default(pair_dirs: tuple[Path, Path],
     model = load_model(pair_dirs[0], dtype=dtype, exact=True)
     assert model.module.head is not None and model.module.head.rows == EXACT_ROWS
     assert all(block.self_attn.qkv is not None and block.mlp.gate_up is not None for block in model.module.model.layers)
-    assert model.module.own_kernels == kernels.available(dtype)
+    assert packing(model.module).kernels == kernels.available(dtype)
 
 
 def test_the_plain_kernels_are_exact_too(pair_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
@@ -286,7 +287,7 @@ def test_the_static_cache_is_zeroed_and_spans_the_context_plus_padding(exact: Na
     """On PyTorch's kernels; on verispec's, which read only the slots a row sees, the cache grows as any other."""
     cache = exact.new_cache(24)
     assert cache.rows == EXACT_ROWS and cache.width >= exact.context_length + EXACT_ROWS
-    if exact.module.own_attention:
+    if packing(exact.module).attention:
         assert cache.grows and cache.k.shape[3] == cache.slots == SLOT_BLOCK
     else:
         assert cache.k.shape[3] == cache.width and not cache.k.any() and not cache.v.any()

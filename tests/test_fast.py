@@ -10,10 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from verispec import kernels
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
+from verispec.models.llama import MLP, Attention, Block, Decoder, Embedding, LlamaForCausalLM, RMSNorm
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.packed import (
+    KernelRMSNorm,
+    PackedAttention,
+    PackedCausalLM,
+    PackedMLP,
+    Packing,
+    pack_model,
+    packing,
+)
 
 TOKENS = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
 CONFIGS = {
@@ -59,7 +70,7 @@ def decode(model: NativeModel, **kwargs) -> torch.Tensor:
 
 def test_fast_loading_packs_and_plain_does_not(folder: Path) -> None:
     plain, fast = pair(folder, torch.float32)
-    assert plain.module.head is None and fast.module.head is not None
+    assert not isinstance(plain.module, PackedCausalLM) and isinstance(fast.module, PackedCausalLM)
     assert fast.module.model.layers[0].self_attn.qkv is not None and fast.module.model.layers[0].mlp.gate_up is not None
 
 
@@ -94,6 +105,27 @@ def test_the_checkpoint_layout_and_values_are_unchanged(folder: Path) -> None:
     assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.qkv.weight.untyped_storage().data_ptr()
 
 
+def test_packing_puts_packed_modules_in_the_maths_places(folder: Path, own_kernels: bool) -> None:
+    """llama.py's modules carry no fast path: `pack_model` puts its subclasses in their places, holding the very
+    parameters under the same names, and what runs on the kernels is declared once (`packing`). Packed again on
+    PyTorch's kernels, the norms are the plain ones again."""
+    module = load_model(folder, dtype=torch.float32, fast=False).module
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    plain = {LlamaForCausalLM, Decoder, Embedding, nn.ModuleList, Block, Attention, MLP, RMSNorm, nn.Linear}
+    assert {type(part) for part in module.modules()} <= plain
+    packed = pack_model(module, 1, own_kernels)
+    assert packing(packed) == Packing(kernels=own_kernels, attention=own_kernels)
+    block = packed.model.layers[0]
+    assert (type(block.self_attn), type(block.mlp)) == (PackedAttention, PackedMLP)
+    norm = KernelRMSNorm if own_kernels else RMSNorm
+    assert type(block.input_layernorm) is norm and type(packed.model.norm) is norm
+    again = pack_model(packed, 1, own_kernels=False)
+    assert packing(again) == Packing(kernels=False, attention=False) and type(again.model.norm) is RMSNorm
+    for model in (packed, again):
+        mine = dict(model.named_parameters(remove_duplicate=False))
+        assert mine.keys() == parameters.keys() and all(mine[name] is p for name, p in parameters.items())
+
+
 def test_hidden_states_layer_subsets_and_tree_masks_take_the_fast_path(folder: Path, own_kernels: bool) -> None:
     plain, fast = pair(folder, torch.float32, own_kernels=own_kernels)
     close = lambda x, y: torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -110,7 +142,7 @@ def test_hidden_states_layer_subsets_and_tree_masks_take_the_fast_path(folder: P
 
 
 def test_only_cpu_float32_and_bfloat16_are_packed(folder: Path) -> None:
-    assert load_model(folder, dtype=torch.float64).module.head is None
+    assert not isinstance(load_model(folder, dtype=torch.float64).module, PackedCausalLM)
 
 
 def test_outside_inference_mode_the_plain_linears_run(folder: Path, own_kernels: bool) -> None:

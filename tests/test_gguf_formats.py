@@ -15,6 +15,7 @@ from verispec.checkpoints.blocks import FORMATS
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.models.native import load_model
+from verispec.models.packed import packing
 from verispec.models.precision import formats
 
 needs_kernels = pytest.mark.skipif(
@@ -57,7 +58,7 @@ def logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
 def test_auto_keeps_the_files_block_formats_and_stays_the_files_model(quantized_file: str) -> None:
     kept, plain = load_model(quantized_file, dtype="auto"), load_model(quantized_file, dtype="float32")
     layer = kept.module.model.layers[0]
-    assert kept.dtype == torch.float32 and kept.module.own_kernels
+    assert kept.dtype == torch.float32 and packing(kept.module).kernels
     assert (layer.self_attn.q_proj.quantized.format, layer.self_attn.k_proj.quantized.format) == ("q4_0", "q4_1")
     assert layer.mlp.gate_proj.quantized.format == "q8_0" and kept.module.lm_head.quantized.format == "q8_0"
     assert formats(kept.module) == {

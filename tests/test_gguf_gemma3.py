@@ -24,6 +24,7 @@ from verispec.checkpoints.gguf_checkpoint import read_gguf
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.captured import CapturedForward
 from verispec.models.native import EXACT_ROWS, NativeModel, load_model
+from verispec.models.packed import packing
 
 WINDOW = 5
 LAYERS = 7  # sliding but layer 5 (every sixth global, as llama.cpp and transformers default to)
@@ -151,7 +152,7 @@ def test_a_linear_rope_scaling_divides_the_global_layers_frequencies(tmp_path: P
 @needs_kernels
 def test_the_files_own_blocks_decode_as_its_floats_do(quantized_file: Path) -> None:
     kept, plain = load_model(quantized_file, dtype="auto"), load_model(quantized_file)
-    assert kept.module.own_kernels and kept.module.lm_head.quantized.format == "q8_0"
+    assert packing(kept.module).kernels and kept.module.lm_head.quantized.format == "q8_0"
     prompt = plain.tokenizer.encode(TEXT).ids
     a, b = (m(torch.tensor([prompt]), m.new_cache()) for m in (plain, kept))
     assert float((a - b).abs().max() / a.abs().max()) < 0.05

@@ -28,6 +28,7 @@ from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.errors import CheckpointError, UnsupportedArchitectureError
 from verispec.models.hf_adapter import load_transformers_model
 from verispec.models.native import load_model
+from verispec.models.packed import packing
 
 # Llama 3.1's scaling over a short original context, so that a prompt's positions turn the scaled frequencies far:
 # head_dim 64 at theta 5e5 gives three factors of 1, three interpolated and 26 of 8
@@ -123,7 +124,7 @@ def test_llama3_rope_factors_on_the_files_own_blocks(llama3_file) -> None:
     what the float path decodes."""
     kept, plain = load_model(llama3_file, dtype="auto"), load_model(llama3_file)
     layer = kept.module.model.layers[1]
-    assert kept.module.own_kernels and layer.self_attn.q_proj.quantized.format == "q8_0"
+    assert packing(kept.module).kernels and layer.self_attn.q_proj.quantized.format == "q8_0"
     assert layer.mlp.down_proj.quantized.format == "q6_k"
     prompt = plain.tokenizer.encode(TEXTS[1]).ids
     a, b = (m(torch.tensor([prompt]), m.new_cache()) for m in (plain, kept))

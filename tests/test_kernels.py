@@ -18,6 +18,7 @@ from verispec.models.greedy import argmax as greedy_argmax
 from verispec.models.layout import apply_rotary
 from verispec.models.llama import RMSNorm
 from verispec.models.native import load_model
+from verispec.models.packed import Packing, packing
 from verispec.threads import torch_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -173,9 +174,9 @@ def test_without_the_kernels_the_runtime_keeps_torchs_and_says_why(tmp_path) -> 
     assert said.startswith(f"False | the {chosen_isa()[0]} build did not compile" if chosen_isa()[0] else "False | ")
     code = (
         "from verispec.checkpoints.random_init import random_checkpoint, tiny_config; import pathlib, torch; "
-        "from verispec.models.native import load_model; "
+        "from verispec.models.native import load_model; from verispec.models.packed import packing; "
         f"m = load_model(random_checkpoint(pathlib.Path({str(tmp_path)!r}) / 'm', tiny_config()), exact=True); "
-        "print(m.module.own_kernels, tuple(m(torch.tensor([[1, 2, 3]]), m.new_cache()).shape))"
+        "print(packing(m.module).kernels, tuple(m(torch.tensor([[1, 2, 3]]), m.new_cache()).shape))"
     )
     assert run_python(code, VERISPEC_KERNELS="0") == "False (1, 3, 257)"
 
@@ -366,7 +367,7 @@ def test_a_head_wider_than_the_attention_kernel_attends_through_pytorch(tmp_path
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     for exact in (False, True):
         model = load_model(folder, exact=exact)
-        assert model.module.own_kernels and not model.module.own_attention
+        assert packing(model.module) == Packing(kernels=True, attention=False)
         cache = model.new_cache()
         whole = model(tokens, cache)[0]
         cache.truncate(2)
@@ -385,4 +386,4 @@ def test_a_model_takes_the_kernels_at_any_thread_count(tmp_path) -> None:
     folder = random_checkpoint(tmp_path, tiny_config())
     for threads in (1, 2, 3):
         with torch_threads(threads):
-            assert load_model(folder).module.own_kernels
+            assert packing(load_model(folder).module).kernels

@@ -26,7 +26,7 @@ from verispec.models.execution import Execution
 from verispec.models.forward_options import ForwardOptions
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.native import NativeModel
-from verispec.models.precision import pack_model
+from verispec.models.packed import PackedCausalLM, pack_model, packing
 from verispec.sampling import SamplingParams, logits_to_probs
 
 PROMPT = "def parse(line):\n    return"
@@ -66,8 +66,8 @@ def partial_model(target: NativeModel, kept: list[int]) -> LlamaForCausalLM:
             name = name.replace(f"model.layers.{layer}.", f"model.layers.{kept.index(layer)}.", 1)
         state[name] = value
     model.load_state_dict(state)
-    if target.module.head is not None:  # the same kernels as the target's, so that only the layers differ
-        pack_model(model, 1, target.module.own_kernels)
+    if isinstance(target.module, PackedCausalLM):  # the same kernels as the target's, so that only the layers differ
+        return pack_model(model, 1, packing(target.module).kernels)
     return model
 
 

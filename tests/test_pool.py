@@ -23,6 +23,7 @@ from verispec.drafters.registry import Method, Resources, build_drafter
 from verispec.generate import generate
 from verispec.kernels.build import pool_threads
 from verispec.models.native import load_model
+from verispec.models.packed import packing
 from verispec.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
@@ -116,7 +117,7 @@ def test_a_models_logits_are_the_same_bits_at_any_thread_count(precision: str, k
         model = load_model(pair_dirs[0], dtype="float32", kv_dtype="float16")
     else:
         model = load_model(pair_dirs[0], dtype=precision)
-    assert model.module.own_kernels
+    assert packing(model.module).kernels
     tokens = torch.randint(0, 250, (1, 20), generator=torch.Generator().manual_seed(2))
 
     def compute() -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from verispec.errors import InvalidArgumentError
 from verispec.kernels.quant_pack import bytes_per_block
 from verispec.models.linear import FormatRuns
 from verispec.models.native import load_model
+from verispec.models.packed import packing
 from verispec.models.quant import QuantizedLinear
 from verispec.threads import torch_threads
 
@@ -204,7 +205,7 @@ def test_a_model_quantized_at_load_is_its_quantized_weights_and_stays_close_to_f
     layer = quantized.module.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and layer.self_attn.q_proj.quantized.format == fmt
     assert quantized.module.lm_head.quantized.format == "q8_0"  # the LM head finer, as llama.cpp keeps it
-    assert quantized.module.own_kernels and quantized.module.head.kernel.kernel == "linear_q8_0"
+    assert packing(quantized.module).kernels and quantized.module.head.kernel.kernel == "linear_q8_0"
     tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
     a, b = plain(tokens, plain.new_cache())[0], quantized(tokens, quantized.new_cache())[0]
     bound = {"q8_0": 0.05, "q4_0": 0.3, "q4_1": 0.3, "q5_0": 0.2, "q5_1": 0.2}[fmt]
@@ -234,7 +235,7 @@ def test_quantizing_is_refused_where_it_cannot_run(tmp_path) -> None:
             load_model(folder, quantize="q8_0")
         return
     with torch_threads(2):  # the kernels run at any thread count
-        assert load_model(folder, quantize="q8_0").module.own_kernels
+        assert packing(load_model(folder, quantize="q8_0").module).kernels
 
 
 @needs_kernels

@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "openmp"),  # the exceptions; OpenMP's wait policy, set before torch loads
     ("kernels", "threads"),  # the C++ kernels, their pool and the thread count; nothing of models
     ("checkpoints",),  # HF folders and GGUF files, configs, tokenizers, chat templates, fingerprints
-    ("models",),  # the math, layouts, how a forward runs, precisions, caches, the CausalLM protocol
+    ("models",),  # the math and its packed fast paths, layouts, how a forward runs, precisions, caches, CausalLM
     ("heads",),  # EAGLE, EAGLE-3 and Medusa networks and their export
     (  # the pure pieces of a step, and the oracle (reference) the tests hold the runtime against
         "argument_checks",

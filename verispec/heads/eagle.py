@@ -26,7 +26,7 @@ from verispec.models.captured import replay
 from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
 from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.llama import Block
-from verispec.models.precision import pack_block
+from verispec.models.packed import pack_block
 from verispec.models.protocol import FINAL
 
 
@@ -61,9 +61,9 @@ class EagleHead(nn.Module):
         the first's output as a residual, so that no concatenation is needed (in bfloat16 the first half's product
         is rounded before the sum: close to the fused fc, not bitwise; the target decides every token)."""
         self.mix = PackedLinear([self.fc], rows)
-        pack_block(self.layers[0], rows)
+        on_kernels = pack_block(self.layers[0], rows).attention
         self.halves, self.rope, self.captured = None, None, {}
-        if self.layers[0].self_attn.own_attention:
+        if on_kernels:
             weight, D = self.fc.weight.detach(), self.config.hidden_size
             self.halves = kernels.Matmul(weight[:, :D].contiguous()), kernels.Matmul(weight[:, D:].contiguous())
 

@@ -35,6 +35,7 @@ from verispec.models.layout import (
 )
 from verispec.models.linear import packed_here
 from verispec.models.llama import LlamaForCausalLM
+from verispec.models.packed import packing
 from verispec.models.slot_caches import SlotsLayout
 
 LONG_ROWS = 256  # exact mode's chunks on verispec's attention, where they bound only memory (see `_exact`)
@@ -42,10 +43,11 @@ Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits, and (B, T, 
 
 
 class Execution:
-    """Runs the forwards of one `LlamaForCausalLM`, packed as it will stay (models/precision.py)."""
+    """Runs the forwards of one `LlamaForCausalLM`, packed as it will stay (models/packed.py)."""
 
     def __init__(self, module: LlamaForCausalLM) -> None:
         self.module = module
+        self.kernel_attention = packing(module).attention  # attention on verispec's kernels (`VisibleSlots`)
         self.capture = True  # replay a `VisibleSlots` forward's captured kernel calls; False: op by op
         self.captured: dict = {}  # those captures by shape (models/captured.py `replay`)
         self.rope: dict[Rope, Table] | None = None  # cos, sin by position for each RoPE, for `VisibleSlots`
@@ -170,12 +172,12 @@ class Execution:
         on PyTorch's, whose kernels may pick their code path by the row count (oneDNN's bfloat16 matmul over some
         widths, the float32 score matmul below 4 rows, an elementwise loop's vector tail) but, at one fixed count,
         give a row the same bits whatever the other rows hold. No measuring, so no calibration at load."""
-        return 1 if self.module.own_attention else rows
+        return 1 if self.kernel_attention else rows
 
     def _on_kernels(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
         """Whether a forward of `tokens` into `cache` attends through verispec's kernels, each row over its own keys
         (`VisibleSlots`): one sequence into a cache, in inference."""
-        return self.module.own_attention and cache is not None and tokens.shape[0] == 1 and packed_here(tokens)
+        return self.kernel_attention and cache is not None and tokens.shape[0] == 1 and packed_here(tokens)
 
     def _captured(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
         """Whether a forward of `tokens` into `cache` runs as captured programs: `VisibleSlots`, with capture on."""
@@ -224,7 +226,7 @@ class Execution:
         if B != 1:
             raise ValueError(f"exact mode runs one sequence at a time; got a batch of {B}")
         start, slots, device = cache.length, cache.slots, tokens.device
-        on_kernels = self.module.own_attention
+        on_kernels = self.kernel_attention
         floor = self.row_floor(cache.rows)
         R = LONG_ROWS if on_kernels else cache.rows
         # (T, P) the cache slots each token sees, as `VisibleSlots` takes them (uint8) or `FixedWidthKeys` (bool)

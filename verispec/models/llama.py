@@ -1,8 +1,11 @@
 """The Llama-family transformer (Llama, Qwen2, Mistral math; Gemma 3's by the fields its config sets: sliding-window
 layers, q and k norms, norms around each sublayer, GELU, a scaled embedding), with Hugging Face's parameter names.
 
-Only the math: one forward over a given layout (models/layout.py). Which layout a forward takes, its captures, exact
-mode's chunks are models/execution.py's; packing the weights for the kernels is models/precision.py's.
+Only the math, one path: PyTorch over `nn.Linear`, what training, float64 checks and the transformers comparison run,
+over a given layout (models/layout.py). Which layout a forward takes, its captures, exact mode's chunks are
+models/execution.py's. The fast paths (prepacked, fused matmuls; verispec's kernels) are subclasses in
+models/packed.py that `pack_model` puts in these modules' places; the methods they override here are `Attention`'s
+and `MLP`'s projections and `LlamaForCausalLM`'s inputs, LM head and vocabulary heads.
 """
 
 from __future__ import annotations
@@ -14,22 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec import kernels
 from verispec.checkpoints.config import ModelConfig
 from verispec.models.batch_cache import BatchLayout
 from verispec.models.cache import KVCache
 from verispec.models.forward_options import ForwardOptions, VocabHead
-from verispec.models.layout import AttentionMask, Layout, VisibleSlots, apply_rotary, rotary
-from verispec.models.linear import PackedLinear, packed_here, rows_of
-from verispec.models.slot_caches import SlotsLayout
+from verispec.models.layout import AttentionMask, Layout, Rope, apply_rotary, rotary
+from verispec.models.linear import rows_of
 
 Cache = KVCache | BatchLayout  # where a forward stores its keys and values, and reads them back (`update`); None on
-# the kernels' batched layout (`SlotsLayout`), whose sequences each store into their own
+# the kernels' batched layout (models/slot_caches.py `SlotsLayout`), whose sequences each store into their own
+Ropes = dict[Rope, tuple[torch.Tensor, torch.Tensor]]  # cos, sin of a forward's positions, by RoPE
 
-
-# The MLP's act(gate) * up by `ModelConfig.hidden_act`: in PyTorch, and as one kernel
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-GATED_KERNELS = {"silu": kernels.silu_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_mul}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}  # `ModelConfig.hidden_act`
 
 
 def plus(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
@@ -42,12 +41,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.own_kernel = False  # set by `precision.pack_block`: verispec's kernel, in inference
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of x, plus `residual` where given."""
-        if self.own_kernel and x.dtype == self.weight.dtype and packed_here(x):
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
         # Normalise in float32 at least, as transformers does, so bf16 checkpoints agree with it.
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -55,16 +51,11 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """The token embedding table, whose rows a forward on verispec's kernels takes by `lookup` (as a table kept in
-    blocks does: `quant.QuantizedEmbedding`)."""
+    """The token embedding table."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # (normal_ on the meta device imports torch._dynamo, slowing every load)
             super().reset_parameters()
-
-    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rows (T, D) of the tokens (T,) int64, in `dtype` (the table's, or float32 from bfloat16)."""
-        return kernels.gather(self.weight, tokens, dtype)
 
 
 class Attention(nn.Module):
@@ -81,9 +72,6 @@ class Attention(nn.Module):
         norms = config.qk_norm  # over each head of q and k, before the rotation
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norms else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if norms else None
-        self.qkv: PackedLinear | None = None  # set by `precision.pack_block`, used instead of the linears
-        self.o: PackedLinear | None = None
-        self.own_attention = False  # set by `precision.pack_block`: verispec's kernels take this attention
 
     def forward(
         self,
@@ -95,10 +83,8 @@ class Attention(nn.Module):
         residual: torch.Tensor | None,
     ) -> torch.Tensor:
         """residual + attention(x) (no residual: attention(x)), over the keys `layout` says each row sees."""
-        if layout.on_kernels:
-            return self._own(x, cos, sin, cache, layout, residual)
         B, T, _ = x.shape
-        q, k, v = self.qkv.parts(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.projections(x)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -110,37 +96,15 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D), S = cached + T (a static cache: all its slots)
             k, v = k.to(q.dtype), v.to(q.dtype)  # from a float16 cache: each row's own keys as stored, too
         y = layout.attend(q, k, v, self.window, self.scalar)  # (B, T, H * D)
-        return self.o(y, residual) if self.o is not None else plus(residual, self.o_proj(y))
+        return self.output(y, residual)
 
-    def _own(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache | None,
-        layout: VisibleSlots | SlotsLayout,
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The same on verispec's kernels, as rows (B = 1): kernel calls on views of the projections' output, the keys
-        stored and attended by the layout (one sequence's cache, or each sequence's own)."""
-        T, D, H, Hkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(x)[0]  # (T, (H + 2 Hkv) D): q heads, k heads, v heads
-        # q and k heads (H + Hkv, T, D), normed and rotated in place
-        heads = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D).transpose(0, 1)
-        if self.q_norm is not None:
-            kernels.head_norm_(heads[:H], self.q_norm.weight, self.q_norm.eps)
-            kernels.head_norm_(heads[H:], self.k_norm.weight, self.k_norm.eps)
-        kernels.rotary_(heads, cos, sin)
-        y = layout.store_and_attend(
-            cache,
-            self.layer,
-            heads[:H],
-            qkv[:, H * D : (H + Hkv) * D],
-            qkv[:, (H + Hkv) * D :],
-            self.window,
-            self.scalar,
-        )  # (T, H * D)
-        return self.o(y[None], residual)
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of x (B, T, D), each (B, T, heads * head size)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def output(self, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """residual + o(y) (no residual: o(y))."""
+        return plus(residual, self.o_proj(y))
 
 
 class MLP(nn.Module):
@@ -150,16 +114,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = config.hidden_act
-        self.gate_up: PackedLinear | None = None  # set by `precision.pack_block`, used instead of the linears
-        self.down: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + down(act(gate(x)) * up(x)) (no residual: the rest)."""
-        if self.gate_up is not None and self.gate_up.kernel is not None and packed_here(x):
-            return self.down(GATED_KERNELS[self.act](self.gate_up(x)), residual)  # verispec's kernels
-        gate, up = self.gate_up.parts(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        y = ACTIVATIONS[self.act](gate) * up
-        return self.down(y, residual) if self.down is not None else plus(residual, self.down_proj(y))
+        gate, up = self.gate_and_up(x)
+        return self.output(ACTIVATIONS[self.act](gate) * up, residual)
+
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate(x) and up(x)."""
+        return self.gate_proj(x), self.up_proj(x)
+
+    def output(self, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """residual + down(y) (no residual: down(y))."""
+        return plus(residual, self.down_proj(y))
 
 
 class Block(nn.Module):
@@ -198,12 +165,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.scale = config.embedding_scale
 
-    def embed(self, tokens: torch.Tensor, dtype: torch.dtype, on_kernels: bool = False) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The tokens' embeddings (..., D) in `dtype`, times the config's `embedding_scale` (rounded to `dtype`, as
-        transformers' Gemma rounds it) where it has one; `on_kernels`: by verispec's kernels, tokens (T,) -> (T, D)."""
-        if on_kernels:
-            x = self.embed_tokens.lookup(tokens, dtype)
-            return x if self.scale is None else kernels.scale_(x, self.scale)
+        transformers' Gemma rounds it) where it has one."""
         x = self.embed_tokens(tokens).to(dtype)
         return x if self.scale is None else x * torch.tensor(self.scale, dtype=dtype, device=x.device)
 
@@ -216,11 +180,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Set by `precision.pack_model`: the packed LM head, used instead of lm_head; whether verispec's kernels run
-        # the matmuls, norms and rotary; and attention (`VisibleSlots`), where they take the head size
-        self.head: PackedLinear | None = None
-        self.own_kernels = False
-        self.own_attention = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -229,12 +188,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.weight.dtype
 
     def vocab_head(self, ids: torch.Tensor) -> VocabHead:
-        """An LM head over the tokens `ids` (N,) only: their rows of this model's head, packed as it is."""
+        """An LM head over the tokens `ids` (N,) only: their rows of this model's head, in its format."""
         ids = ids.to(torch.int64, copy=True).contiguous()  # its own: programs point into it
         if ids.dim() != 1 or not len(ids) or not 0 <= int(ids.min()) <= int(ids.max()) < self.lm_head.out_features:
             raise ValueError(f"an LM head over {tuple(ids.shape)} token ids, of {self.lm_head.out_features}")
-        linear = rows_of(self.lm_head, ids)
-        return VocabHead(ids, linear if self.head is None else PackedLinear([linear], self.head.rows, self.own_kernels))
+        return VocabHead(ids, rows_of(self.lm_head, ids))
+
+    @property
+    def output(self) -> nn.Module:
+        """What turns final-normed states into logits over the whole vocabulary: the LM head."""
+        return self.lm_head
 
     def forward(
         self,
@@ -259,32 +222,32 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         if layout is None:
             layout = AttentionMask(options.mask, causal=options.mask is None)
-        config = self.config
-        if layout.on_kernels:  # rows (B = 1): of the embedding and rotary tables by verispec's kernel
-            x = self.model.embed(tokens[0], self.dtype, on_kernels=True)[None]  # (1, T, D)
-            ropes = {
-                rope: (kernels.gather(cos, positions), kernels.gather(sin, positions))
-                for rope, (cos, sin) in layout.rope.items()
-            }
-        else:
-            x = self.model.embed(tokens, self.dtype)  # (B, T, D)
-            ropes = {}
-            for theta, factors in dict.fromkeys(config.rope(i) for i in run):  # each RoPE its layers use
-                cos, sin = rotary(positions, config.dim_per_head, theta, x.dtype, factors)
-                # a position per row (B, T): broadcast over the heads
-                ropes[theta, factors] = (cos[:, None], sin[:, None]) if positions.dim() == 2 else (cos, sin)
+        x, ropes = self.inputs(tokens, positions, run, layout)
         states = {}
         for i in run:
-            x = self.model.layers[i](x, *ropes[config.rope(i)], cache, layout)
+            x = self.model.layers[i](x, *ropes[self.config.rope(i)], cache, layout)
             states[i] = x
         states[-1] = self.model.norm(x)
         B, T, _ = x.shape
-        matmul = options.head.matmul if options.head is not None else self.head or self.lm_head
+        matmul = options.head.matmul if options.head is not None else self.output
         if options.logits_from >= T:  # no logits asked for (an allocation, which a capture lets through)
             logits = torch.empty(B, 0, matmul.out_features, dtype=x.dtype, device=x.device)
         else:
             logits = matmul(states[-1][:, options.logits_from :])
         return logits, [states[i] for i in hidden]
+
+    def inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor, run: Sequence[int], layout: Layout
+    ) -> tuple[torch.Tensor, Ropes]:
+        """The first block's input (B, T, D), the tokens' embeddings, and the cos, sin tables of their `positions` for
+        each RoPE that the blocks `run` use (the plain math takes any `layout` alike)."""
+        config, x = self.config, self.model.embed(tokens, self.dtype)
+        ropes = {}
+        for theta, factors in dict.fromkeys(config.rope(i) for i in run):
+            cos, sin = rotary(positions, config.dim_per_head, theta, x.dtype, factors)
+            # a position per row (B, T): broadcast over the heads
+            ropes[theta, factors] = (cos[:, None], sin[:, None]) if positions.dim() == 2 else (cos, sin)
+        return x, ropes
 
     def blocks(self, layers: Sequence[int] | None) -> Sequence[int]:
         """The blocks a forward runs: `layers`, or all of them."""

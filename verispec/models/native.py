@@ -24,14 +24,8 @@ from verispec.models.execution import Execution
 from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
-from verispec.models.precision import (
-    file_formats,
-    kv_dtype_of,
-    pack_model,
-    parse_dtype,
-    quantize_linears,
-    quantized_at_load,
-)
+from verispec.models.packed import pack_model, packing
+from verispec.models.precision import file_formats, kv_dtype_of, parse_dtype, quantize_linears, quantized_at_load
 from verispec.models.protocol import Capabilities
 from verispec.models.slot_caches import SlotCaches
 
@@ -112,12 +106,12 @@ class NativeModel:
     def _batches(self) -> bool:
         """Whether the batched engine can run it: exact mode batches only where the kernels attend (each sequence
         over its own cache), not on PyTorch's static caches, whose fixed-shape attention holds one sequence."""
-        return not self.exact or self.module.own_attention
+        return not self.exact or packing(self.module).attention
 
     def pack(self, rows: int, own_kernels: bool | None = None) -> None:
-        """Pack the weights for the kernels, laid out for `rows` rows (`precision.pack_model`); the forwards'
-        captures and tables, made for the weights as they were, start afresh."""
-        pack_model(self.module, rows, own_kernels)
+        """Pack the weights for the kernels, laid out for `rows` rows (`packed.pack_model`, whose module takes the
+        plain one's place); the forwards' captures and tables, made for the weights as they were, start afresh."""
+        self.module = pack_model(self.module, rows, own_kernels)
         capture, self.execution = self.execution.capture, Execution(self.module)
         self.execution.capture = capture
         self.capabilities = replace(self.capabilities, batching=self._batches())
@@ -127,7 +121,7 @@ class NativeModel:
         in exact mode on PyTorch's kernels, whose attention takes a fixed width of keys (a static cache)."""
         c = self.config
         static = (
-            dict(rows=EXACT_ROWS, width=exact_width(self.context_length), grows=self.module.own_attention)
+            dict(rows=EXACT_ROWS, width=exact_width(self.context_length), grows=packing(self.module).attention)
             if self.exact
             else {}
         )
@@ -152,7 +146,7 @@ class NativeModel:
         more than `memory` bytes."""
         c, max_len = self.config, max_len or self.context_length
         per_position = c.num_hidden_layers * c.num_key_value_heads * c.dim_per_head * 2
-        if (self.exact if exact is None else exact) and self.module.own_attention:
+        if (self.exact if exact is None else exact) and packing(self.module).attention:
             return SlotCaches(slots, max_len, self.new_cache, per_position * self.kv_dtype.itemsize)
         if memory is not None and slots * max_len * per_position * self.batch_kv_dtype.itemsize > memory:
             raise InvalidArgumentError(
@@ -250,7 +244,7 @@ def load_model(
     `quantize` (q8_0, q4_0, q4_1, q5_0 or q5_1): every projection kept in that block format and the LM head in Q8_0
     (`precision.quantized_at_load`), run on verispec's kernels with float32 activations.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
-    projections and the LM head as prepacked, fused matmuls (`LlamaForCausalLM.pack`): verispec's own kernels where
+    projections and the LM head as prepacked, fused matmuls (models/packed.py): verispec's own kernels where
     this machine has them (verispec/kernels; with RMSNorm, rotary and attention too), else PyTorch's laid out for
     the row count of a decoding step (1, or exact mode's 16). It holds packed copies beside the weights (one; two in
     float32 on PyTorch's kernels outside exact mode) and they run in inference mode only: gradients and autocast get
@@ -289,7 +283,7 @@ def load_model(
     if quantize is not None:
         quantize_linears(module, quantized_at_load(module, quantize))
     if fast and packable(torch_dtype, device):
-        pack_model(module, EXACT_ROWS if exact else 1)
+        module = pack_model(module, EXACT_ROWS if exact else 1)
     return NativeModel(module, tokenizer, eos, name, exact=exact, kv_dtype=kv_dtype)
 
 

@@ -1,11 +1,10 @@
-"""Where a model's weights get their format and are packed for the kernels that run them.
+"""Where a model's weights get their format: float dtypes, and the block formats verispec's kernels run.
 
 Formats: float32 and bfloat16 weights (the dtype of the whole model), and ggml's block formats (Q8_0, Q4_0, Q4_1,
 Q5_0 and Q5_1; a GGUF's Q4_K, Q5_K and Q6_K too; checkpoints/blocks.py), kept quantized linear by linear
 (`QuantizedLinear`) where verispec's kernels run, with float32 activations. `quantize_linears` puts a model's
-projections and LM head into a block format (`--quantize`, or a GGUF file's own tensors); `pack_model` then lays
-every projection and the LM head out as prepacked, fused matmuls (models/linear.py) and says which of the model's
-pieces run on verispec's kernels.
+projections and LM head into a block format (`--quantize`, or a GGUF file's own tensors); models/packed.py's
+`pack_model` then puts in the packed modules that run every projection and the LM head as prepacked, fused matmuls.
 The parameters keep their names and values.
 """
 
@@ -19,7 +18,6 @@ from torch import nn
 from verispec import kernels
 from verispec.checkpoints.blocks import BLOCK, KEPT, QuantizedWeight, check_format
 from verispec.errors import InvalidArgumentError
-from verispec.models.linear import PackedLinear
 from verispec.models.quant import QuantizedEmbedding, QuantizedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -149,37 +147,3 @@ def file_formats(
     if keep and f"{EMBEDDING}.weight" in blocks and "lm_head.weight" not in weights:  # tied: the head's blocks
         kept["lm_head"] = blocks[f"{EMBEDDING}.weight"]
     return dtype, out, kept
-
-
-def pack_block(block: nn.Module, rows: int, own_kernels: bool | None = None) -> None:
-    """Run a decoder block's projections as prepacked matmuls laid out for `rows` rows, q, k, v and gate, up fused
-    (`own_kernels`: verispec's, by default `kernels.available`): an inference-only fast path. Its attention runs on
-    verispec's kernels (`own_attention`) where they take the head size."""
-    attention, mlp = block.self_attn, block.mlp
-    weight = block.post_attention_layernorm.weight  # the activations' dtype (a linear may be quantized)
-    if own_kernels is None:
-        own_kernels = kernels.available(weight.dtype, weight.device)
-    elif own_kernels and not kernels.available(weight.dtype, weight.device):
-        raise ValueError(f"verispec's kernels do not run {weight.dtype} here: {kernels.reason()}")
-    attention.own_attention = own_kernels and attention.head_dim <= kernels.MAX_HEAD_DIM
-    for norm in block.modules():  # its RMSNorms (EAGLE's layer has none at its input; Gemma's, more)
-        if hasattr(norm, "own_kernel"):
-            norm.own_kernel = own_kernels
-    attention.qkv = PackedLinear([attention.q_proj, attention.k_proj, attention.v_proj], rows, own_kernels)
-    attention.o = PackedLinear([attention.o_proj], rows, own_kernels)
-    mlp.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows, own_kernels)
-    mlp.down = PackedLinear([mlp.down_proj], rows, own_kernels)
-
-
-def pack_model(module: nn.Module, rows: int, own_kernels: bool | None = None, head: PackedLinear | None = None) -> None:
-    """Run every projection and the LM head of a `LlamaForCausalLM` as prepacked matmuls laid out for `rows` rows
-    (see `pack_block`). `own_kernels` (by default `kernels.available`: where this machine has them): verispec's
-    kernels run the matmuls, norms, rotary and, where they take the head size, attention.
-    `head`: the LM head packed already (a quantized twin's, which is its target's: models/twin.py)."""
-    param = module.model.norm.weight  # the activations' dtype (the LM head may be quantized)
-    module.own_kernels = kernels.available(param.dtype, param.device) if own_kernels is None else own_kernels
-    for block in module.model.layers:
-        pack_block(block, rows, module.own_kernels)
-    module.own_attention = module.model.layers[0].self_attn.own_attention if module.model.layers else False
-    module.model.norm.own_kernel = module.own_kernels
-    module.head = head or PackedLinear([module.lm_head], rows, module.own_kernels)

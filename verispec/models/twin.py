@@ -24,9 +24,10 @@ from verispec import kernels
 from verispec.checkpoints.blocks import BLOCK, FORMATS, QuantizedWeight, check_format
 from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.kept_layers import kept_layers, layer_indices
-from verispec.models.llama import LlamaForCausalLM
+from verispec.models.llama import LlamaForCausalLM, RMSNorm
 from verispec.models.native import NativeModel
-from verispec.models.precision import pack_model, projections, quantize_linears
+from verispec.models.packed import PackedCausalLM, pack_model
+from verispec.models.precision import projections, quantize_linears
 from verispec.models.protocol import CausalLM
 
 SAME_HEAD = "target"  # `TwinFormat.head`: the target's own LM head, shared as it is
@@ -94,7 +95,7 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
     twin.model.norm.weight = _float32(source.model.norm.weight)
     for mine, theirs in zip(twin.model.layers, (source.model.layers[i] for i in kept)):
         for name, norm in mine.named_modules():  # its RMSNorms
-            if hasattr(norm, "own_kernel"):
+            if isinstance(norm, RMSNorm):
                 norm.weight = _float32(theirs.get_submodule(name).weight)
     weights = {}
     for name, mine in projections(twin).items():
@@ -109,8 +110,10 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
         weights["lm_head"] = _requantized(source.lm_head, spec.head)
     quantize_linears(twin, weights)
     twin.eval()
-    pack_model(twin, 1, head=source.head if shared_head else None)
-    return NativeModel(twin, target.tokenizer, target.eos_token_ids, f"{target.name} (twin: {spec.label})")
+    head = source.head if shared_head and isinstance(source, PackedCausalLM) else None
+    return NativeModel(
+        pack_model(twin, 1, head=head), target.tokenizer, target.eos_token_ids, f"{target.name} (twin: {spec.label})"
+    )
 
 
 def _shares_head(source: LlamaForCausalLM, head: str, target: NativeModel) -> bool:
