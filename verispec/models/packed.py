@@ -29,7 +29,6 @@ from verispec.models.forward_options import VocabHead
 from verispec.models.layout import Layout, VisibleSlots
 from verispec.models.linear import PackedLinear, packed_here
 from verispec.models.llama import MLP, Attention, Block, Cache, LlamaForCausalLM, RMSNorm, Ropes
-from verispec.models.quant import QuantizedEmbedding
 from verispec.models.slot_caches import SlotsLayout
 
 M = TypeVar("M", bound=nn.Module)
@@ -179,10 +178,10 @@ class PackedCausalLM(LlamaForCausalLM):
         if not layout.on_kernels:
             return super().inputs(tokens, positions, run, layout)
         table, rows = self.model.embed_tokens, tokens[0]  # (T,): one sequence of rows (B = 1)
-        if isinstance(table, QuantizedEmbedding):
-            x = table.lookup(rows, self.dtype)  # dequantized from its blocks, row by row
-        else:
-            x = kernels.gather(table.weight, rows, self.dtype)
+        lookup = getattr(
+            table, "lookup", None
+        )  # a table kept in blocks dequantizes its rows (quant.QuantizedEmbedding)
+        x = lookup(rows, self.dtype) if lookup is not None else kernels.gather(table.weight, rows, self.dtype)
         if self.model.scale is not None:
             x = kernels.scale_(x, self.model.scale)
         ropes = {
@@ -194,7 +193,7 @@ class PackedCausalLM(LlamaForCausalLM):
 
 def packing(module: nn.Module) -> Packing:
     """What verispec's kernels run in a model: as `pack_model` declared it, or nothing for the plain math."""
-    return module.packing if isinstance(module, PackedCausalLM) else UNPACKED
+    return getattr(module, "packing", UNPACKED)
 
 
 def pack_block(block: Block, rows: int, own_kernels: bool | None = None) -> Packing:

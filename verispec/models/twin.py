@@ -26,7 +26,7 @@ from verispec.errors import IncompatibleTargetError, InvalidArgumentError
 from verispec.models.kept_layers import kept_layers, layer_indices
 from verispec.models.llama import LlamaForCausalLM, RMSNorm
 from verispec.models.native import NativeModel
-from verispec.models.packed import PackedCausalLM, pack_model
+from verispec.models.packed import pack_model
 from verispec.models.precision import projections, quantize_linears
 from verispec.models.protocol import CausalLM
 
@@ -110,7 +110,7 @@ def quantized_twin(target: NativeModel, spec: TwinFormat = TwinFormat()) -> Nati
         weights["lm_head"] = _requantized(source.lm_head, spec.head)
     quantize_linears(twin, weights)
     twin.eval()
-    head = source.head if shared_head and isinstance(source, PackedCausalLM) else None
+    head = getattr(source, "head", None) if shared_head else None  # (a packed target's: models/packed.py)
     return NativeModel(
         pack_model(twin, 1, head=head), target.tokenizer, target.eos_token_ids, f"{target.name} (twin: {spec.label})"
     )
