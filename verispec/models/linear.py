@@ -1,19 +1,18 @@
 """Prepacked, fused linear layers for the CPU: what `load_model(..., fast=True)` puts beside a model's projections.
 
 At batch one a forward reads every weight once and does little else, so its time is the matmul kernels' read
-speed. Eager `F.linear` reads a plain row-major weight well below the memory's rate on one core (bfloat16 the
-slowest); the same weight reordered once, at load time, into the kernel's blocked layout reads about twice as fast
-(docs/bench/forward-profile.md has the numbers).
+speed. Eager `F.linear` reads a plain row-major weight below the memory's rate; the same weight reordered once, at
+load time, into the kernel's blocked layout reads faster (docs/bench/forward-profile.md has the numbers).
 Fusing the projections that share an input (q, k, v; gate, up) into one matmul halves the number of kernel calls
 and lets each read one longer weight.
 
 Where verispec's own kernels run (verispec/kernels: an AVX-512 or an AVX2 build, on any thread count), a linear uses
 them: they stream the weight once for every few rows and give a row the same bits whatever else shares the call.
-Elsewhere, PyTorch's kernels, measured on one Zen 4 core: bfloat16 uses oneDNN (`mkldnn._linear_pointwise`,
-bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm (`mkl._mkl_linear`, faster than oneDNN
-there), and at more rows oneDNN, each from its own packed copy (so a float32 model laid out for one row holds its
-weights three times). Both keep a row's result independent of the other rows at a fixed row count, as exact mode
-needs.
+Elsewhere, PyTorch's kernels, chosen by measurement (docs/bench/forward-profile.md): bfloat16 uses oneDNN
+(`mkldnn._linear_pointwise`, bitwise equal to F.linear); float32 at one row uses MKL's packed sgemm
+(`mkl._mkl_linear`), and at more rows oneDNN, each from its own packed copy (so a float32 model laid out for one
+row holds its weights three times). Both keep a row's result independent of the other rows at a fixed row count, as
+exact mode needs.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def _prepacked_here(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else dtype == torch.float32
 
 
-MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (measured
-# faster than a one-row layout at 2 to 9 rows)
+MANY_ROWS = 4  # the row count oneDNN lays a float32 weight out for beside MKL's one-row copy (the layout that ran
+# faster than a one-row one at a few rows)
 
 
 def packed_here(x: torch.Tensor) -> bool:
