@@ -282,6 +282,16 @@ def test_console_entry_point_has_no_traceback(tmp_path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "config.json" in proc.stderr
 
 
+def test_the_command_leaves_with_its_output_whole_and_its_code(tmp_path) -> None:
+    """`run` ends the process without the interpreter's teardown: what was printed into a pipe is all there."""
+    assert main(["init-random", str(tmp_path / "demo"), "--layers", "1", "--hidden-size", "32"]) == 0
+    command = [sys.executable, "-m", "verispec.cli", "generate", "hi", "--target", str(tmp_path / "demo/target")]
+    proc = subprocess.run([*command, "--max-new-tokens", "200", "--ignore-eos"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "200 tokens in" in proc.stdout and proc.stdout.endswith("\n")
+    proc = subprocess.run([*command, "--max-new-tokens", "many"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("verispec: error:")
+
+
 def test_init_random_writes_a_usable_pair(capsys, tmp_path) -> None:
     code, out, _ = run(capsys, "init-random", str(tmp_path / "demo"), "--layers", "2", "--hidden-size", "32")
     assert code == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from verispec.cli import bench, decode, train
 from verispec.cli.parser import build_parser
@@ -57,3 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verispec: internal error: {type(err).__name__}: {err} (VERISPEC_DEBUG=1 for details)", file=sys.stderr)
         return 1
     return code or 0
+
+
+def run() -> NoReturn:
+    """The `verispec` command (and `python -m verispec.cli`): `main`, then the process leaves once its output is out.
+    Tearing the interpreter down after `import torch` (every module's objects freed one by one) takes a while a user
+    waits through and does nothing a finished command needs: nothing of verispec's runs at exit."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # the reader went away, or the stream was closed
+            pass
+    os._exit(code)

@@ -1,7 +1,5 @@
 """`python -m verispec.cli`: the `verispec` command."""
 
-import sys
+from verispec.cli import run
 
-from verispec.cli import main
-
-sys.exit(main())
+run()
