@@ -131,6 +131,15 @@ def test_a_target_without_a_chat_template_is_refused(tmp_path, pair_dirs, capsys
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no chat template" in err
+    given = "{% for m in messages %}<user>{{ m.content }}\n{% endfor %}<assistant>"  # --chat-template's, in its place
+    summary = run_bench(
+        pair_dirs[0],
+        None,
+        tmp_path / "given",
+        suite,
+        BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1], chat_template=given),
+    )
+    assert list(summary) == LABELS[:1]
 
 
 @pytest.mark.parametrize(

@@ -249,7 +249,25 @@ def test_a_file_without_a_template_has_none(tmp_path, capsys) -> None:
     assert load_chat_template(path) is None
     assert main(["chat", "--target", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no chat template" in err and "tokenizer.chat_template" in err
+    assert err.count("\n") == 1 and "no chat template" in err and "--chat-template FILE" in err
+
+
+def test_a_template_given_for_a_file_without_one(tmp_path, capsys) -> None:
+    """`--chat-template FILE` (llama.cpp's Gemma 3 files ship none): rendered with the file's own special tokens, in
+    `generate --chat`; a file that cannot be read is one line of error before anything loads."""
+    from verispec.cli import main
+
+    path = write_gguf(tmp_path / "m.gguf", gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1), MIXED, template=None)
+    given = tmp_path / "turns.jinja"
+    given.write_text("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+    template = load_chat_template(path, template=given.read_text())
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|endoftext|><|im_start|>hi<|im_end|>"
+    argv = ["generate", "hi", "--target", str(path), "--chat", "--max-new-tokens", "2", "--ignore-eos"]
+    assert main([*argv, "--chat-template", str(given)]) == 0
+    assert "2 tokens" in capsys.readouterr().out
+    assert main([*argv, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--chat-template" in err and "unreadable" in err
 
 
 def _rewritten(path: Path, out: Path, **changes) -> Path:

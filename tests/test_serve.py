@@ -192,6 +192,21 @@ def test_chat_with_template(models: tuple, tmp_path: Path) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
+def test_chat_with_a_template_given_in_place_of_none(models: tuple) -> None:
+    """`verispec serve --chat-template FILE`: a target shipped without a template serves chat by the one given."""
+    target_dir, target, _ = models
+    messages = [{"role": "user", "content": "Write a loop."}]
+    prompt = target.tokenizer.encode("<user>Write a loop.\n<assistant>", add_special_tokens=False)
+    expected = generate(target, prompt.ids, max_new_tokens=6, ignore_eos=True).text
+    app = serving_app(target, None, target_dir, chat_template=CHAT_TEMPLATE, name="given")
+    with torch_threads(1), ServerThread(app) as srv:
+        chat = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        reply = chat.chat.completions.create(
+            model="given", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == len(prompt.ids)
+
+
 def test_concurrent_streams_match_single_requests(client: openai.OpenAI, models: tuple) -> None:
     prompts = [f"def f{i}(x):\n    return x" for i in range(16)]
     expected = [generate(models[1], p, max_new_tokens=24).text for p in prompts]

@@ -133,6 +133,7 @@ class BenchOptions:
     threads: int = 1
     float64_prompts: int = 8  # the float64 check's prompts (0: not run)
     dtype: str = "auto"
+    chat_template: str | None = None  # Jinja text in place of the target's own, for a Spec-Bench suite's turns
     quantize: str | None = None
     exact: bool = False
     only: Sequence[str] | None = None
@@ -235,7 +236,7 @@ def _run(
                 labels.append(method.label)
             wanted.add(method.label)
         methods = [m for m in methods if m.label in wanted]
-    suite, questions = _turns(target, target_dir, suite, options.max_new_tokens)
+    suite, questions = _turns(target, target_dir, suite, options.max_new_tokens, options.chat_template)
     times = timing(target, draft, methods, skip)
     if options.progress:
         print(floor_line(times))
@@ -269,16 +270,16 @@ def _run(
 
 
 def _turns(
-    target: NativeModel, target_dir: Path, suite: list[dict], max_new_tokens: int | None
+    target: NativeModel, target_dir: Path, suite: list[dict], max_new_tokens: int | None, chat_template: str | None
 ) -> tuple[list[dict], dict | None]:
     """The suite's prompts: a Spec-Bench suite's questions become a prompt per turn, through the target's chat
-    template (`verispec/spec_bench.py`), with a note of how; another suite's items as they are, at `max_new_tokens` if
-    given."""
+    template or `chat_template` in its place (`verispec/spec_bench.py`), with a note of how; another suite's items as
+    they are, at `max_new_tokens` if given."""
     if not is_spec_bench(suite):
         check_items(suite)
         return suite if max_new_tokens is None else [item | {"max_new_tokens": max_new_tokens} for item in suite], None
     limit = SPEC_BENCH_TOKENS if max_new_tokens is None else max_new_tokens
-    template = load_chat_template(target_dir, target.tokenizer)
+    template = load_chat_template(target_dir, target.tokenizer, chat_template)
     items, skipped = turn_prompts(target, None if template is None else template.render, suite, limit)
     if not items:
         raise InvalidArgumentError(f"no question of the suite fits the context of {target.context_length} tokens")

@@ -1,9 +1,10 @@
 """A checkpoint's chat template: messages -> the prompt text the model was trained to continue.
 
 The template is the checkpoint's own (`chat_template` in tokenizer_config.json, or chat_template.jinja, in a folder;
-`tokenizer.chat_template` in a GGUF file), rendered by transformers' `apply_chat_template`, the renderer the template
-was written for. A checkpoint without one cannot serve chat: guessing a format would feed the model text it never
-saw.
+`tokenizer.chat_template` in a GGUF file), or one the user gives in its place (`--chat-template FILE`, as vLLM's
+option and llama.cpp's `--chat-template-file`: for a file shipped without one, as llama.cpp's Gemma 3 files are),
+rendered by transformers' `apply_chat_template`, the renderer the template was written for. A checkpoint without one,
+given none, cannot serve chat: guessing a format would feed the model text it never saw.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ class ChatTemplate:
         self._tokenizer = tokenizer
 
     @classmethod
-    def from_folder(cls, folder: Path) -> ChatTemplate:
+    def from_folder(cls, folder: Path, template: str | None = None) -> ChatTemplate:
+        """A folder's template (`template`: this one instead), held by its transformers tokenizer."""
         from transformers import AutoTokenizer  # on demand: seconds to import, and only chat needs it
 
         try:
-            return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except Exception as err:  # transformers raises many types for one broken folder
             raise CheckpointError(f"{folder}: cannot load the tokenizer that holds the chat template ({err})") from None
+        if template is not None:
+            tokenizer.chat_template = template
+        return cls(tokenizer)
 
     @classmethod
     def from_gguf(cls, tokenizer: Tokenizer, special_tokens: dict[str, str], template: str) -> ChatTemplate:
@@ -74,17 +79,34 @@ class ChatTemplate:
             raise InvalidArgumentError(f"messages: the model's chat template refused them ({err})") from None
 
 
-def load_chat_template(checkpoint: Path, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
-    """The chat template of a checkpoint folder or GGUF file, or None where it has none (chat requests are then
-    refused). `tokenizer`: the one a model loaded from the GGUF file already holds (`model.tokenizer`), taken instead
-    of building the file's tokenizer a second time (the template and special tokens are then read from its metadata
-    alone); a folder's template comes with its own transformers tokenizer either way."""
+def read_template(path: str | Path) -> str:
+    """A chat template's Jinja text from its file (`--chat-template FILE`)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidArgumentError(f"--chat-template {path}: unreadable ({err})") from None
+    if not text.strip():
+        raise InvalidArgumentError(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def load_chat_template(
+    checkpoint: Path, tokenizer: Tokenizer | None = None, template: str | None = None
+) -> ChatTemplate | None:
+    """The chat template of a checkpoint folder or GGUF file, or `template` (Jinja text) in its place; None where it
+    has none and none is given (chat requests are then refused). `tokenizer`: the one a model loaded from the GGUF
+    file already holds (`model.tokenizer`), taken instead of building the file's tokenizer a second time (the
+    template and special tokens are then read from its metadata alone); a folder's template comes with its own
+    transformers tokenizer either way."""
     if is_gguf(checkpoint):
         file = GGUFFile(checkpoint)
         if tokenizer is None:
             vocab = read_vocab(file)
-            tokenizer, special_tokens, template = vocab.tokenizer, vocab.special_tokens, vocab.chat_template
+            tokenizer, special_tokens, own = vocab.tokenizer, vocab.special_tokens, vocab.chat_template
         else:
-            special_tokens, template = chat_metadata(file)
+            special_tokens, own = chat_metadata(file)
+        template = template or own
         return ChatTemplate.from_gguf(tokenizer, special_tokens, template) if template else None
-    return ChatTemplate.from_folder(checkpoint) if has_chat_template(checkpoint) else None
+    if template is None and not has_chat_template(checkpoint):
+        return None
+    return ChatTemplate.from_folder(checkpoint, template)

@@ -11,7 +11,7 @@ from pathlib import Path
 from verispec.argument_checks import whole_number
 from verispec.checkpoints.gguf_file import is_gguf
 from verispec.checkpoints.shipped import MODELS, default_paths, shipped_head_for
-from verispec.cli.inputs import whole_numbers
+from verispec.cli.inputs import given_template, whole_numbers
 from verispec.cli.loading import checked_method, load_models
 from verispec.drafters.registry import AUTO
 from verispec.errors import InvalidArgumentError
@@ -82,6 +82,7 @@ def bench_command(args: argparse.Namespace) -> None:
             not args.no_peers,
             threads=args.threads,
             dtype=args.dtype,
+            chat_template=given_template(args),
             quantize=args.quantize,
             exact=args.exact,
             only=only,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from verispec.checkpoints.blocks import FORMATS
+from verispec.cli.common_args import add_chat_template_arg
 from verispec.models.precision import DTYPES
 
 
@@ -58,6 +59,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
         "turn through the target's chat template); default "
         "data/bench/suite.jsonl",
     )
+    add_chat_template_arg(bench)  # (a Spec-Bench suite's turns)
     bench.add_argument(
         "--max-new-tokens",
         type=int,

@@ -17,6 +17,16 @@ from verispec.models.auto import BACKENDS
 from verispec.models.precision import DTYPES, KV_DTYPES
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """A chat template in place of the target's own (chat, generate --chat, serve, bench's Spec-Bench turns)."""
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to render conversations with instead of the target's own (as vLLM's "
+        "--chat-template and llama.cpp's --chat-template-file): for a checkpoint shipped without one",
+    )
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The target, the method and its options: what `loading.load_models` builds from (generate, chat, serve,
     bench-serve)."""

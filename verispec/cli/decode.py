@@ -10,8 +10,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from verispec.chat import Chat
-from verispec.checkpoints.chat_template import WHERE_TEMPLATES_LIVE, ChatTemplate, has_chat_template, load_chat_template
-from verispec.cli.inputs import check_options, decoding_options, grammar_from, read_prompt, unescape
+from verispec.checkpoints.chat_template import (
+    WHERE_TEMPLATES_LIVE,
+    ChatTemplate,
+    has_chat_template,
+    load_chat_template,
+)
+from verispec.cli.inputs import check_options, decoding_options, given_template, grammar_from, read_prompt, unescape
 from verispec.cli.loading import checked_method, load_models
 from verispec.cli.output import GREEN, RESET, print_stream, stats_lines, use_color
 from verispec.drafters.registry import AUTO
@@ -29,6 +34,7 @@ def generate_command(args: argparse.Namespace) -> int:
     check_options(args)
     set_threads(args.threads)
     grammar = grammar_from(args)
+    given = given_template(args)  # read before seconds of loading
     target, drafter = load_models(args, checked_method(args))
     options = decoding_options(args) | {"grammar": grammar}  # --compare decodes under the same grammar
     prompt = args.prompt  # --chat: the message as the template's one user turn, after the system message if any
@@ -38,7 +44,7 @@ def generate_command(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt},
         ]
         prompt = target.tokenizer.encode(
-            chat_template(args, target.tokenizer).render(turn), add_special_tokens=False
+            chat_template(args, target.tokenizer, given).render(turn), add_special_tokens=False
         ).ids
     if args.compare:  # warm both paths up first, so that neither timing pays torch's first-call costs
         for warm in (drafter, None):
@@ -69,10 +75,12 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_template(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> ChatTemplate:
-    """The target checkpoint's own chat template (held by the loaded target's `tokenizer`, for a GGUF file); one
-    without refuses chat rather than guess a format."""
-    template = load_chat_template(Path(args.target), tokenizer)
+def chat_template(
+    args: argparse.Namespace, tokenizer: Tokenizer | None = None, given: str | None = None
+) -> ChatTemplate:
+    """The chat template `given` (`given_template`), else the target checkpoint's own (held by the loaded target's
+    `tokenizer`, for a GGUF file); a target without one, given none, refuses chat rather than guess a format."""
+    template = load_chat_template(Path(args.target), tokenizer, given)
     if template is None:
         raise _no_template(args)
     return template
@@ -80,8 +88,8 @@ def chat_template(args: argparse.Namespace, tokenizer: Tokenizer | None = None) 
 
 def _no_template(args: argparse.Namespace) -> InvalidArgumentError:
     return InvalidArgumentError(
-        f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the "
-        "model's own; give `verispec generate` a plain prompt instead"
+        f"{args.target} has no chat template ({WHERE_TEMPLATES_LIVE}): chat needs the model's own, or one given with "
+        "--chat-template FILE; or give `verispec generate` a plain prompt"
     )
 
 
@@ -92,10 +100,11 @@ def chat_command(args: argparse.Namespace) -> int:
     check_options(args)
     set_threads(args.threads)
     method = checked_method(args)  # (fills in the shipped pair)
-    if not has_chat_template(Path(args.target)):  # before seconds of loading
+    given = given_template(args)  # before seconds of loading, as the target's own is looked for
+    if given is None and not has_chat_template(Path(args.target)):
         raise _no_template(args)
     target, drafter = load_models(args, method)
-    template = chat_template(args, target.tokenizer)
+    template = chat_template(args, target.tokenizer, given)
     chat, color = (
         Chat(target, template.render, drafter, system=args.system, **decoding_options(args)),
         use_color(args.color),
@@ -146,11 +155,13 @@ def serve_command(args: argparse.Namespace) -> None:
     )
     set_threads(args.threads)
     method = checked_method(args)
+    given = given_template(args)
     target, drafter = load_models(args, method)
     app = serving_app(
         target,
         drafter,
         Path(args.target),
+        chat_template=given,
         name=args.served_model_name,
         max_batch=args.max_batch,
         adaptive=method.k == AUTO,

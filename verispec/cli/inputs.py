@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from verispec.checkpoints.chat_template import read_template
 from verispec.errors import InvalidArgumentError
 from verispec.grammar import Grammar, grammar_option
 from verispec.sampling import SamplingParams
@@ -105,3 +106,9 @@ def whole_numbers(text: str, option: str, what: str = "whole numbers such as 1,4
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise InvalidArgumentError(f"{option} takes comma-separated {what}; got {text!r}") from None
+
+
+def given_template(args: argparse.Namespace) -> str | None:
+    """The chat template given with --chat-template (its Jinja text), or None for the target's own."""
+    path = getattr(args, "chat_template", None)
+    return None if path is None else read_template(path)

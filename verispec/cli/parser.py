@@ -8,6 +8,7 @@ from typing import NoReturn
 
 from verispec.cli.bench_args import add_bench_commands
 from verispec.cli.common_args import (
+    add_chat_template_arg,
     add_decoding_args,
     add_grammar_args,
     add_kv_args,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the text to continue; - reads it from stdin")
     gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (verbatim, final newline included)")
     add_model_args(gen)
+    add_chat_template_arg(gen)
     add_decoding_args(gen)
     add_grammar_args(gen)
     gen.add_argument(
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the KV cache is kept across turns",
     )
     add_model_args(cht)
+    add_chat_template_arg(cht)
     add_decoding_args(cht, None)
     add_runtime_args(cht)
     srv = sub.add_parser(
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server (completions, chat, models, health, metrics) over the batched engine",
     )
     add_model_args(srv)
+    add_chat_template_arg(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(

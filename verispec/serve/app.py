@@ -48,6 +48,7 @@ def serving_app(
     drafter: Drafter | None,
     target_dir: Path | None = None,
     *,
+    chat_template: str | None = None,
     name: str | None = None,
     max_batch: int = 16,
     adaptive: bool = True,
@@ -56,11 +57,11 @@ def serving_app(
     kv_memory: int | None = None,
 ) -> FastAPI:
     """The app for a loaded target and drafter (None: plain decoding): served as `name` (default: the target's), with
-    the chat template of `target_dir` where it has one, on engines of up to `max_batch` sequences that choose each
-    step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every step, `context` tokens a request and
-    `kv_memory` bytes of keys and values in all (engine/kv_budget.py); `options`: who may call it and what it
-    accepts."""
-    chat = load_chat_template(target_dir, target.tokenizer) if target_dir is not None else None
+    the chat template `chat_template` (Jinja text), else `target_dir`'s where it has one, on engines of up to
+    `max_batch` sequences that choose each step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every
+    step, `context` tokens a request and `kv_memory` bytes of keys and values in all (engine/kv_budget.py);
+    `options`: who may call it and what it accepts."""
+    chat = load_chat_template(target_dir, target.tokenizer, chat_template) if target_dir is not None else None
     engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
     longest_text = engine.budget.context * longest_token_chars(target.tokenizer)
     model = ServedModel(

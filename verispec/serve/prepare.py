@@ -64,7 +64,8 @@ def prepare_chat(model: ServedModel, body: ChatRequest) -> Prepared:
     if model.chat is None:
         raise ChatUnsupportedError(
             f"model {model.name} has no chat template ({WHERE_TEMPLATES_LIVE}), so it cannot "
-            "tell which text a conversation is; use /v1/completions with a plain prompt"
+            "tell which text a conversation is (`verispec serve --chat-template FILE` gives it one); use "
+            "/v1/completions with a plain prompt"
         )
     messages = [{"role": m.role, "content": unicode_text(m.text(), "a message")} for m in body.messages]
     _check_length(model, sum(len(m["content"]) for m in messages), "the messages")
