@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from verispec import reference
 from verispec.checkpoints.config import ModelConfig, read_config
-from verispec.checkpoints.random_init import BYTE_VOCAB, random_checkpoint, tiny_config
+from verispec.checkpoints.random_init import BYTE_VOCAB, TINY_SHAPES, random_checkpoint, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
 from verispec.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
 from verispec.generate import generate
@@ -73,13 +73,7 @@ def test_native_float32_matches_reference(name: str, tmp_path: Path) -> None:
 
 # --- parity with transformers ------------------------------------------------------------------------------------
 
-HF_COMMON = dict(
-    vocab_size=BYTE_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+HF_COMMON = TINY_SHAPES | dict(
     max_position_embeddings=128,
     bos_token_id=None,
     eos_token_id=None,
@@ -409,15 +403,7 @@ def test_unreadable_shard_index(broken: Path, index: str) -> None:
 
 # --- Mistral's sliding window ------------------------------------------------------------------------------------
 
-BASE_HF = dict(
-    vocab_size=BYTE_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+BASE_HF = TINY_SHAPES | dict(max_position_embeddings=256)
 
 
 @pytest.mark.parametrize(

@@ -15,19 +15,20 @@ from verispec.checkpoints.tokenizer import byte_level_tokenizer
 BYTE_VOCAB = 257  # 256 bytes and <|endoftext|>
 
 
+# A small grouped-query Llama's shapes over the byte-level vocabulary (the tests' transformers configs take them too)
+TINY_SHAPES = dict(
+    vocab_size=BYTE_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def tiny_config(**overrides) -> ModelConfig:
-    """A small grouped-query Llama over the byte-level vocabulary; any field can be overridden."""
-    base = dict(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=256,
-    )
-    return ModelConfig(**(base | overrides))
+    """A small grouped-query Llama over the byte-level vocabulary (`TINY_SHAPES`); any field can be overridden."""
+    return ModelConfig(**(TINY_SHAPES | dict(max_position_embeddings=256, eos_token_id=256) | overrides))
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
