@@ -223,13 +223,98 @@ def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tupl
     """Every split of a token into two tokens, best-scoring result first (longer left, then right part first
     among equals; a token's own splits by the ids of their parts): the order transformers' `generate_merges`
     gives SentencePiece vocabularies, whose merges a GGUF file does not store."""
+    owner, left, right = _splits(tokens)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    score = np.asarray(scores, np.float64)[owner]
+    order = np.lexsort((right, left, owner, -lengths[right], -lengths[left], -score))  # the last key first
+    return [(tokens[a], tokens[b]) for a, b in zip(left[order].tolist(), right[order].tolist())]
+
+
+# Odd multipliers of the splits' polynomial hash (mod 2**64), each tried in turn where the vocabulary's own hashes
+# collide under the last
+HASH_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
+
+
+def _splits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (token, left, right) by ids where token = left + right: a 262k-token vocabulary has over a million
+    places to cut, so each cut's halves are hashed at once in numpy and looked up among the tokens' hashes, every
+    match then checked by its text; by dictionary, cut by cut, where no multiplier keeps the tokens' hashes apart."""
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    chars = np.frombuffer("".join(tokens).encode("utf-32-le"), np.uint32).astype(np.uint64) + np.uint64(1)
+    cuts = np.maximum(lengths - 1, 0)
+    owner = np.repeat(np.arange(len(tokens)), cuts)  # a cut's token, and where it cuts the joined text
+    at = starts[owner] + 1 + np.arange(len(owner)) - np.repeat(np.cumsum(cuts) - cuts, cuts)
+    for multiplier in HASH_MULTIPLIERS:
+        found = _matches(chars, starts, ends, owner, at, multiplier)
+        if found is not None:
+            return found
     vocab = {token: i for i, token in enumerate(tokens)}
-    found = []
-    for token, score in zip(tokens, scores):
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
-        found += [(left, right, score) for left, right in sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]]))]
-    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in found]
+    triples = [
+        (k, vocab[token[:i]], vocab[token[i:]])
+        for k, token in enumerate(tokens)
+        for i in range(1, len(token))
+        if token[:i] in vocab and token[i:] in vocab
+    ]
+    return (
+        tuple(np.array(column, np.int64).reshape(-1) for column in zip(*triples))
+        if triples
+        else (np.zeros(0, np.int64),) * 3
+    )
+
+
+def _matches(
+    chars: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    owner: np.ndarray,
+    at: np.ndarray,
+    multiplier: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`_splits` by hashes under `multiplier`; None where two tokens hash alike. The hash of characters x .. y - 1 of
+    the joined text is p**y * (S[y] - S[x]), S the running sum of c * p**-q: one subtraction for any stretch."""
+    n = len(chars)
+    powers, inverses = (_powers(m, n + 1) for m in (multiplier, pow(multiplier, -1, 1 << 64)))
+    sums = np.zeros(n + 1, np.uint64)
+    np.cumsum(chars * inverses[:n], out=sums[1:])
+
+    def hashed(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return powers[y] * (sums[y] - sums[x])
+
+    ids = np.flatnonzero(ends > starts)  # (an empty token is no part of a split)
+    table = hashed(starts[ids], ends[ids])
+    order = np.argsort(table)
+    table, ids = table[order], ids[order]
+    if np.any(table[1:] == table[:-1]):
+        return None
+
+    def lookup(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = np.minimum(np.searchsorted(table, h), len(table) - 1)
+        return ids[i], table[i] == h
+
+    left, found = lookup(hashed(starts[owner], at))
+    owner, at, left = owner[found], at[found], left[found]
+    right, found = lookup(hashed(at, ends[owner]))
+    owner, at, left, right = owner[found], at[found], left[found], right[found]
+    # A hash says nothing for sure: each match's halves, character by character, against its token's
+    exact = (ends[left] - starts[left] == at - starts[owner]) & (ends[right] - starts[right] == ends[owner] - at)
+    owner, left, right = owner[exact], left[exact], right[exact]
+    size = ends[owner] - starts[owner]
+    first = np.cumsum(size) - size  # each match's first place in the flattened comparison
+    place = np.arange(int(size.sum())) - np.repeat(first, size)  # the character's place in its token
+    cut, token = np.repeat(ends[left] - starts[left], size), np.repeat(starts[owner], size)
+    halves = np.where(place < cut, np.repeat(starts[left], size) + place, np.repeat(starts[right], size) + place - cut)
+    same = chars[halves] == chars[token + place]
+    exact = np.logical_and.reduceat(same, first) if len(first) else np.zeros(0, bool)
+    return owner[exact], left[exact], right[exact]
+
+
+def _powers(base: int, count: int) -> np.ndarray:
+    """base**0 .. base**(count - 1), mod 2**64."""
+    out = np.ones(count, np.uint64)
+    np.cumprod(np.full(count - 1, base, np.uint64), out=out[1:])
+    return out
 
 
 def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int], path: object) -> None:
