@@ -246,6 +246,28 @@ def test_the_float64_check_can_be_left_out(tmp_path, pair_dirs, capsys) -> None:
     assert "--float64-prompts must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_what_methods_leaves_out_is_never_built(tmp_path, pair_dirs, monkeypatch) -> None:
+    """--methods builds only the rows it names: selfquant's quantized twin and transformers' copy of the target are
+    gigabytes on a real model."""
+    from verispec.bench import harness, methods
+
+    built, peers = [], []
+    real = methods.build_drafter
+    monkeypatch.setattr(methods, "build_drafter", lambda method, res: built.append(method.family) or real(method, res))
+    monkeypatch.setattr(harness, "transformers_methods", lambda *a, **k: peers.append(a) or [])
+    target_dir, draft_dir = pair_dirs
+    only = ["autoregressive", "ngram k=4", "suffix min_prob=0.3"]
+    summary = run_bench(
+        target_dir,
+        draft_dir,
+        tmp_path,
+        quick_suite(per_category=1, max_new_tokens=4),
+        BenchOptions(repeats=1, progress=False, only=only, float64_prompts=0),
+    )
+    assert list(summary) == ["autoregressive", "ngram k=4", "suffix k=auto min_prob=0.3"]
+    assert sorted(built) == ["autoregressive", "ngram", "suffix"] and peers == []
+
+
 def test_methods_filter_needs_the_baseline_and_methods_it_can_run(tmp_path, pair_dirs, capsys) -> None:
     target_dir, draft_dir = pair_dirs
     args = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--no-peers", "--out", str(tmp_path)]

@@ -317,7 +317,10 @@ def test_the_bench_runs_on_without_llama_cpp_rows_it_cannot_have(pair_dirs, tmp_
         tmp_path / "out",
         quick_suite(per_category=1, max_new_tokens=4),
         BenchOptions(
-            repeats=1, peers=False, only=["autoregressive", "ngram k=4"], llama_cpp=fake_binaries(tmp_path / "bin")
+            repeats=1,
+            peers=False,
+            only=["autoregressive", "ngram k=4", "llama.cpp plain"],
+            llama_cpp=fake_binaries(tmp_path / "bin"),
         ),
     )
     assert set(summary) == {"autoregressive", "ngram k=4"}

@@ -6,7 +6,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -175,29 +175,34 @@ def _run(
     eagle_vocab = default_size(head_dir) if head_dir is not None else 0
     eagle_default = head_dir is not None and bool(head_section(head_dir).get("method"))  # the folder's own draft
     medusa = options.medusa_dir
-    methods = [
-        ours(target, method, replace(resources, head_dir=medusa) if method.family == "medusa" else resources)
-        for method in our_methods(
-            draft,
-            layerskip=skip is not None,
-            eagle=head_dir is not None,
-            eagle_vocab=eagle_vocab,
-            medusa=medusa is not None,
-            eagle_default=eagle_default,
-            medusa_vocab=default_size(medusa) if medusa is not None else 0,
-            draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
-            selfquant=twin_refusal(target) is None,
-            skip=skip,
-            cross=cross,
-        )
-    ]
-    if unrelated_dir is not None:
-        never = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
-        methods += [ours(target, method, never, unrelated=True) for method in unrelated_methods(cross)]
-    if options.peers:
+
+    def given(method: Method) -> Resources:
+        return replace(resources, head_dir=medusa) if method.family == "medusa" else resources
+
+    defaults = our_methods(
+        draft,
+        layerskip=skip is not None,
+        eagle=head_dir is not None,
+        eagle_vocab=eagle_vocab,
+        medusa=medusa is not None,
+        eagle_default=eagle_default,
+        medusa_vocab=default_size(medusa) if medusa is not None else 0,
+        draft_vocab=default_size(draft_dir) if draft_dir is not None else 0,
+        selfquant=twin_refusal(target) is None,
+        skip=skip,
+        cross=cross,
+    )
+    never = unrelated_methods(cross) if unrelated_dir is not None else []
+    # What --methods leaves out is never built: a drafter's twin or a peer's float copy of the target is gigabytes
+    chosen, unrelated, wanted = _chosen(only, defaults, never, given)
+    methods = [ours(target, method, given(method)) for method in chosen]
+    if unrelated:
+        pair = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
+        methods += [ours(target, method, pair, unrelated=True) for method in unrelated]
+    if options.peers and (wanted is None or any(label.startswith(TRANSFORMERS) for label in wanted)):
         methods += transformers_methods(target_dir, draft_dir, dtype=dtype, cross=cross)
     notes = []  # what could not run, and why: printed, and in the report
-    if options.llama_cpp is not None:
+    if options.llama_cpp is not None and (wanted is None or any(label.startswith(LLAMA_CPP) for label in wanted)):
         rows, notes = llama_cpp_methods(
             options.llama_cpp,
             target_dir,
@@ -217,24 +222,13 @@ def _run(
         )
     for note in notes if options.progress else ():
         print(f"note: {note}", flush=True)
-    labels = [m.label for m in methods]
-    if only is not None:
-        if "autoregressive" not in only:
-            raise InvalidArgumentError(
-                f'--methods must name the baseline "autoregressive"; the default rows here: {", ".join(labels)}'
-            )
-        wanted = set()
-        for label in only:  # any other method too, by its label: "suffix min_prob=0.3"
-            if label in labels:
-                wanted.add(label)
-                continue
-            method = method_named(label)
-            given = replace(resources, head_dir=medusa) if method.family == "medusa" else resources
-            method = resolve_method(method, given)  # as it runs: "suffix" is the row "suffix k=auto"
-            if method.label not in labels:
-                methods.append(ours(target, method, given))
-                labels.append(method.label)
-            wanted.add(method.label)
+    if wanted is not None:
+        # (llama.cpp's rows that cannot run are left out with a note, above)
+        missing = [
+            label for label in wanted if label not in {m.label for m in methods} and not label.startswith(LLAMA_CPP)
+        ]
+        if missing:
+            raise InvalidArgumentError(f"--methods names rows this bench has not: {', '.join(missing)}")
         methods = [m for m in methods if m.label in wanted]
     suite, questions = _turns(target, target_dir, suite, options.max_new_tokens, options.chat_template)
     times = timing(target, draft, methods, skip)
@@ -267,6 +261,39 @@ def _run(
     }
     write_report(out, summary, records, times, info)
     return summary
+
+
+TRANSFORMERS, LLAMA_CPP = "transformers ", "llama.cpp "  # the peers' rows' labels begin so
+
+
+def _chosen(
+    only: Sequence[str] | None,
+    defaults: list[Method],
+    unrelated: list[Method],
+    given: Callable[[Method], Resources],
+) -> tuple[list[Method], list[Method], set[str] | None]:
+    """Our methods to build (`defaults`, or those `only` names, any other method too by its label: "suffix
+    min_prob=0.3"), the unrelated pair's, and the labels of the rows asked for (None: every row)."""
+    if only is None:
+        return defaults, unrelated, None
+    labels = {
+        resolve_method(method, given(method)).label: method for method in defaults
+    }  # "suffix" runs "suffix k=auto"
+    if "autoregressive" not in only:
+        raise InvalidArgumentError(
+            f'--methods must name the baseline "autoregressive"; the default rows here: {", ".join(labels)}'
+        )
+    never = {f"{m.family} (unrelated) k={m.k}": m for m in unrelated}  # as `ours` labels them
+    chosen, wanted = {}, set()
+    for label in only:
+        if label.startswith((TRANSFORMERS, LLAMA_CPP)) or label in never:
+            wanted.add(label)
+            continue
+        method = labels.get(label) or method_named(label)
+        label = resolve_method(method, given(method)).label
+        chosen.setdefault(label, method)
+        wanted.add(label)
+    return list(chosen.values()), [m for label, m in never.items() if label in wanted], wanted
 
 
 def _turns(
