@@ -14,7 +14,7 @@ import torch
 from drafting import in_threads
 from verispec import kernels
 from verispec.errors import InvalidArgumentError
-from verispec.heads.eagle import EagleHead, head_config
+from verispec.heads.eagle import EagleHead, head_config, pack_head
 from verispec.kernels.capture import Program
 from verispec.models import captured
 from verispec.models.cache import KVCache
@@ -89,8 +89,7 @@ def test_the_eagle_heads_replays_give_the_bits_of_its_kernels_called_one_by_one(
         torch.manual_seed(0)
         head = EagleHead(head_config(target.config))
         init_weights(head)
-        head = head.to(torch.bfloat16).eval().requires_grad_(False)
-        head.pack(1)
+        head = pack_head(head.to(torch.bfloat16).eval().requires_grad_(False), 1)
         head.capture = capture
         heads.append(head)
     assert heads[0].halves is not None

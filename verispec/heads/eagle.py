@@ -26,7 +26,7 @@ from verispec.models.captured import replay
 from verispec.models.layout import AttentionMask, VisibleSlots, as_index, covering, rotary, visible_slots
 from verispec.models.linear import PackedLinear, packable, packed_here
 from verispec.models.llama import Block
-from verispec.models.packed import pack_block
+from verispec.models.packed import pack_block, swapped
 from verispec.models.protocol import FINAL
 
 
@@ -46,26 +46,6 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.layers = nn.ModuleList([Block(config, 0)])
         self.layers[0].input_layernorm = nn.Identity()  # the target's features arrive normed already
-        self.mix: PackedLinear | None = None  # set by `pack`, used instead of fc
-        # Set by `pack` where verispec's kernels run the layer's attention: fc as its embedding and feature halves
-        self.halves: tuple[kernels.Matmul, kernels.Matmul] | None = None
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position, for those forwards
-        self.captured: dict = {}  # those forwards captured by shape (models/captured.py)
-        self.capture = True  # False: those forwards run op by op
-
-    def pack(self, rows: int) -> None:
-        """Run fc and the layer's projections as prepacked matmuls laid out for `rows` rows (models/linear.py), as
-        `load_model` does for the target: an inference-only fast path. Where the layer's attention runs on verispec's
-        kernels, a forward of one sequence with a cache runs nothing but kernels, captured once per shape and
-        replayed (models/captured.py): fc then runs as two matmuls, one per half of its input, the second adding
-        the first's output as a residual, so that no concatenation is needed (in bfloat16 the first half's product
-        is rounded before the sum: close to the fused fc, not bitwise; the target decides every token)."""
-        self.mix = PackedLinear([self.fc], rows)
-        on_kernels = pack_block(self.layers[0], rows).attention
-        self.halves, self.rope, self.captured = None, None, {}
-        if on_kernels:
-            weight, D = self.fc.weight.detach(), self.config.hidden_size
-            self.halves = kernels.Matmul(weight[:, :D].contiguous()), kernels.Matmul(weight[:, D:].contiguous())
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
         c = self.config
@@ -93,21 +73,64 @@ class EagleHead(nn.Module):
         With a cache, the T inputs follow its `length` entries (a chain, or a tree with `mask` (T, length + T) and
         `positions`); without one (training) they are a whole sequence from position 0.
         """
-        B, T, _ = features.shape
-        start = 0 if cache is None else cache.length
+        T, start = features.shape[1], 0 if cache is None else cache.length
         positions, mask = head_layout(features, cache, positions, mask)
-        if cache is not None and B == 1 and self.halves is not None and packed_here(features):  # as the target
-            visible = visible_slots(mask, T, start, cache.slots, torch.uint8, features.device)
-            x = self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
-        else:
-            x = (self.mix or self.fc)(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
-            cos, sin = rotary(
-                positions, self.config.dim_per_head, self.config.rope_theta, x.dtype, self.config.rope_factors
-            )
-            x = self.layers[0](x, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
+        x = self.layer_over(features, embeddings, cache, positions, mask, start)
         if cache is not None:
             cache.advance(T)
         return x
+
+    def mixed(self, x: torch.Tensor) -> torch.Tensor:
+        """fc([embedding; feature])."""
+        return self.fc(x)
+
+    def layer_over(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        start: int,
+    ) -> torch.Tensor:
+        """The layer over the mixed inputs, after the cache's `start` entries (its room reserved)."""
+        x = self.mixed(torch.cat((embeddings, features), dim=-1))  # EAGLE's order: [embedding; feature]
+        cos, sin = rotary(
+            positions, self.config.dim_per_head, self.config.rope_theta, x.dtype, self.config.rope_factors
+        )
+        return self.layers[0](x, cos, sin, cache, AttentionMask(mask, causal=cache is None and mask is None))
+
+
+class PackedEagleHead(EagleHead):
+    """An EAGLE head whose fc and layer run as prepacked matmuls (`pack_head`, as `load_model` packs the target): an
+    inference-only fast path. Where the layer's attention runs on verispec's kernels (`halves`), a forward of one
+    sequence with a cache runs nothing but kernels, captured once per shape and replayed (models/captured.py): fc
+    then runs as two matmuls, one per half of its input, the second adding the first's output as a residual, so that
+    no concatenation is needed (in bfloat16 the first half's product is rounded before the sum: close to the fused
+    fc, not bitwise; the target decides every token)."""
+
+    mix: PackedLinear
+    halves: tuple[kernels.Matmul, kernels.Matmul] | None  # fc as its embedding and feature halves, on the kernels
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin by position, for those forwards
+    captured: dict  # those forwards captured by shape
+    capture: bool  # False: those forwards run op by op
+
+    def mixed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x)
+
+    def layer_over(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        start: int,
+    ) -> torch.Tensor:
+        if cache is None or features.shape[0] != 1 or self.halves is None or not packed_here(features):
+            return super().layer_over(features, embeddings, cache, positions, mask, start)
+        visible = visible_slots(mask, features.shape[1], start, cache.slots, torch.uint8, features.device)
+        return self._on_kernels(features, embeddings, cache, positions, VisibleSlots.of(visible))
 
     def _on_kernels(
         self,
@@ -130,6 +153,18 @@ class EagleHead(nn.Module):
             return forward(features, embeddings, positions, rows)[0]
         key = (features.shape[1], tuple(cache.k.shape), cache.k.dtype)
         return replay(self.captured, key, cache, forward, (features, embeddings, positions), rows)[0]
+
+
+def pack_head(head: EagleHead, rows: int) -> PackedEagleHead:
+    """`head` packed, to take its place (its very parameters, under the same names), laid out for `rows` rows."""
+    packed = swapped(head, PackedEagleHead)
+    packed.mix = PackedLinear([packed.fc], rows)
+    on_kernels = pack_block(packed.layers[0], rows).attention
+    packed.halves, packed.rope, packed.captured, packed.capture = None, None, {}, True
+    if on_kernels:
+        weight, D = packed.fc.weight.detach(), packed.config.hidden_size
+        packed.halves = kernels.Matmul(weight[:, :D].contiguous()), kernels.Matmul(weight[:, D:].contiguous())
+    return packed
 
 
 def head_layout(
@@ -213,6 +248,4 @@ def load_head(
     head = fill_head(
         EagleHead(head_config(target)), without_zero_bias(weights, folder), folder, "an EAGLE head", dtype, device
     )
-    if fast and packable(dtype, torch.device(device)):
-        head.pack(1)
-    return head
+    return pack_head(head, 1) if fast and packable(dtype, torch.device(device)) else head

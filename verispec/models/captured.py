@@ -8,17 +8,16 @@ last two from the cache's length: `replay_causal`). The cache is the one a forwa
 the capture's cache (its keys, its values, its length, which the kernels read when they run) are rewritten to the
 cache at hand before a replay, so a capture serves every cache of its layout, one generation after another.
 
-Captures are kept by the forward's runner (`Execution.captured`, `EagleHead.captured`), keyed by the row count, the
-cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
-else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward,
-so only forwards of at most `MAX_ROWS` rows are captured: at once up to `EAGER_ROWS` (decoding's shapes), and past it
-when a shape comes a second time (a large token tree comes again), but never a prompt's prefill past it: a prompt
-of that length comes again only as the same prompt asked again (a bench's methods in turn), and its capture would
-take a large share of `MAX_HELD_ROWS` from the decoding shapes, each then captured again. A model's captures hold at
-most `MAX_HELD_ROWS` rows together, the least recently used dropped
-first. A forward that computes anything outside the kernels cannot be captured
-(`NotCapturable`); it then runs as it is, op by op. A capture's buffers are shared by every cache, so its replays
-are serialised (a lock).
+Captures are kept by the forward's runner (`Execution.captured`, `PackedEagleHead.captured`), keyed by the row count,
+the cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
+else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward, so
+only forwards of at most `MAX_ROWS` rows are captured: at once up to `EAGER_ROWS` (decoding's shapes), and past it when
+a shape comes a second time (a large token tree comes again), but never a prompt's prefill past it: a prompt of that
+length comes again only as the same prompt asked again (a bench's methods in turn), and its capture would take a large
+share of `MAX_HELD_ROWS` from the decoding shapes, each then captured again. A model's captures hold at most
+`MAX_HELD_ROWS` rows together, the least recently used dropped first. A forward that computes anything outside the
+kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A capture's buffers are shared by every
+cache, so its replays are serialised (a lock).
 """
 
 from __future__ import annotations
