@@ -6,13 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as GGML
 
+from gguf_files import bpe_vocab, by_name, gguf_config, write_gguf
 from verispec import kernels
 from verispec.bench import profile_forward
 from verispec.bench.bandwidth import weight_bytes
 from verispec.checkpoints.random_init import random_checkpoint, tiny_config
 from verispec.cli import main
 from verispec.models.native import load_model
+from verispec.models.precision import formats
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -38,6 +41,21 @@ def test_profile_labels_every_kind_of_work(pair_dirs, own: bool) -> None:
     matmuls = [kind for kind in kinds if kind.startswith("matmul")]
     attention = profile_forward.BY_CLASS[profile_forward.llama.Attention]
     assert len(matmuls) == 5 and all(kinds[kind] > 0 for kind in [*matmuls, "rotary", "norms", attention])
+
+
+def test_a_gguf_files_own_blocks_are_profiled_too(tmp_path: Path) -> None:
+    """A GGUF target adds the settings of its own block formats (what `--dtype auto` runs), labelled as the others."""
+    if not kernels.available(torch.float32):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    config = gguf_config(len(bpe_vocab()[0]), num_hidden_layers=1)
+    path = write_gguf(tmp_path / "m.gguf", config, by_name({}, GGML.Q4_0))
+    model = profile_forward._load(path, profile_forward.FILE, False, "own")
+    assert "q4_0" in formats(model.module)
+    setting = profile_forward._Setting(model, context=8)
+    setting.time(2)
+    setting.profile()
+    _, kinds = setting.result()
+    assert all(kinds[kind] > 0 for kind in kinds if kind.startswith("matmul"))
 
 
 def test_bench_profile_writes_every_setting(tmp_path: Path, pair_dirs, capsys, monkeypatch) -> None:

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from verispec import kernels
 from verispec.bench.bandwidth import read_bandwidth, weight_bytes
 from verispec.bench.report import cpu_line, machine
+from verispec.checkpoints.gguf_file import is_gguf
 from verispec.kernels.capture import Program
 from verispec.models import llama
 from verispec.models.native import NativeModel, load_model
@@ -188,11 +189,15 @@ class _Setting:
         return statistics.median(self.walls), kinds
 
 
+FILE = "file's formats"  # the setting of a GGUF file's own blocks (beside float32 and bfloat16)
+
+
 def profile_all(
     target_dir: Path, context: int = 256, rounds: int = 15, per_round: int = 3
 ) -> tuple[list[ForwardProfile], float]:
     """Every setting (float32 and bfloat16, ordinary and exact mode; plain, packed on PyTorch's kernels and on
-    verispec's own where this machine has them), loaded side by side and
+    verispec's own where this machine has them; a GGUF file's own block formats too, on verispec's), loaded side by
+    side and
     measured in turns, `per_round` timed forwards and one profiled forward each per round, with the read bandwidth
     measured in each round too, so that the machine's changing load falls on all alike; medians over the rounds.
     Returns the settings' profiles and the read bandwidth (bytes per second)."""
@@ -203,6 +208,8 @@ def profile_all(
         for exact in (False, True)
         for kind in ["plain", "fast", *on_kernels]
     ]
+    if is_gguf(target_dir):  # its blocks kept, as `--dtype auto` runs them (only on verispec's kernels)
+        keys += [(FILE, exact, kind) for exact in (False, True) for kind in on_kernels]
     settings = {key: _Setting(_load(target_dir, *key), context) for key in keys}
     bandwidths = []
     for _ in range(rounds):
@@ -218,9 +225,12 @@ def profile_all(
 
 
 def _load(target_dir: Path, dtype: str, exact: bool, kind: str) -> NativeModel:
-    model = load_model(target_dir, dtype=dtype, exact=exact, fast=False)
-    if kind != "plain":
-        model.pack(16 if exact else 1, own_kernels=kind in ("own", "captured"))
+    if dtype == FILE:  # the file's blocks are kept only where the model is packed on verispec's kernels at load
+        model = load_model(target_dir, dtype="auto", exact=exact)
+    else:
+        model = load_model(target_dir, dtype=dtype, exact=exact, fast=False)
+        if kind != "plain":
+            model.pack(16 if exact else 1, own_kernels=kind in ("own", "captured"))
     model.execution.capture = kind == "captured"
     return model
 
