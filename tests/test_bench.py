@@ -266,6 +266,10 @@ def test_what_methods_leaves_out_is_never_built(tmp_path, pair_dirs, monkeypatch
     )
     assert list(summary) == ["autoregressive", "ngram k=4", "suffix k=auto min_prob=0.3"]
     assert sorted(built) == ["autoregressive", "ngram", "suffix"] and peers == []
+    quick = quick_suite(per_category=1, max_new_tokens=4)
+    for wrong, message in (("llama.cpp plian", "llama.cpp's rows are"), ("llama.cpp plain", "--llama-cpp DIR")):
+        with pytest.raises(InvalidArgumentError, match=message):  # a typo, or no binaries: refused, not dropped
+            run_bench(target_dir, None, tmp_path, quick, BenchOptions(repeats=1, only=["autoregressive", wrong]))
 
 
 def test_methods_filter_needs_the_baseline_and_methods_it_can_run(tmp_path, pair_dirs, capsys) -> None:

@@ -268,6 +268,8 @@ def test_a_template_given_for_a_file_without_one(tmp_path, capsys) -> None:
     assert main([*argv, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--chat-template" in err and "unreadable" in err
+    plain = ["generate", "hi", "--target", str(path), "--chat-template", str(given)]
+    assert main(plain) == 2 and "--chat-template goes with --chat" in capsys.readouterr().err
 
 
 def _rewritten(path: Path, out: Path, **changes) -> Path:

@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from verispec import reference
+from verispec import kernels, reference
 from verispec.checkpoints.config import ModelConfig, read_config
 from verispec.checkpoints.random_init import BYTE_VOCAB, TINY_SHAPES, random_checkpoint, tiny_config
 from verispec.checkpoints.tokenizer import byte_level_tokenizer
@@ -439,3 +439,12 @@ def test_mistral_checkpoint_context_is_its_window(broken: Path) -> None:
     assert read_config(broken).max_position_embeddings == 32
     model = load_model(broken)
     assert model.context_length == 32 and model.new_cache().max_len == 32
+
+
+def test_auto_with_quantize_runs_float32_activations(tmp_path) -> None:
+    """`load_model(folder, dtype="auto", quantize=...)`: a quantized model's activations are float32, whatever auto
+    would choose for the folder alone."""
+    if not kernels.available(torch.float32):
+        pytest.skip(f"verispec's kernels do not run on this machine: {kernels.reason()}")
+    model = load_model(random_checkpoint(tmp_path / "m", tiny_config()), dtype="auto", quantize="q8_0")
+    assert model.dtype == torch.float32

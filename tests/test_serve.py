@@ -24,7 +24,7 @@ from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.draft_model_batch import DraftModelBatch
 from verispec.engine import Engine
-from verispec.errors import DrafterError
+from verispec.errors import DrafterError, InvalidArgumentError
 from verispec.generate import generate
 from verispec.models.native import NativeModel, load_model
 from verispec.serve.app import serving_app
@@ -205,6 +205,8 @@ def test_chat_with_a_template_given_in_place_of_none(models: tuple) -> None:
             model="given", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
         )
     assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == len(prompt.ids)
+    with pytest.raises(InvalidArgumentError, match="target_dir"):  # its special tokens are the checkpoint's
+        serving_app(target, None, None, chat_template=CHAT_TEMPLATE)
 
 
 def test_concurrent_streams_match_single_requests(client: openai.OpenAI, models: tuple) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from verispec.bench.costs import timing
 from verispec.bench.layer_skip_search import search_skip, write_plan
-from verispec.bench.llamacpp import llama_cpp_methods
+from verispec.bench.llamacpp import BINARIES, llama_cpp_methods
 from verispec.bench.methods import BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
@@ -151,9 +151,7 @@ def run_bench(
     if any("json_schema" in item for item in suite):
         options = replace(options, peers=False, llama_cpp=None, unrelated=False)
     with torch_threads(options.threads), tempfile.TemporaryDirectory() as tmp:
-        unrelated = options.unrelated and draft_dir is not None
-        unrelated_dir = unrelated_draft(draft_dir, Path(tmp) / "unrelated") if unrelated else None
-        return _run(target_dir, draft_dir, out, suite, options, unrelated_dir)
+        return _run(target_dir, draft_dir, out, suite, options, Path(tmp))
 
 
 def _run(
@@ -162,8 +160,9 @@ def _run(
     out: Path,
     suite: list[dict],
     options: BenchOptions,
-    unrelated_dir: Path | None,
+    work: Path,
 ) -> dict:
+    """`run_bench`'s run, its files (the unrelated draft, llama.cpp's copies of a folder) in `work`."""
     dtype, exact, head_dir, only = options.dtype, options.exact, options.head_dir, options.only
     target = load_model(target_dir, dtype=dtype, exact=exact, quantize=options.quantize)
     draft = load_model(draft_dir, dtype=dtype) if draft_dir else None  # never exact: the target decides every token
@@ -192,10 +191,11 @@ def _run(
         skip=skip,
         cross=cross,
     )
-    never = unrelated_methods(cross) if unrelated_dir is not None else []
+    never = unrelated_methods(cross) if options.unrelated and draft_dir is not None else []
     # What --methods leaves out is never built: a drafter's twin or a peer's float copy of the target is gigabytes
-    chosen, unrelated, wanted = _chosen(only, defaults, never, given)
+    chosen, unrelated, wanted = _chosen(only, defaults, never, given, options.llama_cpp is not None)
     methods = [ours(target, method, given(method)) for method in chosen]
+    unrelated_dir = unrelated_draft(draft_dir, work / "unrelated") if unrelated else None
     if unrelated:
         pair = Resources(load_model(unrelated_dir, dtype=dtype), target_dir, target, head_dir)
         methods += [ours(target, method, pair, unrelated=True) for method in unrelated]
@@ -210,6 +210,7 @@ def _run(
             target,
             options.quantize or dtype,
             options.threads,
+            work / "llama.cpp",
         )
         methods += rows
         notes += (
@@ -271,9 +272,11 @@ def _chosen(
     defaults: list[Method],
     unrelated: list[Method],
     given: Callable[[Method], Resources],
+    llama_cpp: bool,
 ) -> tuple[list[Method], list[Method], set[str] | None]:
     """Our methods to build (`defaults`, or those `only` names, any other method too by its label: "suffix
-    min_prob=0.3"), the unrelated pair's, and the labels of the rows asked for (None: every row)."""
+    min_prob=0.3"), the unrelated pair's, and the labels of the rows asked for (None: every row); `llama_cpp`:
+    whether llama.cpp's binaries were given."""
     if only is None:
         return defaults, unrelated, None
     labels = {
@@ -286,6 +289,13 @@ def _chosen(
     never = {f"{m.family} (unrelated) k={m.k}": m for m in unrelated}  # as `ours` labels them
     chosen, wanted = {}, set()
     for label in only:
+        if label.startswith(LLAMA_CPP) and (label.removeprefix(LLAMA_CPP) not in BINARIES or not llama_cpp):
+            rows = ", ".join(LLAMA_CPP + kind for kind in BINARIES)
+            raise InvalidArgumentError(
+                f"--methods {label!r}: llama.cpp's rows are {rows}, with --llama-cpp DIR (its binaries)"
+                if llama_cpp or label.removeprefix(LLAMA_CPP) not in BINARIES
+                else f"--methods {label!r} needs llama.cpp's binaries: --llama-cpp DIR"
+            )
         if label.startswith((TRANSFORMERS, LLAMA_CPP)) or label in never:
             wanted.add(label)
             continue

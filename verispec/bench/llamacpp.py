@@ -180,8 +180,8 @@ def as_gguf(checkpoint: Path, out: Path, dtype: str) -> Path:
 
 class LlamaCppPeer:
     """llama.cpp's binaries on a target (and draft): GGUF files as they are, folders as GGUF copies at one dtype
-    written into a temporary folder that lives as long as this object. `target_model` is our model of the same
-    target, whose tokenizer and context the prompts go through. `notes` says what could not run (a draft folder
+    written into `work`, or a temporary folder that lives as long as this object. `target_model` is our model of the
+    same target, whose tokenizer and context the prompts go through. `notes` says what could not run (a draft folder
     the GGUF writer refuses: no speculative row)."""
 
     def __init__(
@@ -192,6 +192,7 @@ class LlamaCppPeer:
         target_model: CausalLM,
         dtype: str = "float32",
         threads: int = 1,
+        work: Path | None = None,
     ) -> None:
         folders = [path for path in (target, draft) if path is not None and not is_gguf(path)]
         if folders and dtype not in GGUF_DTYPES:
@@ -202,8 +203,10 @@ class LlamaCppPeer:
             raise PeerError(
                 f"{bin_dir}: no {', '.join(missing)} (build llama.cpp's tools and examples: docs/bench/llama-cpp.md)"
             )
-        self._folder = tempfile.TemporaryDirectory(prefix="verispec-gguf-")
-        work = Path(self._folder.name)
+        if work is None:  # (the caller's folder, where given: it goes when the caller is done, not at a collection)
+            self._folder = tempfile.TemporaryDirectory(prefix="verispec-gguf-")
+            work = Path(self._folder.name)
+        work.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []
         target_file = as_gguf(target, work / f"target-{dtype}.gguf", dtype)
         draft_file = None
@@ -255,12 +258,18 @@ class LlamaCppPeer:
 
 
 def llama_cpp_methods(
-    bin_dir: Path, target: Path, draft: Path | None, target_model: CausalLM, dtype: str = "float32", threads: int = 1
+    bin_dir: Path,
+    target: Path,
+    draft: Path | None,
+    target_model: CausalLM,
+    dtype: str = "float32",
+    threads: int = 1,
+    work: Path | None = None,
 ) -> tuple[list[BenchMethod], list[str]]:
     """The peer rows ("llama.cpp plain", "llama.cpp speculative" with a draft, "llama.cpp lookup") and notes on
     what could not run; a target that llama.cpp cannot be given leaves no rows and one note."""
     try:
-        peer = LlamaCppPeer(bin_dir, target, draft, target_model, dtype, threads)
+        peer = LlamaCppPeer(bin_dir, target, draft, target_model, dtype, threads, work)
     except PeerUnavailable as why:
         return [], [f"no llama.cpp rows: {why}"]
     return [BenchMethod(f"llama.cpp {kind}", partial(peer.run, kind)) for kind in peer.kinds], peer.notes

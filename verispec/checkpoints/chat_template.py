@@ -82,7 +82,7 @@ class ChatTemplate:
 def read_template(path: str | Path) -> str:
     """A chat template's Jinja text from its file (`--chat-template FILE`)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is no part of it)
     except (OSError, UnicodeDecodeError) as err:
         raise InvalidArgumentError(f"--chat-template {path}: unreadable ({err})") from None
     if not text.strip():

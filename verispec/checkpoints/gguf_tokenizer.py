@@ -92,9 +92,9 @@ SPECIAL_KEYS = {
 
 @dataclass(frozen=True)
 class GGUFVocab:
-    """A GGUF file's tokenizer and what goes with it: its end-of-generation ids (EOS, and end of turn or message
-    where the file names them), its special tokens by transformers' names (`bos_token`, ...: what a chat template
-    may refer to), and its chat template (None where it has none)."""
+    """A GGUF file's tokenizer and what goes with it: its end-of-generation ids (llama.cpp's: the EOS, end of turn
+    and message the file names, and the tokens llama.cpp ends on by their text), its special tokens by transformers'
+    names (`bos_token`, ...: what a chat template may refer to), and its chat template (None where it has none)."""
 
     tokenizer: Tokenizer
     eos_ids: frozenset[int]

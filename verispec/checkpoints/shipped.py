@@ -29,7 +29,9 @@ def default_paths() -> tuple[Path, Path]:
 def shipped_head_for(target: Path, kind: str, models: Path | None = None) -> Path | None:
     """The head of `kind` under `models/` made for the GGUF file `target`: the one whose config.json
     (verispec.target_match) holds the file's fingerprint (checkpoints/fingerprint.py), never matched by path."""
-    sections = {folder: head_section(folder) for folder in sorted((models or MODELS).iterdir()) if folder.is_dir()}
+    models = models or MODELS
+    folders = sorted(models.iterdir()) if models.is_dir() else []  # (an install without models/ ships none)
+    sections = {folder: head_section(folder) for folder in folders if folder.is_dir()}
     made_for = {folder: s.get("target_match") for folder, s in sections.items() if s.get("drafter") == kind}
     matches = {folder: match for folder, match in made_for.items() if match is not None}
     if not matches:  # (the fingerprint reads the file's whole vocabulary: not at every start for nothing)

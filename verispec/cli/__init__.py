@@ -69,4 +69,7 @@ def run() -> NoReturn:
             stream.flush()
         except (BrokenPipeError, ValueError):  # the reader went away, or the stream was closed
             pass
+        except OSError as err:  # the output could not be written whole (a full disk): say so, and fail
+            os.write(2, f"verispec: error: writing the output: {err}\n".encode())
+            code = code or 1
     os._exit(code)

@@ -84,6 +84,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.system is not None and args.command == "generate" and not args.chat:
         raise InvalidArgumentError("--system goes with --chat (or `verispec chat`): a plain prompt has no roles")
+    if getattr(args, "chat_template", None) is not None and args.command == "generate" and not args.chat:
+        raise InvalidArgumentError("--chat-template goes with --chat (or `verispec chat`): a plain prompt has none")
     SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature, top-k or top-p
 
 

@@ -262,7 +262,8 @@ def load_model(
         check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
         weights, name, blocks = load_weights(folder, config), folder.name, {}
         eos = eos_token_ids(tokenizer, folder, config.eos_token_id)
-        torch_dtype = parse_dtype(auto_dtype(device) if dtype == "auto" else dtype)
+        # auto with `quantize`: the float32 activations a quantized model runs with
+        torch_dtype = parse_dtype(("float32" if quantize else auto_dtype(device)) if dtype == "auto" else dtype)
     if quantize is not None and (torch_dtype != torch.float32 or not fast):
         raise InvalidArgumentError(
             f"a model quantized to {quantize} runs with float32 activations on verispec's "

@@ -26,7 +26,7 @@ from verispec.checkpoints.tokenizer import longest_token_chars
 from verispec.drafters.base import Drafter
 from verispec.engine.engine import Engine
 from verispec.engine.request import Update
-from verispec.errors import ContextLengthError, GrammarError, VerispecError
+from verispec.errors import ContextLengthError, GrammarError, InvalidArgumentError, VerispecError
 from verispec.models.protocol import CausalLM
 from verispec.serve.guard import Guard
 from verispec.serve.metrics import RequestClock, ServerMetrics
@@ -61,6 +61,10 @@ def serving_app(
     `max_batch` sequences that choose each step's draft length (`adaptive`, `-k auto`) or draft the drafter's k every
     step, `context` tokens a request and `kv_memory` bytes of keys and values in all (engine/kv_budget.py);
     `options`: who may call it and what it accepts."""
+    if chat_template is not None and target_dir is None:
+        raise InvalidArgumentError(
+            "a chat template given is rendered with the target checkpoint's special tokens: give its target_dir"
+        )
     chat = load_chat_template(target_dir, target.tokenizer, chat_template) if target_dir is not None else None
     engine = Engine(target, drafter, max_batch=max_batch, adaptive=adaptive, context=context, kv_memory=kv_memory)
     longest_text = engine.budget.context * longest_token_chars(target.tokenizer)

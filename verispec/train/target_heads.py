@@ -59,7 +59,7 @@ def train_target_head(
     run_dir = runs / "eagle3"
     target = load_model(target_path, dtype="bfloat16" if cfg.bf16 else "float32", fast=False)
     module = target.module.eval().requires_grad_(False)
-    eos = min(target.eos_token_ids)
+    eos = target.config.eos_token_id if target.config.eos_token_id is not None else min(target.eos_token_ids)
     train_tokens, val_tokens, sizes = head_corpus(run_dir, target.tokenizer, eos, runs / "distill", runs / "data")
     print(f"data (tokens): {json.dumps(sizes)}", flush=True)
     ids_file = run_dir / "draft_ids.npy"  # fixed at the first start: a resumed head keeps its LM head's rows
