@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from verispec import InvalidArgumentError, generate
-from verispec.bench.harness import BenchOptions, run_bench
+from verispec.bench.harness import BenchOptions, quick_suite, run_bench
 from verispec.bench.suite import read_suite
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.random_init import random_pair, tiny_config
@@ -140,6 +140,9 @@ def test_a_target_without_a_chat_template_is_refused(tmp_path, pair_dirs, capsys
         BenchOptions(repeats=1, peers=False, progress=False, max_new_tokens=N, only=LABELS[:1], chat_template=given),
     )
     assert list(summary) == LABELS[:1]
+    with pytest.raises(InvalidArgumentError, match="Spec-Bench suite's turns"):  # prompts are rendered already
+        run_bench(pair_dirs[0], None, tmp_path / "plain", quick_suite(), BenchOptions(chat_template=given))
+    assert main(["bench", "--quick", "--chat-template", str(write_questions(tmp_path))]) == 2
 
 
 @pytest.mark.parametrize(

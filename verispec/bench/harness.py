@@ -313,6 +313,8 @@ def _turns(
     template or `chat_template` in its place (`verispec/spec_bench.py`), with a note of how; another suite's items as
     they are, at `max_new_tokens` if given."""
     if not is_spec_bench(suite):
+        if chat_template is not None:
+            raise InvalidArgumentError("a chat template renders a Spec-Bench suite's turns; this suite has prompts")
         check_items(suite)
         return suite if max_new_tokens is None else [item | {"max_new_tokens": max_new_tokens} for item in suite], None
     limit = SPEC_BENCH_TOKENS if max_new_tokens is None else max_new_tokens

@@ -34,6 +34,9 @@ def bench_command(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.float64_prompts < 0:
         raise InvalidArgumentError(f"--float64-prompts must be >= 0, got {args.float64_prompts}")
+    modes = [f"--{mode}" for mode in ("quick", "formats", "startup", "profile") if getattr(args, mode)]
+    if args.chat_template is not None and modes:
+        raise InvalidArgumentError(f"--chat-template renders a Spec-Bench suite's turns; {modes[0]} renders none")
     if args.target is None and not args.quick:  # the shipped default pair, as for generate
         args.target, default_draft = default_paths()
         args.draft = args.draft or default_draft

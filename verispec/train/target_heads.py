@@ -17,6 +17,7 @@ import torch
 from verispec.checkpoints.chat_template import load_chat_template
 from verispec.checkpoints.fingerprint import gguf_fingerprint
 from verispec.checkpoints.gguf_file import is_gguf
+from verispec.errors import InvalidArgumentError
 from verispec.models.native import load_model
 from verispec.train.distill import distill
 from verispec.train.eagle3 import STEPS, train_eagle3
@@ -43,7 +44,7 @@ def distill_answers(
     target = load_model(target_path, dtype="auto", exact=True)
     template = load_chat_template(target_path, target.tokenizer)
     if template is None:
-        raise ValueError(f"{target_path} has no chat template to render the prompts with")
+        raise InvalidArgumentError(f"{target_path} has no chat template to render the prompts with")
     return distill(target, template, prompts, folder, shard, shards, max_new_tokens)
 
 
