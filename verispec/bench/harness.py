@@ -13,7 +13,14 @@ import torch
 from verispec.bench.costs import timing
 from verispec.bench.layer_skip_search import search_skip, write_plan
 from verispec.bench.llamacpp import BINARIES, llama_cpp_methods
-from verispec.bench.methods import BenchMethod, our_methods, ours, transformers_methods, unrelated_methods
+from verispec.bench.methods import (
+    BenchMethod,
+    our_methods,
+    ours,
+    transformers_methods,
+    unrelated_label,
+    unrelated_methods,
+)
 from verispec.bench.report import floor_line, machine, write_report
 from verispec.bench.runner import run_suite
 from verispec.bench.suite import SUITE, check_items, read_suite
@@ -286,16 +293,14 @@ def _chosen(
         raise InvalidArgumentError(
             f'--methods must name the baseline "autoregressive"; the default rows here: {", ".join(labels)}'
         )
-    never = {f"{m.family} (unrelated) k={m.k}": m for m in unrelated}  # as `ours` labels them
+    never = {unrelated_label(m): m for m in unrelated}
     chosen, wanted = {}, set()
     for label in only:
-        if label.startswith(LLAMA_CPP) and (label.removeprefix(LLAMA_CPP) not in BINARIES or not llama_cpp):
+        if label.startswith(LLAMA_CPP) and label.removeprefix(LLAMA_CPP) not in BINARIES:
             rows = ", ".join(LLAMA_CPP + kind for kind in BINARIES)
-            raise InvalidArgumentError(
-                f"--methods {label!r}: llama.cpp's rows are {rows}, with --llama-cpp DIR (its binaries)"
-                if llama_cpp or label.removeprefix(LLAMA_CPP) not in BINARIES
-                else f"--methods {label!r} needs llama.cpp's binaries: --llama-cpp DIR"
-            )
+            raise InvalidArgumentError(f"--methods {label!r}: llama.cpp's rows are {rows}, with --llama-cpp DIR")
+        if label.startswith(LLAMA_CPP) and not llama_cpp:
+            raise InvalidArgumentError(f"--methods {label!r} needs llama.cpp's binaries: --llama-cpp DIR")
         if label.startswith((TRANSFORMERS, LLAMA_CPP)) or label in never:
             wanted.add(label)
             continue

@@ -78,8 +78,12 @@ def ours(target: NativeModel, method: Method, resources: Resources, unrelated: b
             s.accepted_by_position,
         )
 
-    label = f"{method.family} (unrelated) k={method.k}" if unrelated else method.label
-    return BenchMethod(label, run, method, unrelated, drafter)
+    return BenchMethod(unrelated_label(method) if unrelated else method.label, run, method, unrelated, drafter)
+
+
+def unrelated_label(method: Method) -> str:
+    """A row's label on the never-agreeing pair (`unrelated_methods`)."""
+    return f"{method.family} (unrelated) k={method.k}"
 
 
 # Suffix decoding as a tree as wide as its default chain is long; with EAGLE (SAM-Decoding's combination) on the steps

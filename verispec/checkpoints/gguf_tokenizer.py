@@ -223,8 +223,8 @@ def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tupl
     """Every split of a token into two tokens, best-scoring result first (longer left, then right part first
     among equals; a token's own splits by the ids of their parts): the order transformers' `generate_merges`
     gives SentencePiece vocabularies, whose merges a GGUF file does not store."""
-    owner, left, right = _splits(tokens)
     lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    owner, left, right = _splits(tokens, lengths)
     score = np.asarray(scores, np.float64)[owner]
     order = np.lexsort((right, left, owner, -lengths[right], -lengths[left], -score))  # the last key first
     return [(tokens[a], tokens[b]) for a, b in zip(left[order].tolist(), right[order].tolist())]
@@ -235,11 +235,11 @@ def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tupl
 HASH_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
 
 
-def _splits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _splits(tokens: Sequence[str], lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (token, left, right) by ids where token = left + right: a 262k-token vocabulary has over a million
     places to cut, so each cut's halves are hashed at once in numpy and looked up among the tokens' hashes, every
-    match then checked by its text; by dictionary, cut by cut, where no multiplier keeps the tokens' hashes apart."""
-    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    match then checked by its text; by dictionary, cut by cut, where no multiplier keeps the tokens' hashes apart.
+    `lengths`: the tokens' lengths in characters."""
     ends = np.cumsum(lengths)
     starts = ends - lengths
     chars = np.frombuffer("".join(tokens).encode("utf-32-le"), np.uint32).astype(np.uint64) + np.uint64(1)
@@ -257,11 +257,8 @@ def _splits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for i in range(1, len(token))
         if token[:i] in vocab and token[i:] in vocab
     ]
-    return (
-        tuple(np.array(column, np.int64).reshape(-1) for column in zip(*triples))
-        if triples
-        else (np.zeros(0, np.int64),) * 3
-    )
+    found = np.array(triples, np.int64).reshape(-1, 3)
+    return found[:, 0], found[:, 1], found[:, 2]
 
 
 def _matches(

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from verispec.checkpoints.blocks import FORMATS
-from verispec.cli.common_args import add_chat_template_arg
-from verispec.models.precision import DTYPES
+from verispec.cli.common_args import add_chat_template_arg, add_dtype_arg
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -97,13 +96,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
         help="the float64 check's prompts, the shortest (default 8; 0: not run, as for a model whose "
         "float64 copy would not fit in memory)",
     )
-    bench.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *sorted(DTYPES)],
-        help="our models' and the peers' dtype (the float64 check is separate); auto (default), as every command: "
-        "a GGUF target's own formats, blocks kept, else bfloat16 where verispec's kernels run, else float32",
-    )
+    add_dtype_arg(bench, "our models' and the peers' dtype (the float64 check is separate)")
     bench.add_argument(
         "--quantize",
         choices=sorted(FORMATS),

@@ -149,16 +149,21 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
-    """Where and how the models run."""
-    parser.add_argument("--device", default="cpu")
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """--dtype, auto by default in every command that takes it; `what` it sets."""
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", *sorted(DTYPES)],
-        help="auto (default): a GGUF file's own formats (its ggml blocks kept where "
-        "verispec's kernels run); else bfloat16 where verispec's kernels run, else float32",
+        help=f"{what}: auto (default): a GGUF file's own formats (its ggml blocks kept where verispec's kernels run); "
+        "else bfloat16 where verispec's kernels run, else float32",
     )
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Where and how the models run."""
+    parser.add_argument("--device", default="cpu")
+    add_dtype_arg(parser, "the models' dtype")
     parser.add_argument(
         "--quantize",
         choices=sorted(FORMATS),
