@@ -32,8 +32,10 @@
 enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 static const int QCOLS = 16;  // output columns per weight block: one 16-lane accumulator per row
 static const int QK = 32;     // inputs per block
-// Bytes of weight asked into the L2 cache ahead of their use. The weight is read once, front to back; without this,
-// one thread's stream of it ran well below the memory's rate, more so for several rows.
+// Bytes of weight asked into the L2 cache ahead of their use, by blocks of more than half the most rows (FETCH_ROWS).
+// The weight is read once, front to back. A block of many rows takes long over each part of it, and without this
+// its stream ran well below the memory's rate; for one or two rows the hardware's own prefetchers stream it faster
+// alone, and these requests slowed them (the threads page of docs/kernels.md).
 static const long FETCH_AHEAD = 16384;
 constexpr bool k_quant(Format F) { return F == Q4_K || F == Q5_K || F == Q6_K; }
 constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K; }
@@ -58,10 +60,12 @@ static inline V plane_bits(V v, int b) {
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
 static const int SPLIT_ROWS = QROWS + 1;  // never: 32 registers hold both loops' values
+static const int FETCH_ROWS = QROWS / 2 + 1;
 static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken unsigned
 #else
 static const int QROWS = 4;
 static const int SPLIT_ROWS = 4;  // blocks of this many rows and more take the integer and float loops apart (block)
+static const int FETCH_ROWS = QROWS / 2 + 1;
 #ifdef VS_AVX_VNNI
 static const int Q8_OFFSET = 128;  // taken unsigned, as on AVX-512
 #else
@@ -315,8 +319,9 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
   constexpr bool apart = SPLIT_ROWS <= MR;
   constexpr int P = F == Q6_K ? 2 : 1;  // dot products per row and block (Q6_K: one per half)
   const auto take = [&](long b, const uint8_t* w, ivec (*isum)[MR]) {  // block b's (at w) integer dot products
-    for (long line = 0; line < block_bytes(F); line += 64)
-      _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
+    if constexpr (MR >= FETCH_ROWS)
+      for (long line = 0; line < block_bytes(F); line += 64)
+        _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
     const int8_t* q[MR];
     for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
     dots<F, MR>(w + head_bytes(F), q, isum);
