@@ -35,7 +35,7 @@ static const int QK = 32;     // inputs per block
 // Bytes of weight asked into the L2 cache ahead of their use, by blocks of more than half the most rows (FETCH_ROWS).
 // The weight is read once, front to back. A block of many rows takes long over each part of it, and without this
 // its stream ran well below the memory's rate; for one or two rows the hardware's own prefetchers stream it faster
-// alone, and these requests slowed them (the threads page of docs/kernels.md).
+// alone, and these requests slowed them (docs/threads.md, "The weight's prefetch").
 static const long FETCH_AHEAD = 16384;
 constexpr bool k_quant(Format F) { return F == Q4_K || F == Q5_K || F == Q6_K; }
 constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K; }
