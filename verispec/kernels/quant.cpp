@@ -60,18 +60,17 @@ static inline V plane_bits(V v, int b) {
 #ifdef VS_AVX512
 static const int QROWS = 8;  // rows a block takes at once: their integer and float accumulators stay in registers
 static const int SPLIT_ROWS = QROWS + 1;  // never: 32 registers hold both loops' values
-static const int FETCH_ROWS = QROWS / 2 + 1;
 static const int Q8_OFFSET = 128;  // Q8_0 quants are stored + 128 and taken unsigned
 #else
 static const int QROWS = 4;
 static const int SPLIT_ROWS = 4;  // blocks of this many rows and more take the integer and float loops apart (block)
-static const int FETCH_ROWS = QROWS / 2 + 1;
 #ifdef VS_AVX_VNNI
 static const int Q8_OFFSET = 128;  // taken unsigned, as on AVX-512
 #else
 static const int Q8_OFFSET = 0;  // AVX2 takes them signed
 #endif
 #endif
+static const int FETCH_ROWS = QROWS / 2 + 1;  // blocks of this many rows and more prefetch (FETCH_AHEAD)
 
 struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs
   std::vector<int8_t> q;
