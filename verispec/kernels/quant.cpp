@@ -32,10 +32,10 @@
 enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 static const int QCOLS = 16;  // output columns per weight block: one 16-lane accumulator per row
 static const int QK = 32;     // inputs per block
-// Bytes of weight asked into the L2 cache ahead of their use, by blocks of more than half the most rows (FETCH_ROWS).
-// The weight is read once, front to back. A block of many rows takes long over each part of it, and without this
-// its stream ran well below the memory's rate; for one or two rows the hardware's own prefetchers stream it faster
-// alone, and these requests slowed them (docs/threads.md, "The weight's prefetch").
+// Bytes of weight asked into the L2 cache ahead of their use, by the blocks of rows `fetches` names. The weight is read
+// once, front to back. A block of many rows takes long over each part of it, and without this its stream ran well
+// below the memory's rate; for one row the hardware's own prefetchers stream it faster alone, and these requests
+// slowed them (docs/threads.md, "The weight's prefetch").
 static const long FETCH_AHEAD = 16384;
 constexpr bool k_quant(Format F) { return F == Q4_K || F == Q5_K || F == Q6_K; }
 constexpr bool has_min(Format F) { return F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K; }
@@ -71,6 +71,14 @@ static const int Q8_OFFSET = 0;  // AVX2 takes them signed
 #endif
 #endif
 static const int FETCH_ROWS = QROWS / 2 + 1;  // blocks of this many rows and more prefetch (FETCH_AHEAD)
+static const long FETCH_INPUTS = 16384;  // and from two rows, blocks whose rows hold this many inputs (MR * K) or more
+// Whether a block of MR rows asks for its weight ahead: from FETCH_ROWS rows; from two, Q6_K's (its stream the
+// slowest to unpack) and rows of many inputs (Qwen2.5's down projection, K = 8960: half the L1 cache and more of
+// int8 inputs beside the weight), where the hardware's prefetchers fell behind alone; never for one row.
+template <Format F, int MR>
+static inline bool fetches(long K) {
+  return MR >= FETCH_ROWS || (MR >= 2 && (F == Q6_K || MR * K >= FETCH_INPUTS));
+}
 
 struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs
   std::vector<int8_t> q;
@@ -317,8 +325,9 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
   const long nb = K / QK;
   constexpr bool apart = SPLIT_ROWS <= MR;
   constexpr int P = F == Q6_K ? 2 : 1;  // dot products per row and block (Q6_K: one per half)
+  const bool fetch = fetches<F, MR>(K);
   const auto take = [&](long b, const uint8_t* w, ivec (*isum)[MR]) {  // block b's (at w) integer dot products
-    if constexpr (MR >= FETCH_ROWS)
+    if (fetch)
       for (long line = 0; line < block_bytes(F); line += 64)
         _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
     const int8_t* q[MR];
