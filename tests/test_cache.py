@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(checkpoint: Path) -> NativeModel:
-    return load_model(checkpoint)
+    return load_model(checkpoint, dtype="float32")
 
 
 def ids(*tokens: int) -> torch.Tensor:

@@ -65,7 +65,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p = (p / p.sum(-1, keepdims=True)).reshape(V, V, len(PROMPT) + 2, V)  # [x1, x2, position]
     exact = p[0, 0, -3][:, None, None] * p[:, 0, -2][:, :, None] * p[:, :, -1]
-    target, draft = load_model(dirs[0]), load_model(dirs[1])
+    target, draft = load_model(dirs[0], dtype="float32"), load_model(dirs[1], dtype="float32")
     assert draft.tokenizer.encode('!!"#').ids == [5, 3]
     return Pair(target, draft, exact / exact.sum())
 

@@ -17,8 +17,8 @@ PROMPT = "def parse_header(line):"
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return load_default()
+def pair():  # float32: held to transformers' float32 logits
+    return load_default(dtype="float32")
 
 
 @pytest.fixture(scope="module")

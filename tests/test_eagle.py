@@ -111,7 +111,7 @@ def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs,
 
     config = tiny_config(vocab_size=E2E_VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     target_dir = random_checkpoint(tmp_path / "target", config, seed=1)
-    target = load_model(target_dir)
+    target = load_model(target_dir, dtype="float32")
     contexts = np.array([E2E_PROMPT + [x] for x in range(E2E_VOCAB)])
     p = reference_probs(target_dir, contexts, 1.0)
     joint = p[0, -2][:, None] * p[:, -1]

@@ -37,7 +37,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """A random target with enough blocks for three distinct feature layers."""
-    return load_model(random_checkpoint(tmp_path_factory.mktemp("deep"), tiny_config(num_hidden_layers=8), seed=3))
+    return load_model(
+        random_checkpoint(tmp_path_factory.mktemp("deep"), tiny_config(num_hidden_layers=8), seed=3), dtype="float32"
+    )
 
 
 def random_head(target, seed: int = 0):
@@ -259,7 +261,7 @@ def test_the_card_of_a_real_targets_head_is_measured_on_questions(tmp_path, caps
     config = json.loads((target_dir / "tokenizer_config.json").read_text())
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
-    target = load_model(target_dir)
+    target = load_model(target_dir, dtype="float32")
     runs = tmp_path / "runs"
     folder = save_eagle3(random_head(target), runs / "eagle3" / "model", target.name, {"training_time_test_steps": 3})
     log = {"step": 1, "tokens_seen": 64, "hours": 0.01} | {f"val_top1_depth{d}": 0.1 for d in range(1, 6)}

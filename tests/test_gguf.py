@@ -102,7 +102,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["llama", "spm", "qwen2"])
 def test_same_logits_greedy_tokens_and_ids_as_transformers(files, kind, single_thread) -> None:
-    ours, (theirs, tokenizer) = load_model(files[kind]), _transformers(files[kind])
+    ours, (theirs, tokenizer) = load_model(files[kind], dtype="float32"), _transformers(files[kind])
     assert type(theirs).__name__ == {"qwen2": "Qwen2ForCausalLM"}.get(kind, "LlamaForCausalLM")
     texts = TEXTS if kind != "spm" else [t for t in TEXTS if not t.startswith(" ") and "<|" not in t]
     for text in texts:
@@ -190,7 +190,7 @@ def test_a_wrong_tensor_count_is_refused(small, tmp_path) -> None:
 
 
 def test_without_output_weight_the_head_is_the_embedding(files) -> None:
-    model = load_model(files["qwen2"])
+    model = load_model(files["qwen2"], dtype="float32")
     assert model.config.tie_word_embeddings and model.lm_head_weight is model.module.model.embed_tokens.weight
     assert model.config.qkv_bias and model.config.model_type == "qwen2"
 
@@ -199,7 +199,7 @@ def test_a_folder_written_as_gguf_loads_bitwise_as_the_folder(tmp_path, single_t
     """The bench's GGUF writer permutes Q and K for llama.cpp; the reader undoes it exactly."""
     folder = random_checkpoint(tmp_path / "m", tiny_config(vocab_size=8192))
     shutil.copy(SHIPPED_TOKENIZER, folder)  # a tokenizer with merges (llama.cpp needs them)
-    ours, back = load_model(folder), load_model(export_folder(folder, tmp_path / "m.gguf"))
+    ours, back = load_model(folder, dtype="float32"), load_model(export_folder(folder, tmp_path / "m.gguf"))
     tokens = torch.tensor([[5, 17, 200, 3, 99, 64]])
     assert torch.equal(ours(tokens, ours.new_cache()), back(tokens, back.new_cache()))
     assert ours.eos_token_ids == {256} and back.name == "m.gguf"

@@ -101,7 +101,7 @@ def _greedy(model, prompt: list[int]) -> list[int]:
 
 
 def test_llama3_rope_factors_match_transformers_llama3_scaling(llama3_file) -> None:
-    ours, (plain, tokenizer) = load_model(llama3_file), _transformers(llama3_file)
+    ours, (plain, tokenizer) = load_model(llama3_file, dtype="float32"), _transformers(llama3_file)
     theirs = _with_llama3_rope(plain)
     assert ours.config.rope_factors == tuple(_factors().tolist())
     prompt = ours.tokenizer.encode(TEXTS[1] + TEXTS[5]).ids
@@ -112,7 +112,7 @@ def test_llama3_rope_factors_match_transformers_llama3_scaling(llama3_file) -> N
     tolerance = 1e-5 * expected.abs().max().item()
     assert (unscaled - expected).abs().max() > 1000 * tolerance  # the factors matter here
     on_kernels = ours(tokens, ours.new_cache())  # rotary_table, where verispec's kernels run
-    on_pytorch = load_model(llama3_file, fast=False)(tokens, None)  # rotary
+    on_pytorch = load_model(llama3_file, fast=False, dtype="float32")(tokens, None)  # rotary
     for logits in (on_kernels, on_pytorch):
         assert torch.allclose(logits, expected, atol=tolerance, rtol=0)
     assert generate(ours, prompt, max_new_tokens=16, ignore_eos=True).tokens == _greedy(theirs, prompt)
@@ -141,7 +141,7 @@ def test_a_llama3_folder_and_its_gguf_rotate_alike(tmp_path) -> None:
     config = tiny_config(vocab_size=8192, rope_theta=THETA, rope_llama3=tuple(LLAMA3.items()))
     folder = random_checkpoint(tmp_path / "m", config)
     shutil.copy(SHIPPED_TOKENIZER, folder)  # a tokenizer with merges (llama.cpp needs them)
-    ours, back = load_model(folder), load_model(export_folder(folder, tmp_path / "m.gguf"))
+    ours, back = load_model(folder, dtype="float32"), load_model(export_folder(folder, tmp_path / "m.gguf"))
     assert ours.config == config and back.config.rope_factors == config.rope_factors
     tokens = torch.tensor([[5, 17, 200, 3, 99, 64, 7, 300, 11, 42, 8, 1000]])
     assert torch.equal(ours(tokens, ours.new_cache()), back(tokens, back.new_cache()))
@@ -191,7 +191,7 @@ def mistral_file(tmp_path_factory) -> Path:
 
 
 def test_mistral_loads_as_transformers_loads_it(mistral_file) -> None:
-    ours, (theirs, tokenizer) = load_model(mistral_file), _transformers(mistral_file)
+    ours, (theirs, tokenizer) = load_model(mistral_file, dtype="float32"), _transformers(mistral_file)
     texts = [t for t in TEXTS if not t.startswith(" ") and "<|" not in t]  # llama.cpp's space prefix: test_gguf.py
     for text in texts:
         assert ours.tokenizer.encode(text).ids == tokenizer(text)["input_ids"], text

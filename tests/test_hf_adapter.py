@@ -99,7 +99,7 @@ def test_auto_backend_picks_native_for_llama_and_transformers_for_gpt2(gpt2_pair
 
 
 def test_adapter_logits_equal_native_runtime(llama_pair) -> None:
-    native, adapted = load_model(llama_pair[0]), load(llama_pair[0], "transformers")
+    native, adapted = load_model(llama_pair[0], dtype="float32"), load(llama_pair[0], "transformers")
     tokens = torch.tensor([PROMPT])
     torch.testing.assert_close(
         adapted(tokens, adapted.new_cache()), native(tokens, native.new_cache()), atol=1e-4, rtol=0

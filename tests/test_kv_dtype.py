@@ -75,13 +75,13 @@ def folder(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_a_cache_holds_float16_by_default_only_beside_block_quantized_weights(folder) -> None:
-    assert load_model(folder).kv_dtype == torch.float32
+    assert load_model(folder, dtype="float32").kv_dtype == torch.float32
     assert load_model(folder, dtype="bfloat16", fast=False).kv_dtype == torch.bfloat16
     model = load_model(folder, kv_dtype="float16")
     cache = model.new_cache(20)
     assert model.kv_dtype == cache.k.dtype == model.new_batch_cache(2, 20).k.dtype == torch.float16
     with pytest.raises(InvalidArgumentError, match=r"activations' dtype \(torch.float32\), or float16; got torch"):
-        load_model(folder, kv_dtype="bfloat16")
+        load_model(folder, dtype="float32", kv_dtype="bfloat16")
     with pytest.raises(InvalidArgumentError, match=r"\(torch.bfloat16\); got torch.float16"):
         load_model(folder, dtype="bfloat16", fast=False, kv_dtype="float16")
     with pytest.raises(InvalidArgumentError, match="unknown dtype"):
@@ -104,7 +104,7 @@ def test_every_path_reads_the_float16_cache_alike(folder, fast: bool) -> None:
     decoding."""
     tokens = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(5))
     model = load_model(folder, fast=fast, kv_dtype="float16")
-    wide = load_model(folder, fast=False)
+    wide = load_model(folder, fast=False, dtype="float32")
     logits = model(tokens, model.new_cache(40))
     by_torch = load_model(folder, fast=False, kv_dtype="float16")(tokens, model.new_cache(40))
     batch = model.new_batch_cache(2, 40)

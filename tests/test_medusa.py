@@ -78,7 +78,7 @@ def test_sampling_through_generate_follows_the_target(tmp_path, reference_probs)
 
     config = tiny_config(vocab_size=6, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     target_dir = random_checkpoint(tmp_path / "target", config, seed=1)
-    target, prompt = load_model(target_dir), [1, 4, 2]
+    target, prompt = load_model(target_dir, dtype="float32"), [1, 4, 2]
     p = reference_probs(target_dir, np.array([prompt + [x] for x in range(6)]), 1.0)
     joint, draws = p[0, -2][:, None] * p[:, -1], 2500
     drafter, counts, accepted = Medusa(random_heads(target, 2, seed=3), tokens=3), np.zeros((6, 6)), 0

@@ -64,7 +64,7 @@ REFERENCE_CONFIGS = {
 def test_native_float32_matches_reference(name: str, tmp_path: Path) -> None:
     config = REFERENCE_CONFIGS[name]
     folder = random_checkpoint(tmp_path, config, seed=11)
-    model = load_model(folder)
+    model = load_model(folder, dtype="float32")
     assert model.config == config  # config.json round trip (to_hf, then from_hf)
     ours = logits(model)
     assert ours.dtype == torch.float32 and ours.shape == (1, TOKENS.shape[1], BYTE_VOCAB)
@@ -116,7 +116,7 @@ def hf_checkpoint(name: str, folder: Path) -> transformers.PreTrainedModel:
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_native_matches_transformers_logits_and_greedy_tokens(name: str, tmp_path: Path) -> None:
     hf = hf_checkpoint(name, tmp_path)
-    model = load_model(tmp_path)
+    model = load_model(tmp_path, dtype="float32")
     assert model.config.tie_word_embeddings == ("tied" in name)
     with torch.no_grad():
         expected = hf(TOKENS).logits
@@ -320,7 +320,7 @@ def test_low_precision_load_is_close_to_float32(tiny: Path, dtype: str | torch.d
     assert model.dtype == expected_dtype and model.new_cache().k.dtype == expected_dtype
     ours = logits(model)
     assert ours.dtype == expected_dtype
-    full = logits(load_model(tiny))
+    full = logits(load_model(tiny, dtype="float32"))
     torch.testing.assert_close(ours.float(), full, rtol=0, atol=0.05 * full.abs().max().item())
 
 
@@ -339,11 +339,11 @@ def test_unknown_device_is_an_invalid_argument(tiny: Path, device, message: str)
         load_model(tiny, device=device)
 
 
-def test_bf16_checkpoint_is_upcast_to_float32_by_default(tmp_path: Path) -> None:
+def test_bf16_checkpoint_is_upcast_exactly_to_float32(tmp_path: Path) -> None:
     folder = random_checkpoint(tmp_path, tiny_config(), seed=5, dtype=torch.bfloat16)
     on_disk = load_file(folder / "model.safetensors")
     assert all(w.dtype == torch.bfloat16 for w in on_disk.values())
-    model = load_model(folder)
+    model = load_model(folder, dtype="float32")
     assert model.dtype == torch.float32
     state = model.module.state_dict()
     assert all(state[n].dtype == torch.float32 and torch.equal(state[n], w.float()) for n, w in on_disk.items())

@@ -201,7 +201,7 @@ def test_a_quantized_matmul_refuses_what_would_read_out_of_bounds() -> None:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_model_quantized_at_load_is_its_quantized_weights_and_stays_close_to_float(tmp_path, fmt: str) -> None:
     folder = random_checkpoint(tmp_path, tiny_config())
-    plain, quantized = load_model(folder), load_model(folder, quantize=fmt)
+    plain, quantized = load_model(folder, dtype="float32"), load_model(folder, quantize=fmt)
     layer = quantized.module.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and layer.self_attn.q_proj.quantized.format == fmt
     assert quantized.module.lm_head.quantized.format == "q8_0"  # the LM head finer, as llama.cpp keeps it

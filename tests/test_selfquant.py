@@ -67,8 +67,8 @@ def gguf_files(tmp_path_factory) -> dict[str, str]:
 def targets(pair_dirs, bf16_dir, gguf_files) -> dict:
     with torch_threads(1):
         return {
-            "float32": load_model(pair_dirs[0]),
-            "float32 exact": load_model(pair_dirs[0], exact=True),
+            "float32": load_model(pair_dirs[0], dtype="float32"),
+            "float32 exact": load_model(pair_dirs[0], exact=True, dtype="float32"),
             "bfloat16": load_model(bf16_dir, dtype="bfloat16"),
             "q8_0": load_model(pair_dirs[0], quantize="q8_0"),
             **{f"gguf {name}": load_model(file, dtype="auto") for name, file in gguf_files.items()},
@@ -97,12 +97,12 @@ def test_the_twin_is_the_model_quantize_makes(pair_dirs, bf16_dir) -> None:
     """Projections in q4_0 and the head in q8_0 (the defaults) are what `load_model(quantize="q4_0")` holds: the same
     logits, bitwise; a bfloat16 target's twin runs in float32 as that model loaded in float32 does (its table widened
     exactly); with layers skipped it is the quantized model run over the other layers."""
-    twin, made = quantized_twin(load_model(pair_dirs[0])), load_model(pair_dirs[0], quantize="q4_0")
+    twin, made = quantized_twin(load_model(pair_dirs[0], dtype="float32")), load_model(pair_dirs[0], quantize="q4_0")
     assert twin.dtype == torch.float32 and torch.equal(both_ways(twin), both_ways(made))
     bf16 = quantized_twin(load_model(bf16_dir, dtype="bfloat16"))
     assert bf16.module.model.embed_tokens.weight.dtype == torch.bfloat16 and bf16.dtype == torch.float32
     assert torch.equal(both_ways(bf16), both_ways(load_model(bf16_dir, dtype="float32", quantize="q4_0")))
-    skipping = quantized_twin(load_model(pair_dirs[0]), TwinFormat(skip=(1,)))
+    skipping = quantized_twin(load_model(pair_dirs[0], dtype="float32"), TwinFormat(skip=(1,)))
     assert skipping.num_layers == 2 and skipping.module.model.layers[1].self_attn.layer == 1
     x = torch.tensor([PROMPT])
     assert torch.equal(skipping(x, skipping.new_cache()), made(x, made.new_cache(), layers=[0, 2]))
@@ -355,7 +355,7 @@ def test_a_gguf_targets_layer_skip_plan_for_selfquant(gguf_files, tmp_path, caps
 
 
 def test_refusals(pair_dirs, bf16_dir, tmp_path) -> None:
-    target = load_model(pair_dirs[0])
+    target = load_model(pair_dirs[0], dtype="float32")
     with pytest.raises(InvalidArgumentError, match="needs the target"):
         build_drafter(Method("selfquant", 2))
     with pytest.raises(IncompatibleTargetError, match="native model's weights"):
@@ -374,4 +374,4 @@ def test_refusals(pair_dirs, bf16_dir, tmp_path) -> None:
         quantized_twin(narrow)
     drafter = SelfQuant(target, k=2)
     with pytest.raises(IncompatibleTargetError, match="drafts for that target only"):
-        generate(load_model(pair_dirs[0]), PROMPT, drafter, max_new_tokens=4)
+        generate(load_model(pair_dirs[0], dtype="float32"), PROMPT, drafter, max_new_tokens=4)

@@ -44,7 +44,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeModel,
     target_dir, draft_dir = random_pair(
         tmp_path_factory.mktemp("serve"), tiny_config(num_hidden_layers=3, max_position_embeddings=CONTEXT)
     )
-    return target_dir, load_model(target_dir), load_model(draft_dir)
+    return target_dir, load_model(target_dir, dtype="float32"), load_model(draft_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeModel,
     )
     config = json.loads((target_dir / "tokenizer_config.json").read_text())
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
-    return target_dir, load_model(target_dir), load_model(draft_dir)
+    return target_dir, load_model(target_dir, dtype="float32"), load_model(draft_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

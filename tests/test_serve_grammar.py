@@ -63,7 +63,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     )
     config = json.loads((target_dir / "tokenizer_config.json").read_text())
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
-    target, draft = load_model(target_dir), load_model(draft_dir)
+    target, draft = load_model(target_dir, dtype="float32"), load_model(draft_dir, dtype="float32")
     app = serving_app(target, DraftModel(draft, 3), target_dir, name="tiny", adaptive=False)
     with torch_threads(1), ServerThread(app) as srv:
         yield Served(target, draft, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0), srv.url)

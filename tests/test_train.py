@@ -125,7 +125,7 @@ def test_export_loads_natively_and_in_transformers(tmp_path) -> None:
     tok = train_tokenizer(SOURCES.values(), vocab_size=300)
     save_tokenizer(tok, tmp_path / "tok")
     folder = export(model, tmp_path / "tok", tmp_path / "model")
-    native = load_model(folder)
+    native = load_model(folder, dtype="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode("def f1(x):").ids])
     torch.testing.assert_close(native(ids, native.new_cache()), hf(ids).logits, atol=1e-4, rtol=0)

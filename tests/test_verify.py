@@ -315,7 +315,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, reference_probs) -> Ti
     target_probs = reference_probs(target_dir, contexts, E2E_TEMPERATURE)  # (V, len + 1, V)
     joint = target_probs[0, -2][:, None] * target_probs[:, -1]  # p(x1 | prompt) * p(x2 | prompt, x1)
     draft_first = reference_probs(draft_dir, contexts[:1], E2E_TEMPERATURE)[0, -2]
-    return TinyModels(load_model(target_dir), load_model(draft_dir), joint, target_probs[0, -2], draft_first)
+    return TinyModels(
+        load_model(target_dir, dtype="float32"),
+        load_model(draft_dir, dtype="float32"),
+        joint,
+        target_probs[0, -2],
+        draft_first,
+    )
 
 
 class FixedDrafter(OwnSession):
@@ -451,7 +457,7 @@ def build_multi_models(folder: Path) -> MultiModels:
     probs = _processed_probs(torch.from_numpy(logits)).reshape(V, V, len(PROMPT) + 2, V)  # [x1, x2, position]
     # The engine processes the native model's float32 logits: make sure that no top-k or top-p cut falls
     # differently there (the supports agree) and that the probabilities agree to float32 precision.
-    target = load_model(target_dir)
+    target = load_model(target_dir, dtype="float32")
     with torch.no_grad():
         native = torch.stack([target(torch.tensor([c]), target.new_cache())[0, :, :V] for c in contexts.tolist()])
     native_probs = _processed_probs(native).reshape(probs.shape)
@@ -459,7 +465,7 @@ def build_multi_models(folder: Path) -> MultiModels:
     assert np.abs(native_probs - probs).max() < 1e-5
     # p(x1 | prompt) * p(x2 | prompt, x1) * p(x3 | prompt, x1, x2)
     exact = probs[0, 0, -3][:, None, None] * probs[:, 0, -2][:, :, None] * probs[:, :, -1]
-    return MultiModels(target, load_model(draft_dir), exact / exact.sum())
+    return MultiModels(target, load_model(draft_dir, dtype="float32"), exact / exact.sum())
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from verispec.grammar import Grammar, bind
 from verispec.heads.eagle import EagleHead, head_config, save_head
 from verispec.heads.medusa import MedusaHeads, save_heads
 from verispec.models.native import NativeModel, load_model
-from verispec.models.precision import formats
+from verispec.models.precision import DEFAULT_DTYPE, formats
 from verispec.models.twin import twin_refusal
 from verispec.spec_bench import MAX_NEW_TOKENS as SPEC_BENCH_TOKENS
 from verispec.spec_bench import is_spec_bench, parsed, turn_prompts
@@ -139,7 +139,7 @@ class BenchOptions:
     progress: bool = True
     threads: int = 1
     float64_prompts: int = 8  # the float64 check's prompts (0: not run)
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     chat_template: str | None = None  # Jinja text in place of the target's own, for a Spec-Bench suite's turns
     quantize: str | None = None
     exact: bool = False

@@ -23,14 +23,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "threads", None) is not None and not 1 <= args.threads <= MAX_THREADS:  # for every command
             raise InvalidArgumentError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
         args.auto_dtype = getattr(args, "dtype", None) == "auto"
-        if args.auto_dtype:  # the native runtime's choice; `loading.load_target` gives transformers float32
+        if args.auto_dtype:  # the native runtime's choice, as `load`'s; a target transformers runs gets float32 there
             set_threads(args.threads)
-            if getattr(args, "backend", None) == "transformers" or getattr(args, "quantize", None):
+            if getattr(args, "backend", None) == "transformers":
                 args.dtype = "float32"
             else:
-                args.dtype = auto_dtype(getattr(args, "device", "cpu"), getattr(args, "target", None))
-                if args.dtype == "bfloat16" and getattr(args, "kv_dtype", None) == "float16":
-                    args.dtype = "float32"  # a float16 cache goes with float32 activations
+                args.dtype = auto_dtype(
+                    getattr(args, "device", "cpu"),
+                    getattr(args, "target", None),
+                    quantize=getattr(args, "quantize", None),
+                    kv_dtype=getattr(args, "kv_dtype", "auto"),
+                )
         code = {
             "generate": decode.generate_command,
             "chat": decode.chat_command,

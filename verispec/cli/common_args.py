@@ -14,7 +14,7 @@ from verispec.drafters.registry import FAMILIES, OPTIONS, auto_k_families, optio
 from verispec.engine.kv_budget import DEFAULT_CONTEXT, DEFAULT_MEMORY, byte_size
 from verispec.errors import InvalidArgumentError
 from verispec.models.auto import BACKENDS
-from verispec.models.precision import DTYPES, KV_DTYPES
+from verispec.models.precision import DEFAULT_DTYPE, DTYPES, KV_DTYPES
 
 
 def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
     """--dtype, auto by default in every command that takes it; `what` it sets."""
     parser.add_argument(
         "--dtype",
-        default="auto",
+        default=DEFAULT_DTYPE,
         choices=["auto", *sorted(DTYPES)],
         help=f"{what}: auto (default): a GGUF file's own formats (its ggml blocks kept where verispec's kernels run); "
         "else bfloat16 where verispec's kernels run, else float32",

@@ -22,6 +22,7 @@ from verispec.drafters.registry import (
 from verispec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from verispec.models.auto import load
 from verispec.models.native import own_kernels_run
+from verispec.models.precision import DEFAULT_DTYPE
 from verispec.models.protocol import CausalLM
 
 
@@ -96,29 +97,21 @@ def drafts_with_model(method: Method) -> bool:
 def load_target(args: argparse.Namespace) -> CausalLM:
     """The target, in exact mode if --exact. Without --exact or --no-exact, `generate`, `serve` and `bench-serve` take
     exact mode where the native runtime runs the target on verispec's kernels (there it costs next to nothing, and
-    the server's batched forwards give each request the bits it gets alone). A target that only transformers runs
-    takes float32 where --dtype was left at auto (its bfloat16 has none of those kernels)."""
+    the server's batched forwards give each request the bits it gets alone). --dtype left at auto is `load`'s auto:
+    a target that only transformers runs takes float32 (its bfloat16 has none of those kernels)."""
+    dtype = DEFAULT_DTYPE if args.auto_dtype else args.dtype  # (args.dtype: what auto chose for the native runtime)
+    options = {"quantize": args.quantize, "kv_dtype": args.kv_dtype}  # the native runtime's
     auto_exact = args.exact is None and args.command in ("generate", "serve", "bench-serve")
-    if args.backend == "transformers" or not (auto_exact or args.auto_dtype):
-        return load(
-            args.target,
-            args.backend,
-            args.device,
-            args.dtype,
-            exact=bool(args.exact),
-            quantize=args.quantize,
-            kv_dtype=args.kv_dtype,
-        )
-    exact = own_kernels_run(args.dtype, args.device) if auto_exact else bool(args.exact)
-    try:
-        return load(
-            args.target, "native", args.device, args.dtype, exact=exact, quantize=args.quantize, kv_dtype=args.kv_dtype
-        )
+    if args.backend == "transformers" or not auto_exact:
+        return load(args.target, args.backend, args.device, dtype, exact=bool(args.exact), **options)
+    try:  # exact mode where it is free; without it where only transformers runs the target
+        exact = own_kernels_run(args.dtype, args.device)
+        return load(args.target, "native", args.device, dtype, exact=exact, **options)
     except UnsupportedArchitectureError:
-        if args.backend == "native" or args.exact or args.quantize or args.kv_dtype != "auto":
+        if args.backend == "native" or args.quantize or args.kv_dtype != "auto":
             raise
         # auto's own fallback (it says what both runtimes made of the folder), at no exact mode
-        return load(args.target, "auto", args.device, "float32" if args.auto_dtype else args.dtype)
+        return load(args.target, "auto", args.device, dtype)
 
 
 def load_models(args: argparse.Namespace, method: Method) -> tuple[CausalLM, Drafter | None]:

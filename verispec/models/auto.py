@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from verispec.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
+from verispec.models.precision import DEFAULT_DTYPE
 from verispec.models.protocol import CausalLM
 
 BACKENDS = ("auto", "native", "transformers")
@@ -16,15 +17,18 @@ def load(
     name_or_path: str | Path,
     backend: str = "auto",
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
     *,
     exact: bool = False,
     quantize: str | None = None,
     kv_dtype: str | torch.dtype = "auto",
 ) -> CausalLM:
     """`auto` tries the native runtime and falls back to transformers for an architecture it does not implement.
-    `exact` (batch-invariant forwards), `quantize` (weights kept in a block format) and `kv_dtype` (what the caches
-    hold, `precision.kv_dtype_of`) are the native runtime's."""
+    `dtype` auto (the default, as the commands' --dtype: precision.DEFAULT_DTYPE) is the native runtime's
+    `auto_dtype` (a GGUF file's own formats; for a folder bfloat16 where verispec's kernels run, else float32) and
+    float32 on transformers, asked for or fallen back to; `dtype="float32"` upcasts on either. `exact`
+    (batch-invariant forwards), `quantize` (weights kept in a block format) and `kv_dtype` (what the caches hold,
+    `precision.kv_dtype_of`) are the native runtime's."""
     from verispec.models.hf_adapter import load_transformers_model
     from verispec.models.native import load_model
 

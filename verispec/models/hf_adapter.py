@@ -18,7 +18,7 @@ from verispec.checkpoints.gguf_file import GGUFFile, is_gguf
 from verispec.checkpoints.tokenizer import as_id_set, check_tokenizer_fits
 from verispec.errors import CheckpointError, ContextLengthError, InvalidArgumentError
 from verispec.models.device import usable_device
-from verispec.models.precision import parse_dtype
+from verispec.models.precision import DEFAULT_DTYPE, parse_dtype
 from verispec.models.protocol import Capabilities
 
 
@@ -97,17 +97,18 @@ class TransformersModel:
 
 
 def load_transformers_model(
-    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = DEFAULT_DTYPE
 ) -> TransformersModel:
     """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder or GGUF file, or a hub id where a network
-    exists).
+    exists). `dtype` auto (the default, as everywhere) is float32 here: transformers' bfloat16 runs on none of
+    verispec's kernels.
 
     Refuses what transformers would run anyway: weights missing (it fills them at random), unexpected or of the
     wrong shape (the config describes another model), NaN or inf, a tokenizer larger than the model's vocabulary.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype, device = parse_dtype(dtype), usable_device(device)
+    torch_dtype, device = parse_dtype("float32" if dtype == "auto" else dtype), usable_device(device)
     if is_gguf(name_or_path):  # opened here first, so that a missing or broken file is named as such
         if ROPE_FREQS in GGUFFile(name_or_path).tensors:
             raise CheckpointError(

@@ -25,7 +25,14 @@ from verispec.models.forward_options import ForwardOptions, VocabHead
 from verispec.models.linear import packable
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.packed import pack_model, packing
-from verispec.models.precision import file_formats, kv_dtype_of, parse_dtype, quantize_linears, quantized_at_load
+from verispec.models.precision import (
+    DEFAULT_DTYPE,
+    file_formats,
+    kv_dtype_of,
+    parse_dtype,
+    quantize_linears,
+    quantized_at_load,
+)
 from verispec.models.protocol import Capabilities
 from verispec.models.slot_caches import SlotCaches
 
@@ -39,12 +46,24 @@ def own_kernels_run(dtype: str | torch.dtype, device: str | torch.device = "cpu"
         return False
 
 
-def auto_dtype(device: str | torch.device = "cpu", checkpoint: str | Path | None = None) -> str:
-    """`dtype="auto"` for the native runtime: for a GGUF file "auto" itself, its own formats (see `load_model`); for a
-    folder, bfloat16 where verispec's own kernels run on `device` (bfloat16 is then both the fastest and, in exact
-    mode, exact), else float32."""
+def auto_dtype(
+    device: str | torch.device = "cpu",
+    checkpoint: str | Path | None = None,
+    *,
+    quantize: str | None = None,
+    kv_dtype: str | torch.dtype = "auto",
+) -> str:
+    """`dtype="auto"` (precision.DEFAULT_DTYPE) for the native runtime, as `load_model` and every command take it:
+    float32 with `quantize` (the activations a quantized model runs with); for a GGUF file "auto" itself, its own
+    formats (see `load_model`); for a folder, float32 beside a float16 cache (`kv_dtype`), else bfloat16 where
+    verispec's own kernels run on `device` (bfloat16 is then both the fastest and, in exact mode, exact), else
+    float32."""
+    if quantize:
+        return "float32"
     if checkpoint is not None and is_gguf(checkpoint):
         return "auto"
+    if kv_dtype in ("float16", torch.float16):  # a float16 cache goes with float32 activations
+        return "float32"
     return "bfloat16" if own_kernels_run(torch.bfloat16, device) else "float32"
 
 
@@ -230,7 +249,7 @@ def exact_width(context_length: int) -> int:
 def load_model(
     checkpoint: str | Path,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
     *,
     exact: bool = False,
     fast: bool = True,
@@ -238,9 +257,11 @@ def load_model(
     kv_dtype: str | torch.dtype = "auto",
 ) -> NativeModel:
     """Load a checkpoint folder (config.json, model.safetensors, tokenizer.json) or a GGUF file
-    (checkpoints/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"` keeps a GGUF file's own
-    formats where they run (`precision.file_formats`: its block-quantized tensors as blocks on verispec's
-    kernels, with float32 activations; a BF16 file in bfloat16), and for a folder is `auto_dtype(device)`.
+    (checkpoints/gguf_checkpoint.py); weights are cast to `dtype` on `device`. `dtype="auto"`, the default (as the
+    commands' --dtype), is `auto_dtype`'s: it keeps a GGUF file's own formats where they run
+    (`precision.file_formats`: its block-quantized tensors as blocks on verispec's kernels, with float32
+    activations; a BF16 file in bfloat16), and for a folder is bfloat16 where verispec's kernels run on `device`,
+    else float32; float32 with `quantize` or a float16 cache. `dtype="float32"` for the upcast model.
     `quantize` (q8_0, q4_0, q4_1, q5_0 or q5_1): every projection kept in that block format and the LM head in Q8_0
     (`precision.quantized_at_load`), run on verispec's kernels with float32 activations.
     `exact`: batch-invariant forwards (see `NativeModel`). `fast`: on a CPU in float32 or bfloat16, run the
@@ -251,6 +272,8 @@ def load_model(
     the plain linears. Elsewhere it changes nothing. `kv_dtype`: what its caches hold (`kv_dtype_of`: by default
     float16 in a sequence's cache beside block-quantized weights, else the activations' dtype)."""
     device = usable_device(device)
+    if dtype == "auto":
+        dtype = auto_dtype(device, checkpoint, quantize=quantize, kv_dtype=kv_dtype)
     if is_gguf(checkpoint):
         gguf = read_gguf(checkpoint)
         config, tokenizer, eos, name = gguf.config, gguf.vocab.tokenizer, gguf.vocab.eos_ids, Path(checkpoint).name
@@ -262,8 +285,7 @@ def load_model(
         check_tokenizer_fits(tokenizer.get_vocab_size(with_added_tokens=True), config.vocab_size, folder)
         weights, name, blocks = load_weights(folder, config), folder.name, {}
         eos = eos_token_ids(tokenizer, folder, config.eos_token_id)
-        # auto with `quantize`: the float32 activations a quantized model runs with
-        torch_dtype = parse_dtype(("float32" if quantize else auto_dtype(device)) if dtype == "auto" else dtype)
+        torch_dtype = parse_dtype(dtype)
     if quantize is not None and (torch_dtype != torch.float32 or not fast):
         raise InvalidArgumentError(
             f"a model quantized to {quantize} runs with float32 activations on verispec's "
@@ -289,9 +311,10 @@ def load_model(
 
 
 def load_default(
-    device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *, exact: bool = False
+    device: str | torch.device = "cpu", dtype: str | torch.dtype = DEFAULT_DTYPE, *, exact: bool = False
 ) -> tuple[NativeModel, NativeModel]:
-    """`target, draft = verispec.load_default()`: the shipped pair, upcast to float32 by default. `exact` is the
+    """`target, draft = verispec.load_default()`: the shipped pair, in `load_model`'s dtype (by default auto, as the
+    commands run it: bfloat16 where verispec's kernels run, else float32; `dtype="float32"` upcasts). `exact` is the
     target's mode (see `NativeModel`); the draft runs ordinarily either way, since the target decides every token."""
     target_dir, draft_dir = default_paths()
     return load_model(target_dir, device, dtype, exact=exact), load_model(draft_dir, device, dtype)

@@ -21,6 +21,10 @@ from verispec.errors import InvalidArgumentError
 from verispec.models.quant import QuantizedEmbedding, QuantizedLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# The dtype every loader (`load`, `load_model`, `load_default`, `load_transformers_model`) and every command's --dtype
+# takes by default: a GGUF file's own formats (`file_formats`), for a folder bfloat16 where verispec's kernels run
+# (`native.auto_dtype`), else float32; float32 on transformers (its bfloat16 runs on none of those kernels).
+DEFAULT_DTYPE = "auto"
 EMBEDDING = "model.embed_tokens"  # the token embedding table's state-dict prefix
 HEAD_FORMAT = "q8_0"  # the LM head of a model quantized at load, as llama.cpp keeps its output tensor finer
 
