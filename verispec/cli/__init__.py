@@ -12,6 +12,7 @@ from typing import NoReturn, Sequence
 from verispec.cli import bench, decode, train
 from verispec.cli.parser import build_parser
 from verispec.errors import InvalidArgumentError, VerispecError
+from verispec.models.hf_adapter import transformers_dtype
 from verispec.models.native import auto_dtype
 from verispec.threads import MAX_THREADS, set_threads
 
@@ -26,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.auto_dtype:  # the native runtime's choice, as `load`'s; a target transformers runs gets float32 there
             set_threads(args.threads)
             if getattr(args, "backend", None) == "transformers":
-                args.dtype = "float32"
+                args.dtype = transformers_dtype(args.dtype)
             else:
                 args.dtype = auto_dtype(
                     getattr(args, "device", "cpu"),

@@ -96,19 +96,24 @@ class TransformersModel:
         return logits
 
 
+def transformers_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """What `dtype` means on transformers: auto (precision.DEFAULT_DTYPE) is float32, since transformers' bfloat16
+    runs on none of verispec's kernels; any other dtype as asked."""
+    return "float32" if dtype == "auto" else dtype
+
+
 def load_transformers_model(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = DEFAULT_DTYPE
 ) -> TransformersModel:
     """Load with `AutoModelForCausalLM` and `AutoTokenizer` (a local folder or GGUF file, or a hub id where a network
-    exists). `dtype` auto (the default, as everywhere) is float32 here: transformers' bfloat16 runs on none of
-    verispec's kernels.
+    exists), in `transformers_dtype(dtype)` (auto, the default as everywhere, is float32).
 
     Refuses what transformers would run anyway: weights missing (it fills them at random), unexpected or of the
     wrong shape (the config describes another model), NaN or inf, a tokenizer larger than the model's vocabulary.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype, device = parse_dtype("float32" if dtype == "auto" else dtype), usable_device(device)
+    torch_dtype, device = parse_dtype(transformers_dtype(dtype)), usable_device(device)
     if is_gguf(name_or_path):  # opened here first, so that a missing or broken file is named as such
         if ROPE_FREQS in GGUFFile(name_or_path).tensors:
             raise CheckpointError(
