@@ -15,7 +15,7 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # __init__.py, the public API, which loads every layer). Within a layer imports may go sideways (the cycle test still
 # holds them); across layers only down.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "openmp"),  # the exceptions; OpenMP's wait policy, set before torch loads
+    ("errors", "openmp", "collector"),  # the exceptions; OpenMP's wait policy; the collector during the import
     ("kernels", "threads"),  # the C++ kernels, their pool and the thread count; nothing of models
     ("checkpoints",),  # HF folders and GGUF files, configs, tokenizers, chat templates, fingerprints
     ("models",),  # the math and its packed fast paths, layouts, how a forward runs, precisions, caches, CausalLM

@@ -1,46 +1,50 @@
 """verispec: lossless speculative decoding for Llama-family language models."""
 
-from verispec import openmp  # noqa: F401  (first: before torch loads OpenMP)
-from verispec.drafters import (
-    DraftContext,
-    Drafter,
-    DraftModel,
-    DraftSession,
-    LayerSkip,
-    Lookahead,
-    Method,
-    Needs,
-    PromptLookup,
-    Proposal,
-    Resources,
-    SideBranch,
-    SuffixDecoding,
-    Verdict,
-    build_drafter,
-    resolve_method,
-)
-from verispec.drafters.adaptive import AdaptiveK
-from verispec.engine import Engine, Request, Update, generate_batch
-from verispec.errors import (
-    CheckpointError,
-    ContextLengthError,
-    DrafterError,
-    GrammarError,
-    IncompatibleTargetError,
-    InvalidArgumentError,
-    PeerError,
-    TokenizerMismatchError,
-    UnsupportedArchitectureError,
-    VerispecError,
-)
-from verispec.generate import Generation, Stream, generate, stream
-from verispec.grammar import Grammar, TokenGrammar, bind
-from verispec.models.auto import load
-from verispec.models.hf_adapter import TransformersModel, load_transformers_model
-from verispec.models.native import NativeModel, load_default, load_model
-from verispec.sampling import SamplingParams
-from verispec.stats import GenerationStats
-from verispec.threads import default_threads, set_threads, torch_threads
+from verispec import collector, openmp  # noqa: F401  (first: before torch loads OpenMP, collection paused)
+
+try:
+    from verispec.drafters import (
+        DraftContext,
+        Drafter,
+        DraftModel,
+        DraftSession,
+        LayerSkip,
+        Lookahead,
+        Method,
+        Needs,
+        PromptLookup,
+        Proposal,
+        Resources,
+        SideBranch,
+        SuffixDecoding,
+        Verdict,
+        build_drafter,
+        resolve_method,
+    )
+    from verispec.drafters.adaptive import AdaptiveK
+    from verispec.engine import Engine, Request, Update, generate_batch
+    from verispec.errors import (
+        CheckpointError,
+        ContextLengthError,
+        DrafterError,
+        GrammarError,
+        IncompatibleTargetError,
+        InvalidArgumentError,
+        PeerError,
+        TokenizerMismatchError,
+        UnsupportedArchitectureError,
+        VerispecError,
+    )
+    from verispec.generate import Generation, Stream, generate, stream
+    from verispec.grammar import Grammar, TokenGrammar, bind
+    from verispec.models.auto import load
+    from verispec.models.hf_adapter import TransformersModel, load_transformers_model
+    from verispec.models.native import NativeModel, load_default, load_model
+    from verispec.sampling import SamplingParams
+    from verispec.stats import GenerationStats
+    from verispec.threads import default_threads, set_threads, torch_threads
+finally:
+    collector.resume()
 
 __all__ = [
     "AdaptiveK",
