@@ -123,14 +123,16 @@ class _Cursor:
     def strings(self, count: int) -> list[bytes]:
         """`count` strings one after another (a vocabulary: 150k of them, so no per-string numpy calls)."""
         buffer, at, end, size_of = self.buffer, self.at, len(self.buffer), struct.Struct("<Q").unpack_from
-        out = []
-        for _ in range(count):
-            if at + 8 > end:
-                break
-            (size,) = size_of(buffer, at)
-            at += 8
-            out.append(bytes(buffer[at : at + size]))
-            at += size
+        out: list[bytes] = []
+        append = out.append
+        try:
+            for _ in range(count):
+                (size,) = size_of(buffer, at)
+                at += 8
+                append(buffer[at : at + size].tobytes())
+                at += size
+        except struct.error:  # a length past the end
+            pass
         if len(out) < count or at > end:
             raise _Truncated(f"it holds {end} bytes; its header runs past them")
         self.at = at
