@@ -177,6 +177,18 @@ def test_a_prefill_past_eager_rows_is_never_captured(pair_dirs: tuple[Path, Path
     assert torch.equal(logits[0], logits[2]) and logits[0].shape[1] == 1
 
 
+def test_a_short_prefill_is_captured_when_its_shape_comes_again(pair_dirs: tuple[Path, Path]) -> None:
+    """A prompt's forward of at most EAGER_ROWS rows runs op by op the first time (a prompt's length seldom comes
+    again: capturing it would slow the first token), and is captured the second; the bits are the same each time."""
+    model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
+    prompt = torch.randint(0, 256, (1, captured.EAGER_ROWS))
+    logits = [model(prompt, model.new_cache(), logits_to_keep=1)]
+    assert list(model.execution.captured.values()) == [captured.ONCE]
+    logits += [model(prompt, model.new_cache(), logits_to_keep=1) for _ in range(2)]
+    assert [type(capture) for capture in model.execution.captured.values()] == [CapturedForward]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
 def test_a_replay_checks_its_inputs_shapes(pair_dirs: tuple[Path, Path]) -> None:
     model = on_kernels(pair_dirs[0], torch.float32, exact=False, capture=True)
     cache = model.new_cache()
@@ -230,11 +242,13 @@ def test_a_greedy_chain_is_one_replay_with_the_bits_of_forwards_one_by_one(
             assert outs == expected and L == reference.length == (6 + 3) + (1 + 2) + (2 + 3) + (1 + 2)
             assert torch.equal(cache.k[:, :, :, :L], reference.k[:, :, :, :L])
             assert torch.equal(cache.v[:, :, :, :L], reference.v[:, :, :, :L])
-    # A chain whose two shapes are captured is one program; one whose first shape is not (2 tokens, the first time)
-    # runs a forward at a time, capturing it. First session: the prompt's 5-token forward (captured now), then the
-    # chains from 1 token (2 programs), the one from 2 (1 + 3 one-token replays), the last from 1 (1 program): 6;
-    # then 5 a session (that forward replayed, 4 chain programs).
-    assert replays.call_count == 6 + 5 + 5
+    # A chain whose two shapes are captured is one program; one whose first shape is not runs a forward at a time.
+    # The prompt's 5-token forward and a chain's 2-token first forward keep their last row's logits only, as a
+    # prefill: op by op the first time their shape comes, captured the second. First session: the 5-token forward
+    # op by op, the three chains from 1 token (a program each), the one from 2 a forward at a time (its first op by
+    # op, 3 one-token replays): 6. Second: the same, those two shapes captured now: 6. Third: 5 (the 5-token forward
+    # replayed, 4 chain programs).
+    assert replays.call_count == 6 + 6 + 5
     assert all(isinstance(key[0], int) for key in model.execution.captured)  # no capture of a chain of its own
 
 
@@ -269,7 +283,8 @@ def test_a_greedy_chain_among_a_draft_vocabulary(pair_dirs: tuple[Path, Path], e
     def among(tokens: torch.Tensor, cache: KVCache, n: int) -> list[int]:
         return model.greedy_chain(tokens, cache, n, head)
 
-    assert session(among) == expected  # capturing the head's shapes as it goes
+    for _ in range(2):  # capturing the head's shapes as it goes (a prefill's, and a chain's first, the second time)
+        assert session(among) == expected
     with mock.patch.object(Program, "__call__", autospec=True, side_effect=Program.__call__) as replays:
         for _ in range(2):
             assert session(among) == expected

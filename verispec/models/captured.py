@@ -12,12 +12,13 @@ Captures are kept by the forward's runner (`Execution.captured`, `PackedEagleHea
 the cache's layout (a cache without rows allocates its slots in blocks, so that nearby sizes share one) and whatever
 else changes the calls (the blocks run, the states asked for). Each holds the intermediate tensors of its forward, so
 only forwards of at most `MAX_ROWS` rows are captured: at once up to `EAGER_ROWS` (decoding's shapes), and past it when
-a shape comes a second time (a large token tree comes again), but never a prompt's prefill past it: a prompt of that
-length comes again only as the same prompt asked again (a bench's methods in turn), and its capture would take a large
-share of `MAX_HELD_ROWS` from the decoding shapes, each then captured again. A model's captures hold at most
-`MAX_HELD_ROWS` rows together, the least recently used dropped first. A forward that computes anything outside the
-kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A capture's buffers are shared by every
-cache, so its replays are serialised (a lock).
+a shape comes a second time (a large token tree comes again). A prompt's prefill is captured only when its shape comes
+a second time (capturing costs more than running op by op once, and a prompt's length seldom comes again), and never
+past `EAGER_ROWS`: a prompt of that length comes again only as the same prompt asked again (a bench's methods in turn),
+and its capture would take a large share of `MAX_HELD_ROWS` from the decoding shapes, each then captured again. A
+model's captures hold at most `MAX_HELD_ROWS` rows together, the least recently used dropped first. A forward that
+computes anything outside the kernels cannot be captured (`NotCapturable`); it then runs as it is, op by op. A
+capture's buffers are shared by every cache, so its replays are serialised (a lock).
 """
 
 from __future__ import annotations
@@ -136,13 +137,14 @@ def replay(
     """`forward(*inputs, rows)` (a forward of T = len(rows.visible) rows into `cache`, nothing but verispec's
     kernels): replayed from `captured[key]`, captured there first (see the module's notes on when). `key` names the
     forward's shape: its row count, the cache's layout and whatever else changes the kernel calls it makes.
-    `prefill`: a prompt's forward (logits of its last row only), never captured past EAGER_ROWS rows even if its
-    shape comes again. `captured` is kept in order of use, the least recent first."""
+    `prefill`: a prompt's forward (logits of its last row only): captured only when its shape comes again (a
+    prompt's length seldom does: capturing it would only slow the first token), and never past EAGER_ROWS rows.
+    `captured` is kept in order of use, the least recent first."""
     R = rows.visible.shape[0]
     with _BOOKS:
         state = captured.pop(key, None)
-        capture_now = state == ONCE or state is None and R <= EAGER_ROWS
-        if state is None and EAGER_ROWS < R <= MAX_ROWS and not prefill:
+        capture_now = state == ONCE or state is None and R <= EAGER_ROWS and not prefill
+        if state is None and not capture_now and R <= (EAGER_ROWS if prefill else MAX_ROWS):
             state = ONCE  # captured if it comes again
         if capture_now:
             _make_room(captured, R)
