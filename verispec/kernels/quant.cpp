@@ -79,11 +79,13 @@ template <Format F, int MR>
 static inline bool fetches(long K) {
   return MR >= FETCH_ROWS || (MR >= 2 && (F == Q6_K || MR * K >= FETCH_INPUTS));
 }
+// How far above their values a format's quants are stored (qw - k: the integer dot products start at -k * sum(q))
+constexpr int32_t stored_offset(Format F) { return F == Q8_0 ? Q8_OFFSET : offset(F); }
 
-struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs
-  std::vector<int8_t> q;
-  std::vector<float> d, ds;
-  std::vector<int32_t> sum;
+struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs;
+  std::vector<int8_t> q;  // and where the weight's quants are stored offset (qw - k), each block's integer dot
+  std::vector<float> d, ds;  // products' starting value, -k * sum(q) (Q6_K's by halves: 16 inputs each), so that
+  std::vector<int32_t> sum, start;  // they end at sum((qw - k) * q) with nothing subtracted after: integers, the same
 };
 
 static inline int32_t to_int8(vf v, int8_t* out) {  // v's 16 lanes rounded to the nearest int8 (ties to even); their sum
@@ -117,14 +119,23 @@ static void quantize_row(const float* x, long ldx, long m, long K, Rows& r) {  /
   }
 }
 
-static void quantize_rows(const float* x, long ldx, long M, long K, Rows& r) {
+// Rows m of x quantized (above), and for a weight whose quants are stored k above their value (k > 0), each block's
+// starting values (`Rows`): -k * sum(q), over the block, or by halves (Q6_K's scales are by 16 inputs).
+static void quantize_rows(const float* x, long ldx, long M, long K, Rows& r, int32_t k, bool halves) {
   const long nb = K / QK;
   r.q.resize(M * K);
   r.d.resize(M * nb);
   r.ds.resize(M * nb);
   r.sum.resize(M * nb * 2);
+  r.start.resize(k ? M * nb * 2 : 0);
   parallel(M, 16, [&](long first, long last) {  // each row alone; on the pool for a prefill's many
-    for (long m = first; m < last; m++) quantize_row(x, ldx, m, K, r);
+    for (long m = first; m < last; m++) {
+      quantize_row(x, ldx, m, K, r);
+      for (long i = m * nb; k && i < (m + 1) * nb; i++) {
+        r.start[2 * i] = -k * (halves ? r.sum[2 * i] : r.sum[2 * i] + r.sum[2 * i + 1]);
+        r.start[2 * i + 1] = -k * r.sum[2 * i + 1];
+      }
+    }
   });
 }
 
@@ -152,11 +163,11 @@ static inline void group(const uint8_t* w, int g, __m512i& lo, __m512i& hi) {
   }
 }
 // The 16 columns' integer dot products with a row's block q, one lane each: over the block (isum[0]), or, for
-// Q6_K, over its first 16 inputs (isum[0]) and its last 16 (isum[1]).
+// Q6_K, over its first 16 inputs (isum[0]) and its last 16 (isum[1]); from the row's starting values (Rows).
 template <Format F, int MR>
-static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+static inline void dots(const uint8_t* w, const int8_t* const* q, const int32_t* const* start, ivec (*isum)[MR]) {
   for (int p = 0; p < (F == Q6_K ? 2 : 1); p++)
-    for (int m = 0; m < MR; m++) isum[p][m] = _mm512_setzero_si512();
+    for (int m = 0; m < MR; m++) isum[p][m] = stored_offset(F) ? _mm512_set1_epi32(start[m][p]) : _mm512_setzero_si512();
   if (F == Q8_0) {
     for (int g = 0; g < 8; g++) {
       const __m512i v = _mm512_loadu_si512(w + 64 * g);
@@ -175,7 +186,6 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
   }
 }
 static inline vf as_float(__m512i i) { return _mm512_cvtepi32_ps(i); }
-static inline __m512i minus(__m512i i, int32_t k) { return _mm512_sub_epi32(i, _mm512_set1_epi32(k)); }
 static inline vf halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 template <typename T>
 static inline vf bytes(const uint8_t* p) {  // 16 uint8 or int8 as floats
@@ -207,9 +217,9 @@ static inline void half_group(const uint8_t* w, int g, long at, __m256i& lo, __m
 // The 16 columns' integer dot products with MR rows' blocks q, by halves of 8 columns, as AVX-512's (vpdpbusd: four
 // unsigned quants times four signed inputs, summed into a 32-bit lane), each group of a half unpacked once for all the
 // rows; both halves at once where their sums fit in registers (2 * P * MR of them, at most 8). Over the block
-// (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
+// (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]); from the row's starting values (Rows).
 template <Format F, int MR>
-static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+static inline void dots(const uint8_t* w, const int8_t* const* q, const int32_t* const* start, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;
   constexpr int C = 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
 #pragma GCC unroll 2
@@ -217,7 +227,8 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
     __m256i t[C][P][MR];
     for (int c = 0; c < C; c++)
       for (int p = 0; p < P; p++)
-        for (int m = 0; m < MR; m++) t[c][p][m] = _mm256_setzero_si256();
+        for (int m = 0; m < MR; m++)
+          t[c][p][m] = stored_offset(F) ? _mm256_set1_epi32(start[m][p]) : _mm256_setzero_si256();
     if (F == Q8_0) {
       for (int g = 0; g < 8; g++)
         for (int c = 0; c < C; c++) {
@@ -253,9 +264,9 @@ constexpr int short_groups(Format F) { return five_bit(F) || F == Q6_K ? 2 : 4; 
 // unpacked once for all the rows. Over the block (isum[0]), or, for Q6_K, over its two halves (isum[0], isum[1]).
 // For several rows, where the sums of both halves fit in registers (2 * P * MR of them, at most 8), the halves are
 // taken together, so that a row's inputs are broadcast once for both; else one after the other (and for one row, where
-// sharing its one broadcast saves less than holding both halves' sums costs).
+// sharing its one broadcast saves less than holding both halves' sums costs). From the row's starting values (Rows).
 template <Format F, int MR>
-static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[MR]) {
+static inline void dots(const uint8_t* w, const int8_t* const* q, const int32_t* const* start, ivec (*isum)[MR]) {
   constexpr int P = F == Q6_K ? 2 : 1;
   constexpr int G = short_groups(F);
   constexpr int C = F != Q8_0 && MR > 1 && 2 * P * MR <= 8 ? 2 : 1;  // halves taken together
@@ -287,7 +298,8 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
               s[c][p][m] = g % G ? _mm256_add_epi16(s[c][p][m], x[p]) : x[p];
               if (g % G < G - 1) continue;
               const __m256i wide = _mm256_madd_epi16(s[c][p][m], ones);
-              t[c][p][m] = g < G ? wide : _mm256_add_epi32(t[c][p][m], wide);  // (every t is set by the first widening)
+              const __m256i first = stored_offset(F) ? _mm256_add_epi32(_mm256_set1_epi32(start[m][p]), wide) : wide;
+              t[c][p][m] = g < G ? first : _mm256_add_epi32(t[c][p][m], wide);  // (every t is set by the first widening)
             }
           }
         }
@@ -300,10 +312,6 @@ static inline void dots(const uint8_t* w, const int8_t* const* q, ivec (*isum)[M
 }
 #endif  // VS_AVX_VNNI
 static inline vf as_float(ivec i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
-static inline ivec minus(ivec i, int32_t k) {
-  const __m256i v = _mm256_set1_epi32(k);
-  return {_mm256_sub_epi32(i.lo, v), _mm256_sub_epi32(i.hi, v)};
-}
 static inline vf halves(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))};
 }
@@ -331,8 +339,12 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
       for (long line = 0; line < block_bytes(F); line += 64)
         _mm_prefetch((const char*)w + FETCH_AHEAD + line, _MM_HINT_T1);
     const int8_t* q[MR];
-    for (int m = 0; m < MR; m++) q[m] = r.q.data() + (m0 + m) * K + b * QK;
-    dots<F, MR>(w + head_bytes(F), q, isum);
+    const int32_t* start[MR];
+    for (int m = 0; m < MR; m++) {
+      q[m] = r.q.data() + (m0 + m) * K + b * QK;
+      start[m] = stored_offset(F) ? r.start.data() + 2 * ((m0 + m) * nb + b) : nullptr;
+    }
+    dots<F, MR>(w + head_bytes(F), q, start, isum);
   };
   ivec* sums = nullptr;  // apart: every block's integer dot products, P * MR a block
   const uint8_t* w = w0;
@@ -364,14 +376,11 @@ static void block(const Rows& r, long m0, long K, const uint8_t* w0, const float
     for (int m = 0; m < MR; m++) {
       const long i = (m0 + m) * nb + b;
       const vf d = vset1(r.d[i]);
+      acc[m] = vfmadd(as_float(isum[0][m]), vmul(dw, d), acc[m]);
       if (F == Q6_K) {
-        acc[m] = vfmadd(as_float(minus(isum[0][m], offset(F) * r.sum[2 * i])), vmul(dw, d), acc[m]);
-        acc[m] = vfmadd(as_float(minus(isum[1][m], offset(F) * r.sum[2 * i + 1])), vmul(mw, d), acc[m]);
+        acc[m] = vfmadd(as_float(isum[1][m]), vmul(mw, d), acc[m]);
         continue;
       }
-      const int32_t k = F == Q8_0 ? Q8_OFFSET : offset(F);
-      const ivec s = k ? minus(isum[0][m], k * (r.sum[2 * i] + r.sum[2 * i + 1])) : isum[0][m];
-      acc[m] = vfmadd(as_float(s), vmul(dw, d), acc[m]);
       if (k_min(F)) acc[m] = vfnmadd(mw, vset1(r.ds[i]), acc[m]);
       else if (has_min(F)) acc[m] = vfmadd(mw, vset1(r.ds[i]), acc[m]);
     }
@@ -393,7 +402,7 @@ static int qlinear(const int64_t* a) {  // a: x, ldx, w, bias, y, ldy, M, N, K, 
   if (K % (k_quant(F) ? QK * SUPER : QK)) return -1;
   thread_local Rows mine;
   Rows& rows = mine;  // (the caller's, also where the pool's threads read it: a thread-local named there is theirs)
-  quantize_rows(x, ldx, M, K, rows);
+  quantize_rows(x, ldx, M, K, rows, stored_offset(F), F == Q6_K);
   const long column_block = K / QK * block_bytes(F) + (k_quant(F) ? K / (QK * SUPER) * super_bytes(F) : 0);
   parallel((N + QCOLS - 1) / QCOLS, 4, [&](long first, long last) {  // column blocks on the pool
     for (long n = first * QCOLS; n < last * QCOLS && n < N; n += QCOLS) {
