@@ -82,10 +82,14 @@ static inline bool fetches(long K) {
 // How far above their values a format's quants are stored (qw - k: the integer dot products start at -k * sum(q))
 constexpr int32_t stored_offset(Format F) { return F == Q8_0 ? Q8_OFFSET : offset(F); }
 
-struct Rows {  // x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs;
-  std::vector<int8_t> q;  // and where the weight's quants are stored offset (qw - k), each block's integer dot
-  std::vector<float> d, ds;  // products' starting value, -k * sum(q) (Q6_K's by halves: 16 inputs each), so that
-  std::vector<int32_t> sum, start;  // they end at sum((qw - k) * q) with nothing subtracted after: integers, the same
+// x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs; and where the
+// weight's quants are stored k above their values, the starting value of each block's integer dot products, -k *
+// sum(q) (Q6_K's by halves of 16 inputs), so that they end at sum((qw - k) * q) with nothing subtracted after
+// (integers: the same sums either way)
+struct Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> sum, start;
 };
 
 static inline int32_t to_int8(vf v, int8_t* out) {  // v's 16 lanes rounded to the nearest int8 (ties to even); their sum
@@ -167,7 +171,8 @@ static inline void group(const uint8_t* w, int g, __m512i& lo, __m512i& hi) {
 template <Format F, int MR>
 static inline void dots(const uint8_t* w, const int8_t* const* q, const int32_t* const* start, ivec (*isum)[MR]) {
   for (int p = 0; p < (F == Q6_K ? 2 : 1); p++)
-    for (int m = 0; m < MR; m++) isum[p][m] = stored_offset(F) ? _mm512_set1_epi32(start[m][p]) : _mm512_setzero_si512();
+    for (int m = 0; m < MR; m++)
+      isum[p][m] = stored_offset(F) ? _mm512_set1_epi32(start[m][p]) : _mm512_setzero_si512();
   if (F == Q8_0) {
     for (int g = 0; g < 8; g++) {
       const __m512i v = _mm512_loadu_si512(w + 64 * g);
