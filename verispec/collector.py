@@ -4,7 +4,8 @@ collector, which runs every few hundred allocations, would traverse them again a
 in every full collection after. So it is paused from the package's first import (this module, imported first) to
 the import's end (`resume`), where what exists is frozen (`gc.freeze`: never traversed again) and collection goes on
 as before. Objects made later are collected as ever; objects that existed before `import verispec` are frozen too,
-so one of them is not freed should it become cyclic garbage (`gc.unfreeze()` undoes the freezing)."""
+so one of them is not freed should it become cyclic garbage (`gc.unfreeze()` undoes the freezing); so is the cyclic
+garbage the import itself left, which is small and would take the very collection the pause saves to free."""
 
 from __future__ import annotations
 
