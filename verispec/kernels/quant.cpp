@@ -82,14 +82,14 @@ static inline bool fetches(long K) {
 // How far above their values a format's quants are stored (qw - k: the integer dot products start at -k * sum(q))
 constexpr int32_t stored_offset(Format F) { return F == Q8_0 ? Q8_OFFSET : offset(F); }
 
-// x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); sum(q) by 16 inputs; and where the
-// weight's quants are stored k above their values, the starting value of each block's integer dot products, -k *
-// sum(q) (Q6_K's by halves of 16 inputs), so that they end at sum((qw - k) * q) with nothing subtracted after
-// (integers: the same sums either way)
+// x's rows quantized by blocks: q (M, K); d and d * sum(q) by (row, block); and where the weight's quants are stored
+// k above their values, the starting values of each block's integer dot products, -k * sum(q) (two a block: over the
+// block and unused, or Q6_K's by halves of 16 inputs), so that they end at sum((qw - k) * q) with nothing subtracted
+// after (integers: the same sums either way)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
-  std::vector<int32_t> sum, start;
+  std::vector<int32_t> start;
 };
 
 static inline int32_t to_int8(vf v, int8_t* out) {  // v's 16 lanes rounded to the nearest int8 (ties to even); their sum
@@ -109,7 +109,8 @@ static inline int32_t to_int8(vf v, int8_t* out) {  // v's 16 lanes rounded to t
 #endif
 }
 
-static void quantize_row(const float* x, long ldx, long m, long K, Rows& r) {  // row m, by blocks of 32 inputs
+// Row m by blocks of 32 inputs, for a weight whose quants are stored k above their values (`Rows`; Q6_K's `halves`)
+static void quantize_row(const float* x, long ldx, long m, long K, Rows& r, int32_t k, bool halves) {
   const long nb = K / QK;
   for (long b = 0; b < nb; b++) {
     const float* xb = x + m * ldx + b * QK;
@@ -117,29 +118,20 @@ static void quantize_row(const float* x, long ldx, long m, long K, Rows& r) {  /
     const float d = vtop(vmax(vabs(a0), vabs(a1))) / 127.0f, id = d ? 1.0f / d : 0.0f;
     int8_t* q = r.q.data() + m * K + b * QK;
     const long i = m * nb + b;
-    r.sum[2 * i] = to_int8(vmul(a0, vset1(id)), q);
-    r.sum[2 * i + 1] = to_int8(vmul(a1, vset1(id)), q + 16);
-    r.d[i] = d, r.ds[i] = d * (float)(r.sum[2 * i] + r.sum[2 * i + 1]);
+    const int32_t first = to_int8(vmul(a0, vset1(id)), q), second = to_int8(vmul(a1, vset1(id)), q + 16);
+    r.d[i] = d, r.ds[i] = d * (float)(first + second);
+    if (k) r.start[2 * i] = -k * (halves ? first : first + second), r.start[2 * i + 1] = -k * second;
   }
 }
 
-// Rows m of x quantized (above), and for a weight whose quants are stored k above their value (k > 0), each block's
-// starting values (`Rows`): -k * sum(q), over the block, or by halves (Q6_K's scales are by 16 inputs).
 static void quantize_rows(const float* x, long ldx, long M, long K, Rows& r, int32_t k, bool halves) {
   const long nb = K / QK;
   r.q.resize(M * K);
   r.d.resize(M * nb);
   r.ds.resize(M * nb);
-  r.sum.resize(M * nb * 2);
   r.start.resize(k ? M * nb * 2 : 0);
   parallel(M, 16, [&](long first, long last) {  // each row alone; on the pool for a prefill's many
-    for (long m = first; m < last; m++) {
-      quantize_row(x, ldx, m, K, r);
-      for (long i = m * nb; k && i < (m + 1) * nb; i++) {
-        r.start[2 * i] = -k * (halves ? r.sum[2 * i] : r.sum[2 * i] + r.sum[2 * i + 1]);
-        r.start[2 * i + 1] = -k * r.sum[2 * i + 1];
-      }
-    }
+    for (long m = first; m < last; m++) quantize_row(x, ldx, m, K, r, k, halves);
   });
 }
 
